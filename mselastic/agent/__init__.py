@@ -1,0 +1,1 @@
+"""The node agent: registration, the msrun supervisor, the Agent gRPC service."""

@@ -1,0 +1,178 @@
+"""The node agent: registration under a lease, the local generations, reports to etcd.
+
+The agent acts only on a plan that is newer than what it runs and equal to the
+plan committed in etcd (the coordinator's push may be stale or from a deposed
+leader). When its lease is lost (etcd unreachable for a whole TTL, or this node
+partitioned), everyone else considers the node dead, so it kills its own workers
+(self-fencing) and registers again once it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Callable
+
+from mselastic import __version__
+from mselastic.agent.supervisor import Generation
+from mselastic.core.model import NodeRecord, Plan
+from mselastic.core.spec import JobSpec
+from mselastic.store.etcd import PermanentError, Store, TemporaryError
+from mselastic.store.lease import KeptLease
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    node_id: str
+    host: str  # address this node trains on
+    agent_address: str  # host:port of this node's Agent service
+    slots: int
+    work_dir: str
+    lease_ttl_s: int
+    report_interval_s: float = 1.0
+
+
+class LaunchRefused(Exception):
+    """The plan is not one this agent may act on (stale, not committed, not a member)."""
+
+
+class NodeAgent:
+    def __init__(self, store: Store, cfg: AgentConfig) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.generations: dict[str, Generation] = {}
+        self.registered = asyncio.Event()
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._lease: KeptLease | None = None
+        self._ctx = dict(node=cfg.node_id)
+
+    # -- registration ------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
+        reporter = asyncio.create_task(self._report_loop(stop), name="reporter")
+        try:
+            while not stop.is_set():
+                self._lease = KeptLease(self.store, self.cfg.lease_ttl_s)
+                await self._register(self._lease, stop)
+                if stop.is_set():
+                    break
+                self.registered.set()
+                on_registered()
+                waiters = [asyncio.create_task(self._lease.lost.wait()), asyncio.create_task(stop.wait())]
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for w in waiters:
+                    w.cancel()
+                self.registered.clear()
+                if stop.is_set():
+                    break
+                log.error("registration lease lost: self-fencing (stopping all local workers)", extra=self._ctx)
+                await self.stop_all(grace_s=0)
+        finally:
+            if self._lease is not None:
+                await self._lease.release()
+            reporter.cancel()
+            await asyncio.gather(reporter, return_exceptions=True)
+
+    async def _register(self, lease: KeptLease, stop: asyncio.Event) -> None:
+        record = NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
+                            slots=self.cfg.slots, version=__version__)
+        key = self.store.keys.node(self.cfg.node_id)
+        async for attempt in self.store.retry.reconnecting(stop):
+            with attempt:
+                await lease.grant()
+                await self.store.put(key, record.to_json(), lease=lease.id)
+        log.info("registered %s (lease %x, ttl %ss)", key, lease.id, lease.ttl_s, extra=self._ctx)
+
+    # -- commands ----------------------------------------------------------
+
+    async def launch(self, plan: Plan) -> str:
+        """Run ``plan`` here (idempotent). Raises LaunchRefused for a plan not to act on."""
+        if plan.member(self.cfg.node_id) is None:
+            raise LaunchRefused(f"node {self.cfg.node_id} is not a member of generation {plan.generation}")
+        async with self._lock(plan.job):
+            current = self.generations.get(plan.job)
+            if current is not None and current.plan.generation >= plan.generation:
+                if current.plan.generation == plan.generation:
+                    return "already running"
+                raise LaunchRefused(f"generation {plan.generation} is older than the running {current.plan.generation}")
+            committed = await self.store.get(self.store.keys.plan(plan.job))
+            if committed is None or Plan.from_json(committed.value) != plan:
+                raise LaunchRefused(f"generation {plan.generation} is not the plan committed in etcd")
+            spec_kv = await self.store.get(self.store.keys.spec(plan.job))
+            if spec_kv is None:
+                raise LaunchRefused(f"job {plan.job} has no spec in etcd")
+            spec = JobSpec.from_json(spec_kv.value)
+            if current is not None and not current.done.is_set():
+                await current.stop(spec.stop_grace_period_s)
+            gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed)
+            self.generations[plan.job] = gen
+            await gen.start()
+            self._changed(gen)
+            return "launched"
+
+    async def stop(self, job: str, generation: int, grace_s: float) -> list[int]:
+        async with self._lock(job):
+            gen = self.generations.get(job)
+            if gen is None or (generation and gen.plan.generation > generation):
+                return []
+            left = await gen.stop(grace_s)
+            self._changed(gen)
+            return left
+
+    async def stop_all(self, grace_s: float) -> list[int]:
+        left: list[int] = []
+        for job in list(self.generations):
+            left += await self.stop(job, 0, grace_s)
+        return left
+
+    def _lock(self, job: str) -> asyncio.Lock:
+        return self._locks.setdefault(job, asyncio.Lock())
+
+    # -- reports -----------------------------------------------------------
+
+    def _changed(self, gen: Generation, urgent: bool = True) -> None:
+        self._dirty.add(gen.plan.job)
+        self._wake.set()
+        if urgent:
+            self._urgent.set()
+
+    async def _report_loop(self, stop: asyncio.Event) -> None:
+        """Write changed reports; etcd errors are retried on the next round, training goes on.
+
+        Progress (a beat every step) is written at most once per ``report_interval_s``;
+        state changes (first step, failure, success) are written at once.
+        """
+        last: dict[str, str] = {}
+        while not stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            self._urgent.clear()
+            for job in list(self._dirty):
+                self._dirty.discard(job)
+                gen = self.generations.get(job)
+                if gen is None:
+                    continue
+                rep = gen.report()
+                body = rep.to_json()
+                if last.get(job) == body:
+                    continue
+                try:
+                    await self.store.put(self.store.keys.report(job, rep.generation, self.cfg.node_id), body)
+                    last[job] = body
+                except (TemporaryError, PermanentError) as e:
+                    log.warning("report not written (%s); will retry", e, extra=self._ctx)
+                    self._dirty.add(job)
+                    self._wake.set()
+            try:
+                await asyncio.wait_for(self._urgent.wait(), timeout=self.cfg.report_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def status(self) -> list[Generation]:
+        return list(self.generations.values())

@@ -1,0 +1,135 @@
+"""Finding and killing every process of one generation on this node.
+
+msrun puts each worker in its own session, its scheduler in msrun's group, and
+does not forward SIGTERM: killing msrun's group alone orphans the workers. So a
+generation is identified by a marker in the environment of every process it
+starts (``MSELASTIC_RUN_ID``, inherited through msrun), and stopping it means:
+SIGCONT (a stopped rank ignores SIGTERM), SIGTERM, a grace period, SIGKILL to
+every process group that holds a marked process, then a check that no marked
+process is left. Nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import psutil
+
+from mselastic.core.contract import ENV_RUN_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class Proc:
+    pid: int
+    create_time: float
+    role: str  # "MS_WORKER", "MS_SCHED" or "" (msrun, tail, anything else)
+    rank: int  # RANK_ID for workers, -1 otherwise
+
+
+def _environ(p: psutil.Process) -> dict[str, str] | None:
+    try:
+        return p.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return None
+
+
+def describe(p: psutil.Process) -> Proc | None:
+    env = _environ(p)
+    if env is None:
+        return None
+    role = env.get("MS_ROLE", "")
+    try:
+        rank = int(env.get("RANK_ID", "-1")) if role == "MS_WORKER" else -1
+        return Proc(p.pid, p.create_time(), role, rank)
+    except (psutil.NoSuchProcess, ValueError):
+        return None
+
+
+def tree(root_pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(root_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def marked(run_id: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this generation's marker."""
+    found = []
+    for p in psutil.process_iter():
+        env = _environ(p)
+        if env is not None and env.get(ENV_RUN_ID) == run_id:
+            found.append(p)
+    return found
+
+
+def alive(proc: Proc) -> bool:
+    """True while the process runs (a zombie counts as dead: it only waits to be reaped)."""
+    try:
+        p = psutil.Process(proc.pid)
+        return p.create_time() == proc.create_time and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal_groups(procs: list[psutil.Process], signum: int) -> None:
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except ProcessLookupError:
+            continue
+    for g in groups:
+        if g in (0, 1, os.getpgid(0)):
+            continue  # never our own group, never init's
+        try:
+            os.killpg(g, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:  # a process may have changed group after we looked
+        try:
+            p.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+async def stop_generation(run_id: str, extra: list[psutil.Process], grace_s: float,
+                          poll_s: float = 0.05) -> list[int]:
+    """Stop every process of the generation; returns the pids still alive (should be none).
+
+    ``grace_s == 0`` skips SIGTERM (a failed generation has nothing to save).
+    """
+    def live() -> list[psutil.Process]:
+        procs = {p.pid: p for p in marked(run_id)}
+        for p in extra:
+            procs.setdefault(p.pid, p)
+        return [p for p in procs.values() if _running(p)]
+
+    procs = live()
+    _signal_groups(procs, signal.SIGCONT)
+    if grace_s > 0:
+        _signal_groups(procs, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while procs and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            procs = live()
+    for _ in range(3):
+        if not procs:
+            break
+        _signal_groups(procs, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while procs and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            procs = live()
+    return [p.pid for p in procs]
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,47 @@
+"""The Agent gRPC service: Launch, Stop, Status, called by the leader."""
+
+from __future__ import annotations
+
+import grpc
+
+from mselastic.agent.node import LaunchRefused, NodeAgent
+from mselastic.agent.wire import generation_state_to_pb, plan_from_pb
+from mselastic.core.model import MalformedRecord
+from mselastic.core.spec import SpecError
+from mselastic.store.etcd import TemporaryError
+from mselastic.v1 import elastic_pb2 as pb
+from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+
+    async def Launch(self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext) -> pb.LaunchResponse:
+        if not request.plan.job or request.plan.generation <= 0 or not request.plan.members:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Launch needs a plan with job, generation > 0 and members")
+        try:
+            message = await self.agent.launch(plan_from_pb(request.plan))
+        except LaunchRefused as e:
+            return pb.LaunchResponse(accepted=False, message=str(e))
+        except TemporaryError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, cannot verify the plan: {e}")
+        except (MalformedRecord, SpecError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"bad record in etcd: {e}")
+        return pb.LaunchResponse(accepted=True, message=message)
+
+    async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext) -> pb.StopResponse:
+        if not request.job or request.grace_period_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Stop needs a job and a grace_period_s >= 0")
+        left = await self.agent.stop(request.job, request.generation, request.grace_period_s)
+        return pb.StopResponse(leftover_pids=left)
+
+    async def Status(self, request: pb.AgentStatusRequest, context: grpc.aio.ServicerContext) -> pb.AgentStatusResponse:
+        gens = []
+        for g in self.agent.status():
+            gens.append(pb.LocalGeneration(
+                job=g.plan.job, generation=g.plan.generation, state=generation_state_to_pb(g.state),
+                failure=g.reason,
+                ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
+                       for r in g.ranks.values()]))
+        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens)

@@ -1,0 +1,279 @@
+"""Runs one generation of a job on this node under msrun, and watches it.
+
+The supervisor starts ``msrun`` in a new session (with a parent-death signal,
+so msrun dies with elasticd), the venv's ``bin`` first on PATH, a log directory
+of its own, and the ``MSELASTIC_*`` variables of the trainer contract. It then
+watches the workers themselves, not only msrun: msrun notices a dead rank only
+after its scheduler times out (~35 s). A worker that is gone (or a zombie)
+without having said ``finished``, or silent for longer than the hang timeout,
+fails the generation at once; the supervisor then tears down every process of
+the generation and reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from typing import Callable
+
+import psutil
+
+from mselastic.agent import procs
+from mselastic.core import contract
+from mselastic.core.contract import Beat
+from mselastic.core.pdeathsig import with_parent_death
+from mselastic.core.model import GenerationReport, Plan
+from mselastic.core.spec import JobSpec
+from mselastic.core.states import GenerationState, check_generation_transition
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RankState:
+    rank: int
+    pid: int = 0
+    create_time: float = 0.0
+    last_beat: float = 0.0  # monotonic
+    step: int = -1
+    loss: float = 0.0
+    finished: bool = False
+    planned_exit: bool = False
+
+
+class Generation:
+    """One plan's launch on this node: msrun, its scheduler and the local ranks."""
+
+    def __init__(self, plan: Plan, spec: JobSpec, node_id: str, work_dir: str,
+                 on_change: Callable[["Generation", bool], None], poll_interval_s: float = 0.1) -> None:
+        member = plan.member(node_id)
+        if member is None:
+            raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
+        self.plan, self.spec, self.node_id, self.member = plan, spec, node_id, member
+        self.first_rank = plan.first_rank(node_id)
+        self.log_dir = os.path.join(work_dir, "logs", spec.name, f"g{plan.generation:06d}")
+        self.run_id = f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
+        self.state = GenerationState.STARTING
+        self.ranks = {r: RankState(r) for r in range(self.first_rank, self.first_rank + member.local_workers)}
+        self.others: dict[int, procs.Proc] = {}  # scheduler, msrun, tails: for teardown
+        self.failed_rank = -1
+        self.reason = ""
+        self.detected_at = 0.0
+        self.first_step_at = 0.0
+        self.resumed_step = -1
+        self.started_mono = 0.0
+        self.done = asyncio.Event()
+        self._on_change = on_change
+        self._poll_s = poll_interval_s
+        self._msrun: asyncio.subprocess.Process | None = None
+        self._sock: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        os.makedirs(self.spec.checkpoint_dir, exist_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind("\0mselastic-hb-" + self.run_id)
+        self._sock.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._sock.fileno(), self._read_beats)
+        p = self.plan
+        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"),
+               f"--worker_num={p.worker_num}", f"--local_worker_num={self.member.local_workers}",
+               f"--master_addr={p.master_addr}", f"--master_port={p.master_port}",
+               f"--node_rank={self.member.node_rank}", f"--log_dir={self.log_dir}",
+               "--join=True", "--tail_worker_log=99999",
+               f"--cluster_time_out={int(self.spec.startup_timeout_s)}",
+               self.spec.script, *self.spec.args]
+        with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:
+            self._msrun = await asyncio.create_subprocess_exec(
+                *with_parent_death(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                env=self._env(), cwd=os.path.dirname(self.spec.script), start_new_session=True)
+        self.started_mono = time.monotonic()
+        log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
+                 self._msrun.pid, p.master_addr, p.master_port, self.first_rank,
+                 self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
+        self._task = asyncio.create_task(self._watch(), name=f"watch-{self.run_id}")
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.spec.env)
+        venv_bin = os.path.dirname(sys.executable)
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        env.update({
+            contract.ENV_JOB: self.spec.name,
+            contract.ENV_GENERATION: str(self.plan.generation),
+            contract.ENV_RESTART_COUNT: str(self.plan.restart_count),
+            contract.ENV_NODE_ID: self.node_id,
+            contract.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir,
+            contract.ENV_CHECKPOINT_INTERVAL: str(self.spec.checkpoint_interval_steps),
+            contract.ENV_KEEP_CHECKPOINTS: str(self.spec.keep_checkpoints),
+            contract.ENV_TOTAL_STEPS: str(self.spec.total_steps),
+            contract.ENV_GLOBAL_BATCH: str(self.spec.global_batch_size),
+            contract.ENV_HEARTBEAT: "mselastic-hb-" + self.run_id,
+            contract.ENV_RUN_ID: self.run_id,
+        })
+        return env
+
+    async def stop(self, grace_s: float) -> list[int]:
+        """Stop every process of this generation (planned: SIGTERM first). Returns leftovers."""
+        self._stopping = True
+        extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
+        left = await procs.stop_generation(self.run_id, extra, grace_s)
+        if self._msrun is not None:
+            try:
+                await asyncio.wait_for(self._msrun.wait(), timeout=5)
+            except asyncio.TimeoutError:
+                left.append(self._msrun.pid)
+        if not self.state.terminal:
+            self._set(GenerationState.STOPPED, reason="stopped")
+        self._close()
+        if left:
+            log.error("processes left after stop: %s", left, extra=self._ctx)
+        return left
+
+    def _close(self) -> None:
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        self.done.set()
+
+    # -- watching ----------------------------------------------------------
+
+    def _read_beats(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                return
+            try:
+                beat = Beat.decode(data)
+            except ValueError:
+                log.warning("malformed heartbeat dropped", extra=self._ctx)
+                continue
+            self._on_beat(beat)
+
+    def _on_beat(self, beat: Beat) -> None:
+        rs = self.ranks.get(beat.rank)
+        if rs is None or beat.generation != self.plan.generation:
+            log.warning("heartbeat from rank %d of generation %d ignored", beat.rank, beat.generation,
+                        extra=self._ctx)
+            return
+        rs.last_beat = time.monotonic()
+        rs.step = max(rs.step, beat.step)
+        rs.loss = beat.loss
+        if beat.kind == "start" and self.resumed_step < 0:
+            self.resumed_step = beat.resumed_step
+        if beat.kind == "step" and not self.first_step_at:
+            self.first_step_at = time.time()
+            if self.state is GenerationState.STARTING:
+                self._set(GenerationState.RUNNING)
+                return
+        if beat.kind == "finished":
+            rs.finished = True
+        if beat.kind == "planned_exit":
+            rs.planned_exit = True
+        self._on_change(self, False)
+
+    async def _watch(self) -> None:
+        assert self._msrun is not None
+        try:
+            while not self.state.terminal and not self._stopping:
+                self._discover()
+                fault = self._find_fault()
+                if fault is not None:
+                    rank, reason = fault
+                    await self._fail(rank, reason)
+                    return
+                if self._msrun.returncode is not None:
+                    await self._msrun_exited(self._msrun.returncode)
+                    return
+                await asyncio.sleep(self._poll_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not leave workers unwatched
+            log.exception("supervisor failed; tearing the generation down", extra=self._ctx)
+            await self._fail(-1, "supervisor error")
+
+    def _discover(self) -> None:
+        assert self._msrun is not None
+        for p in procs.tree(self._msrun.pid):
+            if p.pid in self.others or any(r.pid == p.pid for r in self.ranks.values()):
+                continue
+            d = procs.describe(p)
+            if d is None:
+                continue
+            if d.role == "MS_WORKER" and d.rank in self.ranks and not self.ranks[d.rank].pid:
+                self.ranks[d.rank].pid, self.ranks[d.rank].create_time = d.pid, d.create_time
+            else:
+                self.others[d.pid] = d
+
+    def _find_fault(self) -> tuple[int, str] | None:
+        now = time.monotonic()
+        for rs in self.ranks.values():
+            if rs.pid and not rs.finished and not procs.alive(procs.Proc(rs.pid, rs.create_time, "", rs.rank)):
+                what = "exited to checkpoint (planned)" if rs.planned_exit else "exited before finishing"
+                return rs.rank, f"{what} (pid {rs.pid})"
+            if rs.finished:
+                continue
+            if rs.last_beat and now - rs.last_beat > self.spec.hang_timeout_s:
+                return rs.rank, f"no heartbeat for {now - rs.last_beat:.1f}s (hang_timeout_s={self.spec.hang_timeout_s})"
+            if not rs.last_beat and now - self.started_mono > self.spec.startup_timeout_s:
+                return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}"
+        return None
+
+    async def _fail(self, rank: int, reason: str) -> None:
+        self.detected_at = time.time()
+        self.failed_rank, self.reason = rank, reason
+        log.warning("rank %d failed: %s; tearing down", rank, reason, extra={**self._ctx, "rank": rank})
+        # Another rank is gone: the collective is broken, nothing is left to save. Kill at once.
+        self._stopping = True
+        extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
+        left = await procs.stop_generation(self.run_id, extra, grace_s=0)
+        if left:
+            log.error("processes left after teardown: %s", left, extra=self._ctx)
+        self._set(GenerationState.FAILED)
+        self._close()
+
+    async def _msrun_exited(self, code: int) -> None:
+        if code == 0 and all(r.finished for r in self.ranks.values()):
+            self._set(GenerationState.SUCCEEDED)
+            left = await procs.stop_generation(self.run_id, [], grace_s=1)
+            if left:
+                log.error("processes left after success: %s", left, extra=self._ctx)
+            self._close()
+        else:
+            await self._fail(-1, f"msrun exited with code {code}; see {self.log_dir}")
+
+    def _set(self, state: GenerationState, reason: str | None = None) -> None:
+        check_generation_transition(self.state, state)
+        self.state = state
+        if reason is not None and not self.reason:
+            self.reason = reason
+        log.info("generation %s", state.value, extra=self._ctx)
+        self._on_change(self, True)
+
+    # -- reporting ---------------------------------------------------------
+
+    def report(self) -> GenerationReport:
+        steps = [r.step for r in self.ranks.values()]
+        loss = next((r.loss for r in self.ranks.values() if r.step == max(steps)), 0.0)
+        return GenerationReport(
+            job=self.spec.name, generation=self.plan.generation, node_id=self.node_id, state=self.state,
+            failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
+            first_step_at=self.first_step_at, resumed_step=self.resumed_step, step=max(steps), loss=loss)

@@ -1,0 +1,31 @@
+"""Conversions between the core records and the ``mselastic.v1`` messages, in one place."""
+
+from __future__ import annotations
+
+from mselastic.core.model import Member, Plan
+from mselastic.core.states import GenerationState, JobState
+from mselastic.v1 import elastic_pb2 as pb
+
+
+def plan_to_pb(plan: Plan) -> pb.Plan:
+    return pb.Plan(
+        job=plan.job, generation=plan.generation, worker_num=plan.worker_num, master_addr=plan.master_addr,
+        master_port=plan.master_port, restart_count=plan.restart_count, reason=plan.reason,
+        members=[pb.Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
+                           agent_address=m.agent_address, host=m.host) for m in plan.members])
+
+
+def plan_from_pb(msg: pb.Plan) -> Plan:
+    return Plan(
+        job=msg.job, generation=msg.generation, worker_num=msg.worker_num, master_addr=msg.master_addr,
+        master_port=msg.master_port, restart_count=msg.restart_count, reason=msg.reason,
+        members=tuple(Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
+                             agent_address=m.agent_address, host=m.host) for m in msg.members))
+
+
+def job_state_to_pb(state: JobState) -> int:
+    return int(pb.JobState.Value(f"JOB_STATE_{state.value}"))
+
+
+def generation_state_to_pb(state: GenerationState) -> int:
+    return int(pb.GenerationState.Value(f"GENERATION_STATE_{state.value}"))

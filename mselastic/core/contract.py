@@ -1,0 +1,56 @@
+"""The trainer contract: the environment the agent gives each worker, and the
+heartbeat datagrams a worker sends back.
+
+Shared by the agent (which sets and reads these) and the trainer library (which
+reads and sends them); both import it, neither imports the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+ENV_JOB = "MSELASTIC_JOB"
+ENV_GENERATION = "MSELASTIC_GENERATION"
+ENV_RESTART_COUNT = "MSELASTIC_RESTART_COUNT"
+ENV_NODE_ID = "MSELASTIC_NODE_ID"
+ENV_CHECKPOINT_DIR = "MSELASTIC_CHECKPOINT_DIR"
+ENV_CHECKPOINT_INTERVAL = "MSELASTIC_CHECKPOINT_INTERVAL_STEPS"
+ENV_KEEP_CHECKPOINTS = "MSELASTIC_KEEP_CHECKPOINTS"
+ENV_TOTAL_STEPS = "MSELASTIC_TOTAL_STEPS"
+ENV_GLOBAL_BATCH = "MSELASTIC_GLOBAL_BATCH_SIZE"
+ENV_HEARTBEAT = "MSELASTIC_HEARTBEAT"  # abstract unix datagram socket name
+ENV_RUN_ID = "MSELASTIC_RUN_ID"  # marks every process of one generation on one node
+
+#: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
+PLANNED_EXIT_CODE = 75
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """One heartbeat. ``kind``: start (after resume), step, checkpoint, finished."""
+
+    kind: str
+    rank: int
+    pid: int
+    generation: int
+    step: int
+    loss: float = 0.0
+    resumed_step: int = -1
+    at: float = 0.0
+
+    KINDS = ("start", "step", "checkpoint", "finished", "planned_exit")
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Beat":
+        """Raises ValueError on anything that is not a well-formed beat."""
+        raw: Any = json.loads(data)
+        if not isinstance(raw, dict) or raw.get("kind") not in cls.KINDS:
+            raise ValueError("not a heartbeat")
+        return cls(kind=str(raw["kind"]), rank=int(raw["rank"]), pid=int(raw["pid"]),
+                   generation=int(raw["generation"]), step=int(raw["step"]), loss=float(raw.get("loss", 0.0)),
+                   resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)))

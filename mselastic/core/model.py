@@ -1,0 +1,225 @@
+"""The records kept in etcd: registered nodes, plans, agent reports, job status.
+
+Each record is a frozen dataclass with a JSON codec. Decoding checks types and
+raises :class:`MalformedRecord` (naming the key's kind and field) so a corrupt or
+hand-edited etcd value is reported, never half-used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TypeVar
+
+from mselastic.core.states import GenerationState, JobState
+
+T = TypeVar("T")
+
+
+class MalformedRecord(ValueError):
+    """An etcd value that does not decode to the record it should hold."""
+
+
+def _decode(cls: type[T], text: str | bytes) -> T:
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise MalformedRecord(f"{cls.__name__}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise MalformedRecord(f"{cls.__name__}: expected an object")
+    return _from_dict(cls, data)
+
+
+def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    hook = getattr(cls, "_convert", None)
+    try:
+        if hook is not None:
+            data = hook(dict(data))
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except (TypeError, ValueError, KeyError) as e:
+        raise MalformedRecord(f"{cls.__name__}: {e}") from None
+
+
+def _encode(record: Any) -> str:
+    def default(o: Any) -> Any:
+        if isinstance(o, (JobState, GenerationState)):
+            return o.value
+        raise TypeError(type(o).__name__)
+
+    return json.dumps(dataclasses.asdict(record), default=default, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+    """A live node, kept under ``nodes/<node_id>`` with the node's lease."""
+
+    node_id: str
+    agent_address: str  # host:port of its Agent gRPC service
+    host: str  # address it trains on (master_addr when it is node_rank 0)
+    slots: int  # workers it can run
+    version: str
+    #: etcd create revision of the registration: older nodes sort first.
+    create_revision: int = 0
+    cordoned: bool = False
+
+    def to_json(self) -> str:
+        return _encode(dataclasses.replace(self, create_revision=0))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, create_revision: int = 0) -> "NodeRecord":
+        rec = _decode(cls, text)
+        return dataclasses.replace(rec, create_revision=create_revision)
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    node_id: str
+    node_rank: int
+    local_workers: int
+    agent_address: str
+    host: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Generation ``generation`` of ``job``: who runs which ranks, and where to meet."""
+
+    job: str
+    generation: int
+    members: tuple[Member, ...]
+    worker_num: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    reason: str
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["members"] = tuple(Member(**m) for m in d["members"])
+        return d
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Plan":
+        return _decode(cls, text)
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+    def first_rank(self, node_id: str) -> int:
+        """Global rank of the node's first worker (ranks are contiguous per node)."""
+        total = 0
+        for m in self.members:
+            if m.node_id == node_id:
+                return total
+            total += m.local_workers
+        raise KeyError(node_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationReport:
+    """What an agent saw of one generation on its node (``jobs/<job>/reports/<g>/<node>``)."""
+
+    job: str
+    generation: int
+    node_id: str
+    state: GenerationState
+    #: Global rank that failed first, -1 when none.
+    failed_rank: int = -1
+    reason: str = ""
+    #: Wall-clock time (Unix seconds) the agent noticed the failure.
+    detected_at: float = 0.0
+    #: Wall-clock time the first rank of this generation reported a step.
+    first_step_at: float = 0.0
+    #: Step the generation resumed from (first heartbeat's resumed_step), -1 if unknown.
+    resumed_step: int = -1
+    #: Newest step any local rank reported.
+    step: int = -1
+    loss: float = 0.0
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["state"] = GenerationState(d["state"])
+        return d
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "GenerationReport":
+        return _decode(cls, text)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureRecord:
+    generation: int
+    node_id: str
+    rank: int
+    reason: str
+    #: When the agent noticed the failure (Unix seconds).
+    detected_at: float
+    #: Seconds from detection to the first step of the next generation (0 until known).
+    recover_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStatus:
+    """``jobs/<job>/status``: the job's lifecycle, written only by the leader (fenced)."""
+
+    state: JobState
+    generation: int = 0
+    restart_count: int = 0
+    message: str = ""
+    last_failure: FailureRecord | None = None
+    updated_at: float = 0.0
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["state"] = JobState(d["state"])
+        if d.get("last_failure") is not None:
+            d["last_failure"] = FailureRecord(**d["last_failure"])
+        return d
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "JobStatus":
+        return _decode(cls, text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One line of a job's timeline (``jobs/<job>/events/<seq>``)."""
+
+    at: float
+    kind: str
+    generation: int
+    message: str
+    node_id: str = ""
+    rank: int = -1
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Event":
+        return _decode(cls, text)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderRecord:
+    """``leader``: which elasticd coordinates and where its Control service listens."""
+
+    node_id: str
+    control_address: str
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "LeaderRecord":
+        return _decode(cls, text)

@@ -1,0 +1,33 @@
+"""Parent-death signal: the process chain elasticd -> msrun -> workers dies together.
+
+msrun and the embedded etcd are started through util-linux's ``setpriv
+--pdeathsig KILL`` (never a Python ``preexec_fn``: running ctypes in a child
+forked from the multi-threaded daemon can crash it); the trainer library sets
+the signal in each worker itself, whose parent is msrun. So a SIGKILLed
+elasticd leaves no msrun, worker, scheduler or embedded etcd behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def with_parent_death(cmd: list[str]) -> list[str]:
+    """``cmd`` prefixed so that it is SIGKILLed when the process that starts it dies."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise RuntimeError("setpriv (util-linux) not found: install util-linux")
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Ask for ``signum`` when this process's parent dies (call in the process itself)."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum))
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)

@@ -1,0 +1,146 @@
+"""The planner: membership + job spec + history -> what the coordinator does next.
+
+A pure function (no etcd, no clock, no processes), so every rule is a row in a
+table test. The coordinator reads the state from etcd, calls :func:`decide`,
+and applies the one :class:`Decision` it returns.
+
+Rules, in order:
+1. A job in a terminal state: nothing.
+2. No plan yet: launch generation 1 on the oldest eligible nodes (up to
+   ``max_nodes``) once ``min_nodes`` are there; otherwise wait.
+3. A member reported FAILED, or a member's registration is gone (lease expired):
+   relaunch as generation g+1 on the surviving members in their old order, new
+   nodes appended; if restarts are exhausted, fail the job.
+4. Every member reported SUCCEEDED: the job succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from typing import Iterable, Mapping
+
+from mselastic.core.model import GenerationReport, Member, NodeRecord, Plan
+from mselastic.core.spec import JobSpec
+from mselastic.core.states import GenerationState, JobState
+
+#: Ports msrun's workers (8118-12213) and servers (12214-16309) use; never a master_port.
+RESERVED_PORTS = range(8118, 16310)
+
+
+@dataclasses.dataclass(frozen=True)
+class PortRange:
+    """Master ports are chosen from [start, start + span); outside RESERVED_PORTS."""
+
+    start: int = 20000
+    span: int = 5000
+
+    def __post_init__(self) -> None:
+        end = self.start + self.span
+        if self.span <= 1 or self.start < 1024 or end > 65536:
+            raise ValueError(f"master port range {self.start}+{self.span} must lie within 1024..65535")
+        if self.start < RESERVED_PORTS.stop and end > RESERVED_PORTS.start:
+            raise ValueError(f"master port range {self.start}+{self.span} overlaps msrun's 8118-16309")
+
+
+class Action(enum.Enum):
+    NOTHING = "NOTHING"
+    WAIT = "WAIT"  # not enough nodes; job stays PENDING/RESTARTING
+    LAUNCH = "LAUNCH"  # commit ``plan`` as the next generation
+    SUCCEED = "SUCCEED"
+    FAIL = "FAIL"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str = ""
+    plan: Plan | None = None
+    #: For a relaunch or failure caused by a fault: the report that showed it.
+    fault: GenerationReport | None = None
+    #: For a relaunch caused by lost nodes.
+    lost_nodes: tuple[str, ...] = ()
+
+
+def master_port(job: str, generation: int, previous: int | None, ports: PortRange) -> int:
+    """A per-generation port: spread by a hash, never the previous generation's."""
+    port = ports.start + zlib.crc32(f"{job}/{generation}".encode()) % ports.span
+    if port == previous:
+        port = ports.start + (port - ports.start + 1) % ports.span
+    return port
+
+
+def eligible(nodes: Iterable[NodeRecord], spec: JobSpec) -> list[NodeRecord]:
+    """Nodes that can run the job, oldest registration first."""
+    ok = [n for n in nodes if n.slots >= spec.workers_per_node and not n.cordoned]
+    return sorted(ok, key=lambda n: (n.create_revision, n.node_id))
+
+
+def make_plan(
+    spec: JobSpec, nodes: list[NodeRecord], generation: int, restart_count: int, reason: str,
+    previous_port: int | None, ports: PortRange,
+) -> Plan:
+    members = tuple(
+        Member(node_id=n.node_id, node_rank=i, local_workers=spec.workers_per_node,
+               agent_address=n.agent_address, host=n.host)
+        for i, n in enumerate(nodes)
+    )
+    return Plan(
+        job=spec.name, generation=generation, members=members,
+        worker_num=spec.workers_per_node * len(members), master_addr=members[0].host,
+        master_port=master_port(spec.name, generation, previous_port, ports),
+        restart_count=restart_count, reason=reason,
+    )
+
+
+def decide(
+    spec: JobSpec,
+    state: JobState,
+    plan: Plan | None,
+    reports: Mapping[str, GenerationReport],
+    nodes: Iterable[NodeRecord],
+    ports: PortRange = PortRange(),
+) -> Decision:
+    """The next step for one job. ``reports`` are the current generation's, by node id."""
+    if state.terminal:
+        return Decision(Action.NOTHING)
+    alive = eligible(nodes, spec)
+    if plan is None:
+        if len(alive) < spec.min_nodes:
+            return Decision(Action.WAIT, f"waiting for nodes: {len(alive)} of min_nodes={spec.min_nodes}")
+        chosen = alive[: spec.max_nodes]
+        return Decision(Action.LAUNCH, "initial launch",
+                        make_plan(spec, chosen, 1, 0, "initial launch", None, ports))
+
+    current = [r for r in reports.values() if r.generation == plan.generation]
+    failed = sorted((r for r in current if r.state is GenerationState.FAILED),
+                    key=lambda r: (r.detected_at or float("inf"), r.node_id))
+    alive_ids = {n.node_id for n in alive}
+    lost = tuple(m.node_id for m in plan.members if m.node_id not in alive_ids)
+
+    if not failed and not lost:
+        done = {r.node_id for r in current if r.state is GenerationState.SUCCEEDED}
+        if done >= {m.node_id for m in plan.members}:
+            return Decision(Action.SUCCEED, f"generation {plan.generation} finished on every node")
+        return Decision(Action.NOTHING)
+
+    fault = failed[0] if failed else None
+    if fault is not None:
+        rank = f"rank {fault.failed_rank}" if fault.failed_rank >= 0 else "msrun"
+        reason = f"{rank} on node {fault.node_id} failed: {fault.reason}"
+    else:
+        reason = f"node(s) lost: {', '.join(lost)}"
+    if plan.restart_count >= spec.max_restarts:
+        return Decision(Action.FAIL, f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}",
+                        fault=fault, lost_nodes=lost)
+
+    by_id = {n.node_id: n for n in alive}
+    survivors = [by_id[m.node_id] for m in plan.members if m.node_id in by_id]
+    newcomers = [n for n in alive if n.node_id not in {s.node_id for s in survivors}]
+    chosen = (survivors + newcomers)[: spec.max_nodes]
+    if len(chosen) < spec.min_nodes:
+        return Decision(Action.WAIT, f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}",
+                        fault=fault, lost_nodes=lost)
+    nxt = make_plan(spec, chosen, plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports)
+    return Decision(Action.LAUNCH, reason, nxt, fault=fault, lost_nodes=lost)

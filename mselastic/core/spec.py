@@ -1,0 +1,169 @@
+"""The job spec: what an operator submits, validated before anything is written.
+
+A spec is a TOML file (``elasticctl submit job.toml``); on the wire and in etcd it
+is the equivalent JSON object. Every field is documented here, has a unit in its
+name where it has one, and a check: a bad spec is refused with one line naming
+the field, so nothing half-valid ever reaches etcd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tomllib
+from typing import Any, Mapping
+
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """The spec is invalid; the message names the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    #: Job name: lowercase letters, digits and '-', at most 63 characters.
+    name: str
+    #: The training script msrun starts on every rank (absolute path).
+    script: str
+    #: Arguments passed to the script, as a list (never through a shell).
+    args: tuple[str, ...] = ()
+    #: MindSpore workers (ranks) each node runs.
+    workers_per_node: int = 1
+    #: Fewest nodes a generation may have; below it the job waits.
+    min_nodes: int = 1
+    #: Most nodes a generation may have.
+    max_nodes: int = 1
+    #: Relaunches allowed after failures before the job is FAILED.
+    max_restarts: int = 3
+    #: Optimizer steps the job runs in total (the trainer stops there).
+    total_steps: int = 100
+    #: Samples per optimizer step over all ranks, kept constant across world sizes.
+    global_batch_size: int = 32
+    #: Folder the trainer writes checkpoints to (absolute; shared by all nodes).
+    checkpoint_dir: str = ""
+    #: A checkpoint is written every this many steps.
+    checkpoint_interval_steps: int = 10
+    #: Checkpoints kept; older ones are deleted after a newer one is committed.
+    keep_checkpoints: int = 3
+    #: A rank with no heartbeat for this long is declared hung.
+    hang_timeout_s: float = 60.0
+    #: A rank that has not sent its first heartbeat after this long is declared hung.
+    startup_timeout_s: float = 180.0
+    #: SIGTERM -> SIGKILL grace period when a generation is stopped.
+    stop_grace_period_s: float = 10.0
+    #: Extra environment for the workers.
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def world_size_range(self) -> tuple[int, int]:
+        return self.min_nodes * self.workers_per_node, self.max_nodes * self.workers_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["args"] = list(self.args)
+        d["env"] = dict(self.env)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "JobSpec":
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise SpecError(f"spec is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "JobSpec":
+        if not isinstance(data, dict):
+            raise SpecError("spec must be a table of fields (got %s)" % type(data).__name__)
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise SpecError(f"field '{key}': unknown field; known fields are {', '.join(sorted(known))}")
+        for required in ("name", "script", "checkpoint_dir"):
+            if required not in data or data[required] in ("", None):
+                raise SpecError(f"field '{required}': required")
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            values[key] = _coerce(key, known[key], value)
+        spec = cls(**values)
+        spec._validate()
+        return spec
+
+    def _validate(self) -> None:
+        if not _NAME.match(self.name):
+            _fail("name", f"{self.name!r} must be lowercase letters, digits and '-' (at most 63)")
+        for key in ("script", "checkpoint_dir"):
+            if not os.path.isabs(getattr(self, key)):
+                _fail(key, f"{getattr(self, key)!r} must be an absolute path")
+        for key in ("workers_per_node", "min_nodes", "max_nodes", "total_steps", "global_batch_size",
+                    "checkpoint_interval_steps", "keep_checkpoints"):
+            if getattr(self, key) <= 0:
+                _fail(key, f"must be a positive integer (got {getattr(self, key)})")
+        if self.max_restarts < 0:
+            _fail("max_restarts", f"must be >= 0 (got {self.max_restarts})")
+        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s"):
+            if not getattr(self, key) > 0:
+                _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")
+        if self.min_nodes > self.max_nodes:
+            _fail("min_nodes", f"must be <= max_nodes (got {self.min_nodes} > {self.max_nodes})")
+        lo, hi = self.world_size_range
+        if not any(self.global_batch_size % w == 0 for w in range(lo, hi + 1)):
+            _fail("global_batch_size", f"{self.global_batch_size} is not divisible by any world size in {lo}..{hi}")
+        for k, v in self.env.items():
+            if not k or "=" in k:
+                _fail("env", f"variable name {k!r} is not valid")
+            if k.startswith("MSELASTIC_"):
+                _fail("env", f"{k} is set by the daemon and cannot be overridden")
+
+
+def load_toml(path: str) -> JobSpec:
+    """Read a spec file; relative ``script`` / ``checkpoint_dir`` resolve against its folder."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise SpecError(f"cannot read spec file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"spec file {path} is not valid TOML: {e}") from None
+    base = os.path.dirname(os.path.abspath(path))
+    for key in ("script", "checkpoint_dir"):
+        value = data.get(key)
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            data[key] = os.path.normpath(os.path.join(base, value))
+    return JobSpec.from_dict(data)
+
+
+def _fail(field: str, message: str) -> None:
+    raise SpecError(f"field '{field}': {message}")
+
+
+def _coerce(key: str, field: dataclasses.Field[Any], value: Any) -> Any:
+    kind = field.type
+    if kind == "str":
+        if not isinstance(value, str):
+            _fail(key, f"must be a string (got {value!r})")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, f"must be an integer (got {value!r})")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, f"must be a number of seconds (got {value!r})")
+        return float(value)
+    if kind == "tuple[str, ...]":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            _fail(key, "must be a list of strings")
+        return tuple(value)
+    if kind == "Mapping[str, str]":
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            _fail(key, "must be a table of string values")
+        return dict(value)
+    raise AssertionError(f"unhandled field type {kind} for {key}")

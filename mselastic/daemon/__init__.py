@@ -1,0 +1,1 @@
+"""elasticd: settings, the leader-elected coordinator, the Control service, the process entry point."""

@@ -1,0 +1,119 @@
+"""The Control gRPC service elasticctl talks to.
+
+Status is answered by any elasticd (it reads etcd). Submit and StopJob change a
+job and are answered by the leader only; any other elasticd refuses with
+FAILED_PRECONDITION and the leader's address, which elasticctl follows.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from mselastic.agent.wire import job_state_to_pb, plan_to_pb
+from mselastic.core.model import Event, JobStatus, LeaderRecord
+from mselastic.core.spec import JobSpec, SpecError
+from mselastic.core.states import JobState
+from mselastic.daemon.coordinator import Coordinator, Fenced
+from mselastic.store.etcd import Store, TemporaryError
+from mselastic.store.keys import BadName
+from mselastic.store.views import JobView, read_cluster
+from mselastic.v1 import elastic_pb2 as pb
+from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+
+NOT_LEADER_PREFIX = "not the leader; leader is "
+
+
+def job_to_pb(view: JobView) -> pb.JobStatus:
+    st = view.status
+    msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
+                       restart_count=st.restart_count, step=view.step, message=st.message or view.spec_error,
+                       total_steps=view.spec.total_steps if view.spec else 0)
+    if view.plan is not None:
+        msg.world_size = view.plan.worker_num
+        msg.members.extend(plan_to_pb(view.plan).members)
+    f = st.last_failure
+    if f is not None:
+        msg.last_failure.CopyFrom(pb.Failure(generation=f.generation, node_id=f.node_id, rank=f.rank,
+                                             reason=f.reason, detected_at=f.detected_at, recover_s=f.recover_s))
+    return msg
+
+
+class ControlService(pb_grpc.ControlServicer):
+    def __init__(self, store: Store, coordinator: Coordinator) -> None:
+        self.store = store
+        self.coordinator = coordinator
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        try:
+            cluster = await read_cluster(self.store, request.job)
+        except BadName as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TemporaryError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        if request.job and request.job not in cluster.jobs:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+        leader = cluster.leader.node_id if cluster.leader else ""
+        return pb.StatusResponse(
+            jobs=[job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
+            nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
+                               leader=n.node_id == leader) for n in cluster.nodes],
+            leader=leader)
+
+    async def _require_leader(self, context: grpc.aio.ServicerContext) -> None:
+        if self.coordinator.term is None:
+            kv = await self.store.get(self.store.keys.leader)
+            where = LeaderRecord.from_json(kv.value).control_address if kv else "(none elected yet)"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NOT_LEADER_PREFIX + where)
+
+    async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
+        try:
+            spec = JobSpec.from_json(request.spec_json)
+        except SpecError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await self._require_leader(context)
+        k, tx = self.store.keys, self.store.tx
+        status = JobStatus(JobState.PENDING, message="submitted", updated_at=time.time())
+        event = Event(at=time.time(), kind="submitted", generation=0, message=f"job {spec.name} submitted")
+        try:
+            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0], [
+                tx.put(k.spec(spec.name).encode(), spec.to_json().encode()),
+                tx.put(k.status(spec.name).encode(), status.to_json().encode()),
+                tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
+            ])
+        except TemporaryError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        if not ok:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
+        self.coordinator.wake()
+        return pb.SubmitResponse(job=spec.name)
+
+    async def StopJob(self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
+        if request.grace_period_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_period_s must be >= 0")
+        await self._require_leader(context)
+        try:
+            cluster = await read_cluster(self.store, request.job)
+        except BadName as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        view = cluster.jobs.get(request.job)
+        if view is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+        if view.status.state.terminal:
+            return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
+        term = self.coordinator.term
+        if term is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+        grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
+        status = JobStatus(JobState.STOPPED, view.status.generation, view.status.restart_count,
+                           "stopped by operator", view.status.last_failure, time.time())
+        try:
+            await self.coordinator.write_status(term, view.name, status, Event(
+                at=time.time(), kind="stopped", generation=view.status.generation, message="stopped by operator"))
+        except Fenced:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+        if view.plan is not None:
+            await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
+                                               {m.node_id: m.agent_address for m in view.plan.members})
+        return pb.StopJobResponse(state=job_state_to_pb(JobState.STOPPED))

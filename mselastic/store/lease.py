@@ -1,0 +1,138 @@
+"""Leased keys kept alive: node registration and leader election.
+
+A :class:`KeptLease` refreshes its lease every ``ttl/3``. When a refresh says
+the lease is gone, or no refresh succeeded for a whole TTL (etcd unreachable or
+this node partitioned), the lease is *lost*: ``lost`` is set and the owner must
+act as if its keys are gone (the agent self-fences, the leader steps down),
+because to everyone else they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from mselastic.store.etcd import PermanentError, Store, TemporaryError
+
+log = logging.getLogger(__name__)
+
+
+class KeptLease:
+    def __init__(self, store: Store, ttl_s: int) -> None:
+        if ttl_s < 2:
+            raise ValueError(f"lease TTL must be at least 2 s (got {ttl_s})")
+        self.store = store
+        self.ttl_s = ttl_s
+        self.id = 0
+        self.lost = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def grant(self) -> int:
+        self.id = await self.store.grant(self.ttl_s)
+        self.lost.clear()
+        self._last_ok = time.monotonic()
+        self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.id:x}")
+        return self.id
+
+    async def _keep_alive(self) -> None:
+        interval = self.ttl_s / 3
+        while not self.lost.is_set():
+            await asyncio.sleep(interval)
+            try:
+                ttl = await asyncio.wait_for(self.store.refresh(self.id), timeout=interval)
+            except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
+                if time.monotonic() - self._last_ok >= self.ttl_s:
+                    log.warning("lease %x lost: no renewal for %ss (%s)", self.id, self.ttl_s, e)
+                    self.lost.set()
+                continue
+            if ttl <= 0:
+                log.warning("lease %x expired", self.id)
+                self.lost.set()
+            else:
+                self._last_ok = time.monotonic()
+
+    async def release(self) -> None:
+        """Stop refreshing and revoke (best effort: an unreachable etcd lets it expire)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.id and not self.lost.is_set():
+            try:
+                await asyncio.wait_for(self.store.revoke(self.id), timeout=2)
+            except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
+                log.info("lease %x not revoked (%s); it expires by itself", self.id, e)
+        self.lost.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One tenure as leader. ``create_revision`` of the leader key is the fencing token."""
+
+    create_revision: int
+    lease: KeptLease
+
+
+class Election:
+    """Campaign for ``store.keys.leader`` with ``value``; one winner at a time."""
+
+    def __init__(self, store: Store, value: str, ttl_s: int) -> None:
+        self.store = store
+        self.value = value
+        self.ttl_s = ttl_s
+
+    async def campaign(self, stop: asyncio.Event) -> Term | None:
+        """Block until this process leads (a Term) or ``stop`` is set (None)."""
+        while not stop.is_set():
+            term = None
+            try:
+                async for attempt in self.store.retry.reconnecting(stop):
+                    with attempt:
+                        term = await self._try_once(stop)
+            except (TemporaryError, PermanentError):
+                return None  # stop was set while etcd was away
+            if term is not None:
+                return term
+        return None
+
+    async def _try_once(self, stop: asyncio.Event) -> Term | None:
+        """One attempt: win the key, or wait until it is vacant and return None."""
+        lease = KeptLease(self.store, self.ttl_s)
+        try:
+            await lease.grant()
+            if await self.store.create(self.store.keys.leader, self.value, lease=lease.id):
+                kv = await self.store.get(self.store.keys.leader)
+                if kv is not None and kv.lease == lease.id:
+                    return Term(kv.create_revision, lease)
+        except BaseException:
+            await lease.release()
+            raise
+        await lease.release()
+        await self._wait_vacant(stop)
+        return None
+
+    async def _wait_vacant(self, stop: asyncio.Event) -> None:
+        key = self.store.keys.leader
+        while not stop.is_set():
+            if await self.store.get(key) is None:
+                return
+            await _sleep_or(stop, min(0.25, self.ttl_s / 8))
+
+    async def resign(self, term: Term) -> None:
+        """Give up leadership now (delete the key if still ours, revoke the lease)."""
+        key = self.store.keys.leader
+        try:
+            await self.store.txn([self.store.tx.create(key.encode()) == term.create_revision],
+                                 [self.store.tx.delete(key.encode())])
+        except (TemporaryError, PermanentError):
+            pass
+        await term.lease.release()
+
+
+async def _sleep_or(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass

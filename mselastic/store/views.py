@@ -1,0 +1,92 @@
+"""Reading the whole cluster's state from etcd in two range reads, decoded and checked.
+
+The coordinator's reconcile pass and the Control service's status both start
+here, so both see the same thing. A malformed value is logged with its key and
+skipped (or, for a job's own spec, reported on the job) rather than half-used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from mselastic.core.model import GenerationReport, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
+from mselastic.core.spec import JobSpec, SpecError
+from mselastic.core.states import JobState
+from mselastic.store.etcd import KV, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class JobView:
+    name: str
+    spec: JobSpec | None = None
+    spec_error: str = ""
+    plan: Plan | None = None
+    plan_kv: KV | None = None
+    status: JobStatus = dataclasses.field(default_factory=lambda: JobStatus(JobState.PENDING))
+    status_kv: KV | None = None
+    #: Reports of every generation, by generation then node id.
+    reports: dict[int, dict[str, GenerationReport]] = dataclasses.field(default_factory=dict)
+
+    def current_reports(self) -> dict[str, GenerationReport]:
+        return self.reports.get(self.plan.generation, {}) if self.plan else {}
+
+    @property
+    def step(self) -> int:
+        return max((r.step for r in self.current_reports().values()), default=-1)
+
+
+@dataclasses.dataclass
+class ClusterView:
+    revision: int
+    nodes: list[NodeRecord]
+    jobs: dict[str, JobView]
+    leader: LeaderRecord | None
+
+
+async def read_cluster(store: Store, job: str = "") -> ClusterView:
+    keys = store.keys
+    revision, node_kvs = await store.get_prefix(keys.nodes)
+    nodes = []
+    for kv in node_kvs:
+        try:
+            nodes.append(NodeRecord.from_json(kv.value, kv.create_revision))
+        except MalformedRecord as e:
+            log.error("skipping malformed node record %s: %s", kv.key, e)
+    leader_kv = await store.get(keys.leader)
+    leader = None
+    if leader_kv is not None:
+        try:
+            leader = LeaderRecord.from_json(leader_kv.value)
+        except MalformedRecord as e:
+            log.error("malformed leader record: %s", e)
+    _, job_kvs = await store.get_prefix(keys.job(job) if job else keys.jobs)
+    jobs: dict[str, JobView] = {}
+    for kv in job_kvs:
+        parsed = keys.parse_job_key(kv.key)
+        if parsed is None:
+            continue
+        name, rest = parsed
+        view = jobs.setdefault(name, JobView(name))
+        try:
+            _apply(view, rest, kv)
+        except (MalformedRecord, SpecError, ValueError) as e:
+            log.error("malformed value at %s: %s", kv.key, e, extra={"job": name})
+            if rest == "spec":
+                view.spec_error = str(e)
+    return ClusterView(revision, nodes, {k: v for k, v in jobs.items() if v.spec or v.spec_error}, leader)
+
+
+def _apply(view: JobView, rest: str, kv: KV) -> None:
+    if rest == "spec":
+        view.spec = JobSpec.from_json(kv.value)
+    elif rest == "plan":
+        view.plan, view.plan_kv = Plan.from_json(kv.value), kv
+    elif rest == "status":
+        view.status, view.status_kv = JobStatus.from_json(kv.value), kv
+    elif rest.startswith("reports/"):
+        _, gen, node = rest.split("/", 2)
+        rep = GenerationReport.from_json(kv.value)
+        view.reports.setdefault(int(gen), {})[node] = rep

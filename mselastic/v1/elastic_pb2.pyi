@@ -1,0 +1,240 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GENERATION_STATE_UNSPECIFIED: _ClassVar[GenerationState]
+    GENERATION_STATE_STARTING: _ClassVar[GenerationState]
+    GENERATION_STATE_RUNNING: _ClassVar[GenerationState]
+    GENERATION_STATE_SUCCEEDED: _ClassVar[GenerationState]
+    GENERATION_STATE_FAILED: _ClassVar[GenerationState]
+    GENERATION_STATE_STOPPED: _ClassVar[GenerationState]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_PENDING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_RESTARTING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_STOPPED: _ClassVar[JobState]
+GENERATION_STATE_UNSPECIFIED: GenerationState
+GENERATION_STATE_STARTING: GenerationState
+GENERATION_STATE_RUNNING: GenerationState
+GENERATION_STATE_SUCCEEDED: GenerationState
+GENERATION_STATE_FAILED: GenerationState
+GENERATION_STATE_STOPPED: GenerationState
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_PENDING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_RESTARTING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_STOPPED: JobState
+
+class Member(_message.Message):
+    __slots__ = ("node_id", "node_rank", "local_workers", "agent_address", "host")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_rank: int
+    local_workers: int
+    agent_address: str
+    host: str
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_workers: _Optional[int] = ..., agent_address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("job", "generation", "members", "worker_num", "master_addr", "master_port", "restart_count", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NUM_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    worker_num: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., worker_num: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LaunchRequest(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: Plan
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+
+class LaunchResponse(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("job", "generation", "grace_period_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GRACE_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    grace_period_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_period_s: _Optional[float] = ...) -> None: ...
+
+class StopResponse(_message.Message):
+    __slots__ = ("leftover_pids",)
+    LEFTOVER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    leftover_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leftover_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AgentStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "pid", "step", "loss", "finished")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    step: int
+    loss: float
+    finished: bool
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class LocalGeneration(_message.Message):
+    __slots__ = ("job", "generation", "state", "ranks", "failure")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    state: GenerationState
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    failure: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
+
+class AgentStatusResponse(_message.Message):
+    __slots__ = ("node_id", "generations")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    generations: _containers.RepeatedCompositeFieldContainer[LocalGeneration]
+    def __init__(self, node_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[LocalGeneration, _Mapping]]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("generation", "node_id", "rank", "reason", "detected_at", "recover_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    node_id: str
+    rank: int
+    reason: str
+    detected_at: float
+    recover_s: float
+    def __init__(self, generation: _Optional[int] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., detected_at: _Optional[float] = ..., recover_s: _Optional[float] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "agent_address", "slots", "version", "leader")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    agent_address: str
+    slots: int
+    version: str
+    leader: bool
+    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    state: JobState
+    generation: int
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    restart_count: int
+    step: int
+    total_steps: int
+    last_failure: Failure
+    message: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("jobs", "nodes", "leader")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    leader: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., leader: _Optional[str] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("spec_json",)
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    def __init__(self, spec_json: _Optional[str] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("job", "grace_period_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GRACE_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    grace_period_s: float
+    def __init__(self, job: _Optional[str] = ..., grace_period_s: _Optional[float] = ...) -> None: ...
+
+class StopJobResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...

@@ -1,0 +1,68 @@
+"""Shared fixtures: one real etcd server per session, a key namespace and a process
+tracker per test (whatever a test starts is stopped, and checked gone, at its end)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+from typing import Iterator
+
+import pytest
+
+from mselastic.store.embedded import EmbeddedEtcd, free_port
+from tests.harness import DATA_DIR, Etcd, Processes
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    server = EmbeddedEtcd(str(tmp_path_factory.mktemp("etcd"))).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def etcd(etcd_server: EmbeddedEtcd, namespace: str) -> Etcd:
+    return Etcd(etcd_server.endpoint, namespace)
+
+
+@pytest.fixture
+def procs(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Processes]:
+    log_dir = os.path.join(str(tmp_path), "proc-logs")
+    os.makedirs(log_dir, exist_ok=True)
+    tracker = Processes(uuid.uuid4().hex, log_dir)
+    yield tracker
+    leftovers = tracker.stop_all()
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        for path in sorted(glob.glob(os.path.join(str(tmp_path), "**", "*.log"), recursive=True)):
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-25:]
+            print(f"===== {path} (last {len(tail)} lines)\n{''.join(tail)}")
+    assert not leftovers, f"processes left behind by the test: {leftovers}"
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def digits() -> str:
+    if not os.path.exists(os.path.join(DATA_DIR, "train-images-idx3-ubyte")):
+        pytest.fail(f"no data set at {DATA_DIR}: run `make data` (make test does it)")
+    return DATA_DIR

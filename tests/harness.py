@@ -1,0 +1,195 @@
+"""Test harness: real etcd, real elasticd processes, waiting on outcomes with deadlines.
+
+Every process a test starts goes through :class:`Processes`: it runs in its own
+session and carries ``MSELASTIC_TEST_ID`` in its environment, which msrun and
+the workers inherit. At the end of the test every group is stopped by its id
+and the test fails if any process carrying its marker is still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, TypeVar
+
+import psutil
+
+from mselastic.core.model import GenerationReport, JobStatus, Plan
+from mselastic.store.etcd import Store
+from mselastic.store.keys import Keys
+
+T = TypeVar("T")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.dirname(sys.executable)
+DATA_DIR = os.path.join(REPO, "build", "data", "digits")
+TEST_MARK = "MSELASTIC_TEST_ID"
+
+
+def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: float = 0.05) -> T:
+    """Poll ``fn`` until it returns something truthy; fail with ``what`` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def marked_processes(mark: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TEST_MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+class Processes:
+    """Starts processes for one test and guarantees they are gone when it ends."""
+
+    def __init__(self, mark: str, log_dir: str) -> None:
+        self.mark = mark
+        self.log_dir = log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        full_env = dict(os.environ, **(env or {}))
+        full_env[TEST_MARK] = self.mark
+        full_env["PATH"] = VENV_BIN + os.pathsep + full_env.get("PATH", "")
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                             start_new_session=True)
+        log.close()
+        self.started.append(p)
+        return p
+
+    def stop_all(self) -> list[str]:
+        """Stop everything (SIGTERM, then SIGKILL); return what was still alive afterwards."""
+        for p in self.started:
+            _killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for p in self.started:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        # Anything the test's processes started (msrun, workers in their own sessions):
+        leftovers = wait_gone(self.mark, 15)
+        for q in leftovers:
+            _killpg(q.pid, signal.SIGKILL)
+        return [f"{q.pid} {' '.join(q.cmdline())[:120]}" for q in leftovers if _alive(q)]
+
+
+def wait_gone(mark: str, timeout_s: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = marked_processes(mark)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Etcd:
+    """Synchronous reads of the cluster state for assertions (one short client per call)."""
+
+    def __init__(self, endpoint: str, namespace: str) -> None:
+        self.endpoint = endpoint
+        self.keys = Keys(namespace)
+
+    def _run(self, fn: Callable[[Store], Any]) -> Any:
+        async def go() -> Any:
+            store = Store(self.endpoint, self.keys)
+            try:
+                return await fn(store)
+            finally:
+                await store.close()
+        return asyncio.run(go())
+
+    def get(self, key: str) -> bytes | None:
+        async def fn(s: Store) -> bytes | None:
+            kv = await s.get(key)
+            return kv.value if kv else None
+        return self._run(fn)
+
+    def prefix(self, prefix: str) -> dict[str, bytes]:
+        async def fn(s: Store) -> dict[str, bytes]:
+            _, kvs = await s.get_prefix(prefix)
+            return {kv.key: kv.value for kv in kvs}
+        return self._run(fn)
+
+    def leader(self) -> str | None:
+        raw = self.get(self.keys.leader)
+        return json.loads(raw)["node_id"] if raw else None
+
+    def status(self, job: str) -> JobStatus | None:
+        raw = self.get(self.keys.status(job))
+        return JobStatus.from_json(raw) if raw else None
+
+    def plan(self, job: str) -> Plan | None:
+        raw = self.get(self.keys.plan(job))
+        return Plan.from_json(raw) if raw else None
+
+    def report(self, job: str, generation: int, node: str) -> GenerationReport | None:
+        raw = self.get(self.keys.report(job, generation, node))
+        return GenerationReport.from_json(raw) if raw else None
+
+
+def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: str, slots: int = 2,
+                 lease_ttl_s: int = 3) -> list[str]:
+    return [os.path.join(VENV_BIN, "elasticd"), "--node-id", node_id, "--etcd-endpoint", etcd,
+            "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,
+            "--namespace", namespace, "--lease-ttl-s", str(lease_ttl_s), "--reconcile-interval-s", "0.5",
+            "--shutdown-grace-s", "3"]
+
+
+def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: int, workers: int = 2,
+               interval: int = 10, max_restarts: int = 3, extra: str = "") -> str:
+    text = f"""
+name = "{name}"
+script = "{os.path.join(REPO, 'examples', 'lenet', 'train.py')}"
+args = ["--data", "{DATA_DIR}", "--out", "{out_dir}", "--lr", "0.05"]
+workers_per_node = {workers}
+min_nodes = 1
+max_nodes = 1
+max_restarts = {max_restarts}
+total_steps = {total_steps}
+global_batch_size = 32
+checkpoint_dir = "{ckpt_dir}"
+checkpoint_interval_steps = {interval}
+keep_checkpoints = 3
+hang_timeout_s = 60
+stop_grace_period_s = 5
+{extra}
+"""
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def elasticctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([os.path.join(VENV_BIN, "elasticctl"), "--endpoint", endpoint, *args],
+                          capture_output=True, text=True, timeout=120)

@@ -1,0 +1,132 @@
+"""One node end to end: real etcd, elasticd, msrun and MindSpore workers, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from mselastic.core.contract import ENV_RUN_ID
+from mselastic.core.states import GenerationState, JobState
+from mselastic.store.embedded import free_port
+from tests.harness import Etcd, Processes, elasticctl, elasticd_cmd, lenet_spec, wait_for
+
+pytestmark = pytest.mark.slow
+JOB = "lenet"
+
+
+def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str) -> str:
+    port = free_port()
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace))
+    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
+    return f"127.0.0.1:{port}"
+
+
+def generation_processes(generation: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            run_id = p.environ().get(ENV_RUN_ID, "")
+            if run_id.startswith(f"{JOB}.{generation}.") and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def worker_pids(generation: int) -> dict[int, int]:
+    """rank -> pid of the MindSpore workers of a generation (msrun's own environment marks them)."""
+    ranks = {}
+    for p in generation_processes(generation):
+        try:
+            env = p.environ()
+        except psutil.NoSuchProcess:
+            continue
+        if env.get("MS_ROLE") == "MS_WORKER":
+            ranks[int(env["RANK_ID"])] = p.pid
+    return ranks
+
+
+def test_lenet_completes_with_identical_parameters(procs: Processes, etcd: Etcd, namespace: str,
+                                                   tmp_path: os.PathLike[str], digits: str) -> None:
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=40)
+    r = elasticctl("submit", spec, endpoint=endpoint)
+    assert r.returncode == 0, r.stderr
+    status = wait_for("job to succeed",
+                      lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, poll_s=0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.generation == 1 and status.restart_count == 0
+    with open(os.path.join(out, "result_g1.json")) as f:
+        result = json.load(f)
+    assert result["final_step"] == 40 and result["world_size"] == 2
+    p0, p1 = np.load(os.path.join(out, "params_rank0.npz")), np.load(os.path.join(out, "params_rank1.npz"))
+    assert sorted(p0.files) == sorted(p1.files) and len(p0.files) == 8  # LeNet: 2 conv (no bias), 3 dense
+    for name in p0.files:
+        assert np.array_equal(p0[name], p1[name]), f"{name} differs between ranks"
+    report = etcd.report(JOB, 1, "n0")
+    assert report is not None and report.state is GenerationState.SUCCEEDED and report.step == 40
+    wait_for("generation 1 processes gone", lambda: not generation_processes(1), 15)
+
+
+def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etcd, namespace: str,
+                                                     tmp_path: os.PathLike[str], digits: str) -> None:
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
+    total = 80
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=total)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
+    # Kill once a checkpoint exists and training is past it.
+    wait_for("step 25 of generation 1", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 25, 180, poll_s=0.2)
+    old = generation_processes(1)
+    roles = {p.environ().get("MS_ROLE", "msrun") for p in old}
+    assert {"MS_WORKER", "MS_SCHED"} <= roles, roles
+    victim = worker_pids(1)[1]
+
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    failed = wait_for("generation 1 reported FAILED",
+                      lambda: (r := etcd.report(JOB, 1, "n0")) and r.state is GenerationState.FAILED and r, 5,
+                      poll_s=0.02)
+    observed_s = time.time() - killed_at
+    assert failed.detected_at - killed_at < 1.0, f"detected {failed.detected_at - killed_at:.3f}s after the kill"
+    assert observed_s < 1.0, f"report visible in etcd {observed_s:.3f}s after the kill"
+    assert failed.failed_rank == 1
+    # Nothing of generation 1 survives: msrun, its scheduler, the workers (and tails, if any).
+    assert not [p for p in old if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not generation_processes(1)
+    with open(os.path.join(ckpt, "latest.json")) as f:
+        checkpointed = json.load(open(os.path.join(ckpt, json.load(f)["manifest"])))["step"]
+    assert checkpointed >= 10
+
+    plan2 = wait_for("generation 2 committed", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 10)
+    assert plan2.master_port != plan1.master_port and plan2.restart_count == 1
+    started = wait_for("generation 2 first step",
+                       lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r, 120, poll_s=0.2)
+    assert started.resumed_step == checkpointed
+
+    status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, poll_s=0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.generation == 2 and status.restart_count == 1
+    assert status.last_failure is not None and status.last_failure.rank == 1 and status.last_failure.recover_s > 0
+    with open(os.path.join(out, "result_g2.json")) as f:
+        result = json.load(f)
+    assert result["final_step"] == total and result["resumed_from"] == checkpointed
+
+    # elasticctl shows the same story.
+    r = elasticctl("status", JOB, "-o", "json", endpoint=endpoint)
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)["jobs"][0]
+    assert shown["state"] == "JOB_STATE_SUCCEEDED" and shown["generation"] == "2"
+    assert shown["last_failure"]["rank"] == 1 and shown["last_failure"]["recover_s"] > 0
+    table = elasticctl("status", endpoint=endpoint).stdout
+    assert "SUCCEEDED" in table and "rank 1 on n0" in table and "recovered in" in table

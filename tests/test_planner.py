@@ -1,0 +1,93 @@
+"""The planner as a table: state + plan + reports + nodes -> decision. No etcd, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from mselastic.core.model import GenerationReport, NodeRecord, Plan
+from mselastic.core.planner import RESERVED_PORTS, Action, PortRange, decide, make_plan, master_port
+from mselastic.core.spec import JobSpec
+from mselastic.core.states import GenerationState as G
+from mselastic.core.states import JobState as J
+
+SPEC = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=1, max_nodes=2,
+               max_restarts=2, global_batch_size=32)
+
+
+def node(i: int, rev: int | None = None, slots: int = 2) -> NodeRecord:
+    return NodeRecord(node_id=f"n{i}", agent_address=f"10.0.0.{i}:7070", host=f"10.0.0.{i}", slots=slots,
+                      version="t", create_revision=rev if rev is not None else i + 1)
+
+
+def plan_on(*ids: int, generation: int = 1, restarts: int = 0) -> Plan:
+    return make_plan(SPEC, [node(i) for i in ids], generation, restarts, "t", None, PortRange())
+
+
+def rep(i: int, state: G, generation: int = 1, rank: int = -1, at: float = 0.0) -> GenerationReport:
+    return GenerationReport(job="job", generation=generation, node_id=f"n{i}", state=state, failed_rank=rank,
+                            reason="boom", detected_at=at)
+
+
+CASES = [
+    # (id, state, plan, reports, nodes, action, members of the new plan, generation)
+    ("no nodes: wait", J.PENDING, None, [], [], Action.WAIT, None, None),
+    ("node too small: wait", J.PENDING, None, [], [node(0, slots=1)], Action.WAIT, None, None),
+    ("first launch, oldest first", J.PENDING, None, [], [node(2, rev=9), node(1, rev=3), node(0, rev=5)],
+     Action.LAUNCH, ["n1", "n0"], 1),
+    ("healthy: nothing", J.RUNNING, plan_on(0, 1), [rep(0, G.RUNNING), rep(1, G.RUNNING)], [node(0), node(1)],
+     Action.NOTHING, None, None),
+    ("all succeeded", J.RUNNING, plan_on(0, 1), [rep(0, G.SUCCEEDED), rep(1, G.SUCCEEDED)], [node(0), node(1)],
+     Action.SUCCEED, None, None),
+    ("one succeeded only", J.RUNNING, plan_on(0, 1), [rep(0, G.SUCCEEDED)], [node(0), node(1)],
+     Action.NOTHING, None, None),
+    ("rank failed: relaunch same nodes", J.RUNNING, plan_on(0, 1), [rep(1, G.FAILED, rank=3)], [node(0), node(1)],
+     Action.LAUNCH, ["n0", "n1"], 2),
+    ("node lost: relaunch without it", J.RUNNING, plan_on(0, 1), [], [node(1)], Action.LAUNCH, ["n1"], 2),
+    ("survivors keep order, newcomer appended", J.RUNNING, plan_on(1, 0), [rep(1, G.FAILED)],
+     [node(0), node(1), node(5, rev=0)], Action.LAUNCH, ["n1", "n0"], 2),
+    ("stale report of old generation ignored", J.RUNNING, plan_on(0, generation=2),
+     [rep(0, G.FAILED, generation=1)], [node(0)], Action.NOTHING, None, None),
+    ("restarts exhausted", J.RUNNING, plan_on(0, restarts=2), [rep(0, G.FAILED)], [node(0)], Action.FAIL, None, None),
+    ("below min_nodes after loss: wait", J.RUNNING, plan_on(0), [], [], Action.WAIT, None, None),
+    ("terminal: nothing", J.SUCCEEDED, plan_on(0), [rep(0, G.FAILED)], [node(0)], Action.NOTHING, None, None),
+    ("stopped: nothing", J.STOPPED, None, [], [node(0)], Action.NOTHING, None, None),
+]
+
+
+@pytest.mark.parametrize("state, plan, reports, nodes, action, members, generation",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decide(state, plan, reports, nodes, action, members, generation):  # type: ignore[no-untyped-def]
+    d = decide(SPEC, state, plan, {r.node_id: r for r in reports}, nodes)
+    assert d.action is action, d.reason
+    if members is not None:
+        assert d.plan is not None
+        assert [m.node_id for m in d.plan.members] == members
+        assert [m.node_rank for m in d.plan.members] == list(range(len(members)))
+        assert d.plan.generation == generation
+        assert d.plan.worker_num == 2 * len(members)
+        assert d.plan.master_addr == d.plan.members[0].host
+        if plan is not None:
+            assert d.plan.master_port != plan.master_port
+            assert d.plan.restart_count == plan.restart_count + 1
+
+
+def test_first_failure_is_the_earliest_detected() -> None:
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": rep(0, G.FAILED, rank=1, at=20.0),
+                                                "n1": rep(1, G.FAILED, rank=2, at=10.0)}, [node(0), node(1)])
+    assert d.fault is not None and d.fault.node_id == "n1" and "rank 2" in d.reason
+
+
+def test_master_port_changes_and_stays_outside_msrun_ranges() -> None:
+    ports = PortRange()
+    seen = []
+    for g in range(1, 200):
+        p = master_port("job", g, seen[-1] if seen else None, ports)
+        assert p not in RESERVED_PORTS and ports.start <= p < ports.start + ports.span
+        assert not seen or p != seen[-1]
+        seen.append(p)
+
+
+@pytest.mark.parametrize("start, span", [(8000, 500), (15000, 2000), (100, 10), (65000, 1000)])
+def test_bad_port_ranges_refused(start: int, span: int) -> None:
+    with pytest.raises(ValueError):
+        PortRange(start, span)

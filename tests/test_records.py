@@ -1,0 +1,65 @@
+"""Records, keys, lifecycles and the heartbeat format: pure logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from mselastic.core.contract import Beat
+from mselastic.core.model import GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
+from mselastic.core.states import GenerationState, IllegalTransition, JobState, check_generation_transition, \
+    check_job_transition
+from mselastic.store.keys import BadName, Keys
+
+
+def test_keys_layout_and_parsing() -> None:
+    k = Keys("/ns")
+    assert k.node("n0") == "/ns/nodes/n0"
+    assert k.report("job", 3, "n0") == "/ns/jobs/job/reports/000000000003/n0"
+    assert k.parse_job_key(k.plan("job")) == ("job", "plan")
+    assert k.parse_job_key(k.node("n0")) is None
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../x", "-x", "x" * 64, "a b"])
+def test_ids_cannot_escape_their_keys(bad: str) -> None:
+    with pytest.raises(BadName):
+        Keys().node(bad)
+
+
+@pytest.mark.parametrize("ns", ["mselastic", "/x/", ""])
+def test_bad_namespace(ns: str) -> None:
+    with pytest.raises(BadName):
+        Keys(ns)
+
+
+@pytest.mark.parametrize("raw, cls", [
+    (b"not json", Plan), (b"[]", Plan), (b'{"job": "x"}', Plan),
+    (b'{"state": "DANCING"}', JobStatus), (b'{"node_id": "n"}', NodeRecord),
+    (b'{"job":"j","generation":1,"node_id":"n","state":"NOPE"}', GenerationReport),
+])
+def test_malformed_records_are_refused(raw: bytes, cls: type) -> None:
+    with pytest.raises(MalformedRecord):
+        cls.from_json(raw)  # type: ignore[attr-defined]
+
+
+def test_status_round_trip() -> None:
+    s = JobStatus(JobState.RUNNING, 2, 1, "m")
+    assert JobStatus.from_json(s.to_json()) == s
+
+
+def test_lifecycles_reject_illegal_transitions() -> None:
+    check_job_transition(JobState.RUNNING, JobState.RESTARTING)
+    with pytest.raises(IllegalTransition):
+        check_job_transition(JobState.SUCCEEDED, JobState.RUNNING)
+    with pytest.raises(IllegalTransition):
+        check_job_transition(JobState.PENDING, JobState.SUCCEEDED)
+    check_generation_transition(GenerationState.STARTING, GenerationState.FAILED)
+    with pytest.raises(IllegalTransition):
+        check_generation_transition(GenerationState.FAILED, GenerationState.RUNNING)
+
+
+def test_heartbeat_round_trip_and_garbage() -> None:
+    b = Beat("step", rank=1, pid=2, generation=3, step=4, loss=0.5)
+    assert Beat.decode(b.encode()) == b
+    for junk in (b"", b"{}", b'{"kind": "nap"}', b"\xff"):
+        with pytest.raises(ValueError):
+            Beat.decode(junk)

@@ -1,0 +1,69 @@
+"""Job spec validation: every bad field is refused with one line naming it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mselastic.core.spec import JobSpec, SpecError, load_toml
+
+GOOD = dict(name="lenet", script="/x/train.py", checkpoint_dir="/x/ckpt", workers_per_node=2,
+            min_nodes=1, max_nodes=2, total_steps=100, global_batch_size=32)
+
+
+def test_good_spec_round_trips() -> None:
+    spec = JobSpec.from_dict(GOOD)
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert spec.world_size_range == (2, 4)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"name": "Bad_Name"}, "name"),
+    ({"name": ""}, "name"),
+    ({"script": "train.py"}, "script"),
+    ({"checkpoint_dir": "rel/ckpt"}, "checkpoint_dir"),
+    ({"workers_per_node": 0}, "workers_per_node"),
+    ({"min_nodes": 3, "max_nodes": 2}, "min_nodes"),
+    ({"max_nodes": -1}, "max_nodes"),
+    ({"total_steps": 0}, "total_steps"),
+    ({"total_steps": "10"}, "total_steps"),
+    ({"total_steps": True}, "total_steps"),
+    ({"hang_timeout_s": 0}, "hang_timeout_s"),
+    ({"stop_grace_period_s": -1.0}, "stop_grace_period_s"),
+    ({"max_restarts": -1}, "max_restarts"),
+    ({"global_batch_size": 7, "workers_per_node": 2, "min_nodes": 1, "max_nodes": 1}, "global_batch_size"),
+    ({"args": "--lr 0.1"}, "args"),
+    ({"env": {"MSELASTIC_JOB": "x"}}, "env"),
+    ({"env": {"A": 1}}, "env"),
+    ({"nodes": 3}, "nodes"),
+])
+def test_bad_field_is_named(change: dict[str, object], field: str) -> None:
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict({**GOOD, **change})
+    assert str(e.value).startswith(f"field '{field}':")
+    assert "\n" not in str(e.value)
+
+
+def test_missing_required_field() -> None:
+    data = dict(GOOD)
+    del data["checkpoint_dir"]
+    with pytest.raises(SpecError, match="field 'checkpoint_dir': required"):
+        JobSpec.from_dict(data)
+
+
+def test_toml_relative_paths_resolve_against_the_file(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(str(tmp_path), "job.toml")
+    with open(path, "w") as f:
+        f.write('name = "j"\nscript = "train.py"\ncheckpoint_dir = "ckpt"\n')
+    spec = load_toml(path)
+    assert spec.script == os.path.join(str(tmp_path), "train.py")
+    assert spec.checkpoint_dir == os.path.join(str(tmp_path), "ckpt")
+
+
+def test_toml_syntax_error_is_one_line(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(str(tmp_path), "job.toml")
+    with open(path, "w") as f:
+        f.write('name = "j\n')
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_toml(path)
