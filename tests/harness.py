@@ -167,26 +167,18 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
 
 
 def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: int, workers: int = 2,
-               interval: int = 10, max_restarts: int = 3, extra: str = "") -> str:
-    text = f"""
-name = "{name}"
-script = "{os.path.join(REPO, 'examples', 'lenet', 'train.py')}"
-args = ["--data", "{DATA_DIR}", "--out", "{out_dir}", "--lr", "0.05"]
-workers_per_node = {workers}
-min_nodes = 1
-max_nodes = 1
-max_restarts = {max_restarts}
-total_steps = {total_steps}
-global_batch_size = 32
-checkpoint_dir = "{ckpt_dir}"
-checkpoint_interval_steps = {interval}
-keep_checkpoints = 3
-hang_timeout_s = 60
-stop_grace_period_s = 5
-{extra}
-"""
+               **overrides: Any) -> str:
+    """Write a LeNet job spec (TOML); ``overrides`` replace or add fields."""
+    fields: dict[str, Any] = dict(
+        name=name, script=os.path.join(REPO, "examples", "lenet", "train.py"),
+        args=["--data", DATA_DIR, "--out", out_dir, "--lr", "0.05"],
+        workers_per_node=workers, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
+        global_batch_size=32, checkpoint_dir=ckpt_dir, checkpoint_interval_steps=10, keep_checkpoints=3,
+        hang_timeout_s=60, stop_grace_period_s=5)
+    fields.update(overrides)
     with open(path, "w") as f:
-        f.write(text)
+        for key, value in fields.items():
+            f.write(f"{key} = {json.dumps(value)}\n")  # JSON scalars and string lists are valid TOML
     return path
 
 

@@ -65,6 +65,7 @@ class Generation:
         self.failed_rank = -1
         self.reason = ""
         self.detected_at = 0.0
+        self.stopped_at = 0.0
         self.first_step_at = 0.0
         self.resumed_step = -1
         self.started_mono = 0.0
@@ -134,6 +135,7 @@ class Generation:
                 await asyncio.wait_for(self._msrun.wait(), timeout=5)
             except asyncio.TimeoutError:
                 left.append(self._msrun.pid)
+        self.stopped_at = self.stopped_at or time.time()
         if not self.state.terminal:
             self._set(GenerationState.STOPPED, reason="stopped")
         self._close()
@@ -247,6 +249,7 @@ class Generation:
         left = await procs.stop_generation(self.run_id, extra, grace_s=0)
         if left:
             log.error("processes left after teardown: %s", left, extra=self._ctx)
+        self.stopped_at = time.time()
         self._set(GenerationState.FAILED)
         self._close()
 
@@ -276,4 +279,4 @@ class Generation:
         return GenerationReport(
             job=self.spec.name, generation=self.plan.generation, node_id=self.node_id, state=self.state,
             failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
-            first_step_at=self.first_step_at, resumed_step=self.resumed_step, step=max(steps), loss=loss)
+            stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step, step=max(steps), loss=loss)

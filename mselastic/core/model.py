@@ -132,6 +132,8 @@ class GenerationReport:
     reason: str = ""
     #: Wall-clock time (Unix seconds) the agent noticed the failure.
     detected_at: float = 0.0
+    #: Wall-clock time every process of the generation was gone after a failure or stop.
+    stopped_at: float = 0.0
     #: Wall-clock time the first rank of this generation reported a step.
     first_step_at: float = 0.0
     #: Step the generation resumed from (first heartbeat's resumed_step), -1 if unknown.

@@ -1,0 +1,137 @@
+"""One elasticd with an embedded etcd on this machine, for the demo and the benchmarks.
+
+Everything the node starts (etcd, msrun, workers) inherits a marker in its
+environment; :meth:`LocalNode.stop` stops elasticd by its process group and then
+checks that no marked process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Callable, TypeVar
+
+import grpc
+import psutil
+
+from mselastic.store.embedded import free_port
+from mselastic.v1 import elastic_pb2 as pb
+from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+TRAIN = os.path.join(REPO, "examples", "lenet", "train.py")
+MARK_VAR = "MSELASTIC_LOCAL_ID"
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: float = 0.05) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int) -> str:
+    with open(path, "w") as f:
+        f.write(f'name = "{name}"\nscript = "{TRAIN}"\n'
+                f'args = ["--data", "{os.path.abspath(data)}", "--out", "{out_dir}", "--lr", "0.05"]\n'
+                f'workers_per_node = 2\ntotal_steps = {steps}\nglobal_batch_size = 32\n'
+                f'checkpoint_dir = "{ckpt_dir}"\ncheckpoint_interval_steps = 10\nmax_restarts = 3\n')
+    return path
+
+
+class LocalNode:
+    def __init__(self, work: str, node_id: str = "local-node") -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        self.work = work
+        self.node_id = node_id
+        self.etcd_endpoint = f"127.0.0.1:{free_port()}"
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.mark = uuid.uuid4().hex
+        self.env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **{MARK_VAR: self.mark})
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.channel = grpc.insecure_channel(self.endpoint)
+        self.control = pb_grpc.ControlStub(self.channel)
+        self.agent = pb_grpc.AgentStub(self.channel)
+
+    def start(self) -> "LocalNode":
+        with open(os.path.join(self.work, "elasticd.log"), "wb") as log:
+            self.daemon = subprocess.Popen(
+                [os.path.join(BIN, "elasticd"), "--node-id", self.node_id,
+                 "--embedded-etcd-dir", os.path.join(self.work, "etcd"), "--etcd-endpoint", self.etcd_endpoint,
+                 "--listen", self.endpoint, "--slots", "2", "--work-dir", os.path.join(self.work, "node"),
+                 "--lease-ttl-s", "5"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+        wait_for("elasticd to register and lead", self._leading, 60, 0.3)
+        return self
+
+    def _leading(self) -> bool:
+        try:
+            return self.control.Status(pb.StatusRequest(), timeout=5).leader == self.node_id
+        except grpc.RpcError:
+            return False
+
+    def elasticctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([os.path.join(BIN, "elasticctl"), "--endpoint", self.endpoint, *args],
+                              capture_output=True, text=True, env=self.env, timeout=120)
+
+    def job(self, name: str) -> pb.JobStatus | None:
+        try:
+            res = self.control.Status(pb.StatusRequest(job=name), timeout=5)
+        except grpc.RpcError:
+            return None
+        return res.jobs[0] if res.jobs else None
+
+    def ranks(self, job: str) -> tuple[int, dict[int, pb.RankStatus]]:
+        """The generation this node runs for ``job`` and its ranks (pid, step), from the Agent service."""
+        res = self.agent.Status(pb.AgentStatusRequest(), timeout=5)
+        for g in res.generations:
+            if g.job == job:
+                return g.generation, {r.rank: r for r in g.ranks}
+        return 0, {}
+
+    def etcd_get(self, key: str) -> bytes | None:
+        out = subprocess.run([os.path.join(BIN, "etcdctl"), f"--endpoints={self.etcd_endpoint}", "get", key,
+                              "--print-value-only"], capture_output=True, timeout=10)
+        return out.stdout.strip() or None
+
+    def etcd_values(self, prefix: str) -> list[bytes]:
+        out = subprocess.run([os.path.join(BIN, "etcdctl"), f"--endpoints={self.etcd_endpoint}", "get", prefix,
+                              "--prefix", "--print-value-only"], capture_output=True, timeout=10)
+        return [line for line in out.stdout.splitlines() if line.strip()]
+
+    def stop(self) -> list[int]:
+        """Stop elasticd (it stops its workers and etcd); kill and return any marked leftovers."""
+        if self.daemon is not None and self.daemon.poll() is None:
+            os.killpg(self.daemon.pid, signal.SIGTERM)
+            try:
+                self.daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.daemon.pid, signal.SIGKILL)
+                self.daemon.wait()
+        self.channel.close()
+        left = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(MARK_VAR) == self.mark and proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        for proc in left:
+            proc.kill()
+        return [p.pid for p in left]
