@@ -14,7 +14,7 @@ import pytest
 from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
-from tests.harness import Etcd, Processes, elasticctl, elasticd_cmd, lenet_spec, wait_for
+from tests.harness import TEST_MARK, Etcd, Processes, elasticctl, elasticd_cmd, lenet_spec, wait_for
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -27,22 +27,24 @@ def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str) -> str:
     return f"127.0.0.1:{port}"
 
 
-def generation_processes(generation: int) -> list[psutil.Process]:
+def generation_processes(procs: Processes, generation: int) -> list[psutil.Process]:
+    """Live processes of one generation started (through elasticd) by this test."""
     found = []
     for p in psutil.process_iter():
         try:
-            run_id = p.environ().get(ENV_RUN_ID, "")
-            if run_id.startswith(f"{JOB}.{generation}.") and p.status() != psutil.STATUS_ZOMBIE:
+            env = p.environ()
+            if (env.get(TEST_MARK) == procs.mark and env.get(ENV_RUN_ID, "").startswith(f"{JOB}.{generation}.")
+                    and p.status() != psutil.STATUS_ZOMBIE):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 
 
-def worker_pids(generation: int) -> dict[int, int]:
+def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
     """rank -> pid of the MindSpore workers of a generation (msrun's own environment marks them)."""
     ranks = {}
-    for p in generation_processes(generation):
+    for p in generation_processes(procs, generation):
         try:
             env = p.environ()
         except psutil.NoSuchProcess:
@@ -73,7 +75,7 @@ def test_lenet_completes_with_identical_parameters(procs: Processes, etcd: Etcd,
         assert np.array_equal(p0[name], p1[name]), f"{name} differs between ranks"
     report = etcd.report(JOB, 1, "n0")
     assert report is not None and report.state is GenerationState.SUCCEEDED and report.step == 40
-    wait_for("generation 1 processes gone", lambda: not generation_processes(1), 15)
+    wait_for("generation 1 processes gone", lambda: not generation_processes(procs, 1), 15)
 
 
 def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etcd, namespace: str,
@@ -87,10 +89,10 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     # Kill once a checkpoint exists and training is past it.
     wait_for("step 25 of generation 1", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 25, 180, poll_s=0.2)
-    old = generation_processes(1)
+    old = generation_processes(procs, 1)
     roles = {p.environ().get("MS_ROLE", "msrun") for p in old}
     assert {"MS_WORKER", "MS_SCHED"} <= roles, roles
-    victim = worker_pids(1)[1]
+    victim = worker_pids(procs, 1)[1]
 
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
@@ -103,7 +105,7 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     assert failed.failed_rank == 1
     # Nothing of generation 1 survives: msrun, its scheduler, the workers (and tails, if any).
     assert not [p for p in old if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not generation_processes(1)
+    assert not generation_processes(procs, 1)
     with open(os.path.join(ckpt, "latest.json")) as f:
         checkpointed = json.load(open(os.path.join(ckpt, json.load(f)["manifest"])))["step"]
     assert checkpointed >= 10
@@ -130,3 +132,18 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     assert shown["last_failure"]["rank"] == 1 and shown["last_failure"]["recover_s"] > 0
     table = elasticctl("status", endpoint=endpoint).stdout
     assert "SUCCEEDED" in table and "rank 1 on n0" in table and "recovered in" in table
+
+
+def test_sigkilled_elasticd_leaves_no_worker_behind(procs: Processes, etcd: Etcd, namespace: str,
+                                                    tmp_path: os.PathLike[str], digits: str) -> None:
+    """The parent-death chain: elasticd -> msrun -> workers (and scheduler) die together."""
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                      total_steps=500)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 1, 120, poll_s=0.2)
+    alive = generation_processes(procs, 1)
+    assert len(worker_pids(procs, 1)) == 2 and alive
+    os.kill(procs.started[0].pid, signal.SIGKILL)
+    wait_for("every process of the generation to die with elasticd", lambda: not generation_processes(procs, 1), 10)

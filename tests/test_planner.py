@@ -91,3 +91,9 @@ def test_master_port_changes_and_stays_outside_msrun_ranges() -> None:
 def test_bad_port_ranges_refused(start: int, span: int) -> None:
     with pytest.raises(ValueError):
         PortRange(start, span)
+
+
+def test_salt_separates_clusters_choosing_ports_for_same_job() -> None:
+    ports = PortRange()
+    chosen = {master_port("lenet", 1, None, ports, salt) for salt in range(50)}
+    assert len(chosen) > 40

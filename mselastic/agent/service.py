@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from mselastic.agent.node import LaunchRefused, NodeAgent
-from mselastic.agent.wire import generation_state_to_pb, plan_from_pb
+from mselastic.agent.wire import abort, generation_state_to_pb, plan_from_pb
 from mselastic.core.model import MalformedRecord
 from mselastic.core.spec import SpecError
 from mselastic.store.etcd import TemporaryError
@@ -19,20 +19,20 @@ class AgentService(pb_grpc.AgentServicer):
 
     async def Launch(self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext) -> pb.LaunchResponse:
         if not request.plan.job or request.plan.generation <= 0 or not request.plan.members:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Launch needs a plan with job, generation > 0 and members")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Launch needs a plan with job, generation > 0 and members")
         try:
             message = await self.agent.launch(plan_from_pb(request.plan))
         except LaunchRefused as e:
             return pb.LaunchResponse(accepted=False, message=str(e))
         except TemporaryError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, cannot verify the plan: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, cannot verify the plan: {e}")
         except (MalformedRecord, SpecError) as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"bad record in etcd: {e}")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"bad record in etcd: {e}")
         return pb.LaunchResponse(accepted=True, message=message)
 
     async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext) -> pb.StopResponse:
         if not request.job or request.grace_period_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Stop needs a job and a grace_period_s >= 0")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Stop needs a job and a grace_period_s >= 0")
         left = await self.agent.stop(request.job, request.generation, request.grace_period_s)
         return pb.StopResponse(leftover_pids=left)
 

@@ -35,6 +35,16 @@ from mselastic.core.states import GenerationState, check_generation_transition
 log = logging.getLogger(__name__)
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT does not count
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
 @dataclasses.dataclass
 class RankState:
     rank: int
@@ -81,6 +91,7 @@ class Generation:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
+        """Start msrun; a master port already in use on node_rank 0 fails the generation at once."""
         os.makedirs(self.log_dir, exist_ok=True)
         os.makedirs(self.spec.checkpoint_dir, exist_ok=True)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -88,6 +99,10 @@ class Generation:
         self._sock.setblocking(False)
         asyncio.get_running_loop().add_reader(self._sock.fileno(), self._read_beats)
         p = self.plan
+        if self.member.node_rank == 0 and not _port_free(p.master_port):
+            # A live scheduler of another job or generation there would capture our workers.
+            await self._fail(-1, f"master port {p.master_port} is in use on node {self.node_id}")
+            return
         cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"),
                f"--worker_num={p.worker_num}", f"--local_worker_num={self.member.local_workers}",
                f"--master_addr={p.master_addr}", f"--master_port={p.master_port}",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NoReturn, cast
+
+import grpc
+
 from mselastic.core.model import Member, Plan
 from mselastic.core.states import GenerationState, JobState
 from mselastic.v1 import elastic_pb2 as pb
@@ -23,9 +27,15 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
                              agent_address=m.agent_address, host=m.host) for m in msg.members))
 
 
-def job_state_to_pb(state: JobState) -> int:
-    return int(pb.JobState.Value(f"JOB_STATE_{state.value}"))
+def job_state_to_pb(state: JobState) -> pb.JobState:
+    return cast(pb.JobState, pb.JobState.Value(f"JOB_STATE_{state.value}"))
 
 
-def generation_state_to_pb(state: GenerationState) -> int:
-    return int(pb.GenerationState.Value(f"GENERATION_STATE_{state.value}"))
+def generation_state_to_pb(state: GenerationState) -> pb.GenerationState:
+    return cast(pb.GenerationState, pb.GenerationState.Value(f"GENERATION_STATE_{state.value}"))
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """``context.abort`` with the type checker told that it does not return."""
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")

@@ -63,9 +63,13 @@ class Decision:
     lost_nodes: tuple[str, ...] = ()
 
 
-def master_port(job: str, generation: int, previous: int | None, ports: PortRange) -> int:
-    """A per-generation port: spread by a hash, never the previous generation's."""
-    port = ports.start + zlib.crc32(f"{job}/{generation}".encode()) % ports.span
+def master_port(job: str, generation: int, previous: int | None, ports: PortRange, salt: int = 0) -> int:
+    """A per-generation port: spread by a hash, never the previous generation's.
+
+    ``salt`` (the coordinator passes the etcd revision it decided at) keeps two
+    clusters on one host from choosing the same port for a job of the same name.
+    """
+    port = ports.start + zlib.crc32(f"{job}/{generation}/{salt}".encode()) % ports.span
     if port == previous:
         port = ports.start + (port - ports.start + 1) % ports.span
     return port
@@ -79,7 +83,7 @@ def eligible(nodes: Iterable[NodeRecord], spec: JobSpec) -> list[NodeRecord]:
 
 def make_plan(
     spec: JobSpec, nodes: list[NodeRecord], generation: int, restart_count: int, reason: str,
-    previous_port: int | None, ports: PortRange,
+    previous_port: int | None, ports: PortRange, salt: int = 0,
 ) -> Plan:
     members = tuple(
         Member(node_id=n.node_id, node_rank=i, local_workers=spec.workers_per_node,
@@ -89,7 +93,7 @@ def make_plan(
     return Plan(
         job=spec.name, generation=generation, members=members,
         worker_num=spec.workers_per_node * len(members), master_addr=members[0].host,
-        master_port=master_port(spec.name, generation, previous_port, ports),
+        master_port=master_port(spec.name, generation, previous_port, ports, salt),
         restart_count=restart_count, reason=reason,
     )
 
@@ -101,8 +105,10 @@ def decide(
     reports: Mapping[str, GenerationReport],
     nodes: Iterable[NodeRecord],
     ports: PortRange = PortRange(),
+    salt: int = 0,
 ) -> Decision:
-    """The next step for one job. ``reports`` are the current generation's, by node id."""
+    """The next step for one job. ``reports`` are the current generation's, by node id;
+    ``salt`` varies the master port (see :func:`master_port`)."""
     if state.terminal:
         return Decision(Action.NOTHING)
     alive = eligible(nodes, spec)
@@ -111,7 +117,7 @@ def decide(
             return Decision(Action.WAIT, f"waiting for nodes: {len(alive)} of min_nodes={spec.min_nodes}")
         chosen = alive[: spec.max_nodes]
         return Decision(Action.LAUNCH, "initial launch",
-                        make_plan(spec, chosen, 1, 0, "initial launch", None, ports))
+                        make_plan(spec, chosen, 1, 0, "initial launch", None, ports, salt))
 
     current = [r for r in reports.values() if r.generation == plan.generation]
     failed = sorted((r for r in current if r.state is GenerationState.FAILED),
@@ -142,5 +148,5 @@ def decide(
     if len(chosen) < spec.min_nodes:
         return Decision(Action.WAIT, f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}",
                         fault=fault, lost_nodes=lost)
-    nxt = make_plan(spec, chosen, plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports)
+    nxt = make_plan(spec, chosen, plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
     return Decision(Action.LAUNCH, reason, nxt, fault=fault, lost_nodes=lost)

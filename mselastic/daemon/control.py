@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from mselastic.agent.wire import job_state_to_pb, plan_to_pb
+from mselastic.agent.wire import abort, job_state_to_pb, plan_to_pb
 from mselastic.core.model import Event, JobStatus, LeaderRecord
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
@@ -49,11 +49,11 @@ class ControlService(pb_grpc.ControlServicer):
         try:
             cluster = await read_cluster(self.store, request.job)
         except BadName as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TemporaryError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         if request.job and request.job not in cluster.jobs:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
         leader = cluster.leader.node_id if cluster.leader else ""
         return pb.StatusResponse(
             jobs=[job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
@@ -65,13 +65,13 @@ class ControlService(pb_grpc.ControlServicer):
         if self.coordinator.term is None:
             kv = await self.store.get(self.store.keys.leader)
             where = LeaderRecord.from_json(kv.value).control_address if kv else "(none elected yet)"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NOT_LEADER_PREFIX + where)
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, NOT_LEADER_PREFIX + where)
 
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         try:
             spec = JobSpec.from_json(request.spec_json)
         except SpecError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._require_leader(context)
         k, tx = self.store.keys, self.store.tx
         status = JobStatus(JobState.PENDING, message="submitted", updated_at=time.time())
@@ -83,28 +83,28 @@ class ControlService(pb_grpc.ControlServicer):
                 tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
             ])
         except TemporaryError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         if not ok:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
+            await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
         self.coordinator.wake()
         return pb.SubmitResponse(job=spec.name)
 
     async def StopJob(self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
         if request.grace_period_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_period_s must be >= 0")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "grace_period_s must be >= 0")
         await self._require_leader(context)
         try:
             cluster = await read_cluster(self.store, request.job)
         except BadName as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         view = cluster.jobs.get(request.job)
         if view is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
         if view.status.state.terminal:
             return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
         term = self.coordinator.term
         if term is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
         grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
         status = JobStatus(JobState.STOPPED, view.status.generation, view.status.restart_count,
                            "stopped by operator", view.status.last_failure, time.time())
@@ -112,7 +112,7 @@ class ControlService(pb_grpc.ControlServicer):
             await self.coordinator.write_status(term, view.name, status, Event(
                 at=time.time(), kind="stopped", generation=view.status.generation, message="stopped by operator"))
         except Fenced:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
         if view.plan is not None:
             await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
                                                {m.node_id: m.agent_address for m in view.plan.members})

@@ -173,7 +173,7 @@ class Coordinator:
                     await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
                 continue
             decision = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
-                              self.cfg.ports)
+                              self.cfg.ports, salt=cluster.revision)
             await self._apply(term, view, decision)
 
     async def _apply(self, term: Term, view: JobView, d: Decision) -> None:

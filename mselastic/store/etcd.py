@@ -51,7 +51,7 @@ class RetryPolicy:
             stop=tenacity.stop_after_attempt(self.attempts) | tenacity.stop_after_delay(self.budget_s),
             wait=tenacity.wait_exponential_jitter(multiplier=self.initial_wait_s, max=self.max_wait_s, jitter=self.initial_wait_s),
             retry=tenacity.retry_if_exception_type(TemporaryError),
-            before_sleep=lambda rs: log.debug("etcd retry %d: %s", rs.attempt_number, rs.outcome.exception()),
+            before_sleep=lambda rs: log.debug("etcd retry %d: %s", rs.attempt_number, rs.outcome and rs.outcome.exception()),
             reraise=True,
         )
 
@@ -62,7 +62,7 @@ class RetryPolicy:
             wait=tenacity.wait_exponential_jitter(multiplier=self.initial_wait_s, max=self.max_wait_s,
                                                   jitter=self.initial_wait_s),
             retry=tenacity.retry_if_exception_type((TemporaryError, PermanentError)),
-            before_sleep=lambda rs: log.info("etcd: %s; retrying", rs.outcome.exception()),
+            before_sleep=lambda rs: log.info("etcd: %s; retrying", rs.outcome and rs.outcome.exception()),
             reraise=True,
         )
 
@@ -97,7 +97,7 @@ class Store:
         self.endpoint = endpoint
         self.keys = keys
         self.retry = retry
-        self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s)  # type: ignore[arg-type]
+        self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s)
         self.tx = self.client.transactions
 
     async def close(self) -> None:
