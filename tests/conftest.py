@@ -66,3 +66,14 @@ def digits() -> str:
     if not os.path.exists(os.path.join(DATA_DIR, "train-images-idx3-ubyte")):
         pytest.fail(f"no data set at {DATA_DIR}: run `make data` (make test does it)")
     return DATA_DIR
+
+
+@pytest.fixture
+def cluster(procs: Processes, namespace: str, tmp_path: os.PathLike[str]) -> Iterator["Cluster"]:
+    from tests.cluster import Cluster
+
+    c = Cluster(procs, str(tmp_path), namespace)
+    try:
+        yield c
+    finally:
+        c.down()

@@ -1,0 +1,127 @@
+"""A simulated cluster on one machine: one network namespace per node, on a bridge.
+
+Each node is a network namespace with its own address (a veth pair whose root
+end is attached to a bridge made for this cluster), running its own elasticd
+through ``ip netns exec``. etcd listens on the bridge's address in the root
+namespace, so every node reaches it and the test reads it directly. Only the
+cluster's own addresses (10.213.<subnet>.0/24, chosen free) are used; no traffic
+leaves the machine. A partition is a node's veth taken down.
+
+Everything is torn down at the end, pass or fail: processes (through the test's
+:class:`~tests.harness.Processes`), etcd, namespaces, veths and the bridge.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import uuid
+
+from mselastic.store.embedded import EmbeddedEtcd
+from tests.harness import Etcd, Processes, elasticd_cmd, wait_for
+
+AGENT_PORT = 7070
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _free_subnet() -> int:
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    for n in range(10, 250):
+        if f"10.213.{n}." not in used:
+            return n
+    raise RuntimeError("no free 10.213.x.0/24 subnet for the test cluster")
+
+
+class Cluster:
+    def __init__(self, procs: Processes, tmp: str, namespace: str, lease_ttl_s: int = 3) -> None:
+        self.procs = procs
+        self.tmp = tmp
+        self.namespace = namespace
+        self.lease_ttl_s = lease_ttl_s
+        self.id = uuid.uuid4().hex[:4]
+        self.subnet = _free_subnet()
+        self.bridge = f"msb{self.id}"
+        self.nodes: dict[int, str] = {}  # index -> netns name
+        self.daemons: dict[int, subprocess.Popen[bytes]] = {}
+        self.etcd_server: EmbeddedEtcd | None = None
+        self.etcd: Etcd | None = None
+
+    # -- addresses and names ---------------------------------------------------
+
+    @property
+    def gateway(self) -> str:
+        return f"10.213.{self.subnet}.1"
+
+    def address(self, i: int) -> str:
+        return f"10.213.{self.subnet}.{10 + i}"
+
+    def veth(self, i: int) -> str:
+        return f"msv{self.id}{i}"
+
+    def node_id(self, i: int) -> str:
+        return f"n{i}"
+
+    def endpoint(self, i: int) -> str:
+        return f"{self.address(i)}:{AGENT_PORT}"
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def up(self, n_nodes: int) -> "Cluster":
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i in range(n_nodes):
+            ns = f"msn{self.id}{i}"
+            _ip("netns", "add", ns)
+            self.nodes[i] = ns
+            _ip("link", "add", self.veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", self.veth(i), "master", self.bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        self.etcd_server = EmbeddedEtcd(os.path.join(self.tmp, "etcd"), host=self.gateway).start()
+        self.etcd = Etcd(self.etcd_server.endpoint, self.namespace)
+        return self
+
+    def start_node(self, i: int, slots: int = 1) -> subprocess.Popen[bytes]:
+        assert self.etcd_server is not None
+        cmd = elasticd_cmd(self.node_id(i), self.etcd_server.endpoint, AGENT_PORT,
+                           os.path.join(self.tmp, f"node{i}"), self.namespace, slots=slots,
+                           lease_ttl_s=self.lease_ttl_s)
+        cmd[cmd.index("--listen") + 1] = self.endpoint(i)
+        p = self.procs.start(f"elasticd-n{i}", ["ip", "netns", "exec", self.nodes[i], *cmd])
+        self.daemons[i] = p
+        return p
+
+    def wait_registered(self, *indexes: int, timeout_s: float = 30) -> None:
+        assert self.etcd is not None
+        etcd = self.etcd
+        wait_for(f"nodes {indexes} registered",
+                 lambda: all(etcd.get(etcd.keys.node(self.node_id(i))) for i in indexes), timeout_s, 0.1)
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL the node's elasticd; its msrun and workers die with it (parent-death signal)."""
+        os.kill(self.daemons[i].pid, signal.SIGKILL)
+        self.daemons[i].wait(timeout=10)
+
+    def partition(self, i: int) -> None:
+        _ip("link", "set", self.veth(i), "down")
+
+    def heal(self, i: int) -> None:
+        _ip("link", "set", self.veth(i), "up")
+
+    def down(self) -> None:
+        """Stop everything; safe to call more than once and after a partial ``up``."""
+        self.procs.stop_all()
+        if self.etcd_server is not None:
+            self.etcd_server.stop()
+            self.etcd_server = None
+        for i, ns in list(self.nodes.items()):
+            subprocess.run(["ip", "link", "del", self.veth(i)], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            del self.nodes[i]
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)

@@ -1,0 +1,76 @@
+"""Several simulated nodes (network namespaces): the failure matrix across nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from mselastic.core.contract import ENV_RUN_ID
+from mselastic.core.states import GenerationState, JobState
+from tests.cluster import Cluster
+from tests.harness import TEST_MARK, elasticctl, lenet_spec, wait_for
+
+pytestmark = pytest.mark.slow
+JOB = "lenet"
+
+
+def workers(cluster: Cluster, generation: int) -> dict[int, int]:
+    """Global rank -> pid of this test's workers of one generation, on every node."""
+    found = {}
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if (env.get(TEST_MARK) == cluster.procs.mark and env.get("MS_ROLE") == "MS_WORKER"
+                    and env.get(ENV_RUN_ID, "").startswith(f"{JOB}.{generation}.")
+                    and p.status() != psutil.STATUS_ZOMBIE):
+                found[int(env["RANK_ID"])] = p.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def submit(cluster: Cluster, total_steps: int, **overrides: object) -> None:
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"),
+                      os.path.join(cluster.tmp, "ckpt"), total_steps, workers=1,
+                      **{"min_nodes": 1, "max_nodes": 2, **overrides})
+    r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
+    assert r.returncode == 0, r.stderr
+
+
+def finished(cluster: Cluster, timeout_s: float = 300):  # type: ignore[no-untyped-def]
+    etcd = cluster.etcd
+    assert etcd is not None
+    return wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, timeout_s, 0.5)
+
+
+def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Cluster) -> None:
+    cluster.up(2)
+    for i in (0, 1):
+        cluster.start_node(i)
+    cluster.wait_registered(0, 1)
+    submit(cluster, total_steps=60)
+    etcd = cluster.etcd
+    assert etcd is not None
+    plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
+    assert [m.node_id for m in plan1.members] == ["n0", "n1"] and plan1.master_addr == cluster.address(0)
+    wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 15, 180, 0.2)
+    ranks = workers(cluster, 1)
+    assert sorted(ranks) == [0, 1]
+    os.kill(ranks[1], signal.SIGKILL)  # rank 1 lives on n1
+    killed = time.time()
+    failed = wait_for("n1 reports FAILED", lambda: (r := etcd.report(JOB, 1, "n1"))
+                      and r.state is GenerationState.FAILED and r, 5, 0.05)
+    assert failed.detected_at - killed < 1.0 and failed.failed_rank == 1
+    plan2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
+    assert [m.node_id for m in plan2.members] == ["n0", "n1"]  # same nodes, same order
+    wait_for("generation 1 gone on every node", lambda: not workers(cluster, 1), 15)
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.generation == 2
+    for node in ("n0", "n1"):
+        rep = etcd.report(JOB, 2, node)
+        assert rep is not None and rep.state is GenerationState.SUCCEEDED and rep.step == 60
