@@ -74,3 +74,80 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     for node in ("n0", "n1"):
         rep = etcd.report(JOB, 2, node)
         assert rep is not None and rep.state is GenerationState.SUCCEEDED and rep.step == 60
+
+
+def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
+    cluster.up(2)
+    for i in (0, 1):
+        cluster.start_node(i)
+    cluster.wait_registered(0, 1)
+    submit(cluster, total_steps=60)
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
+    cluster.kill_node(1)  # elasticd and, through the parent-death chain, its workers
+    killed = time.monotonic()
+    wait_for("n1's lease to expire", lambda: etcd.get(etcd.keys.node("n1")) is None, cluster.lease_ttl_s + 1, 0.05)
+    plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
+    assert time.monotonic() - killed < cluster.lease_ttl_s + 5
+    assert [m.node_id for m in plan2.members] == ["n0"] and plan2.worker_num == 1
+    assert "node(s) lost: n1" in plan2.reason or "failed" in plan2.reason
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    rep = etcd.report(JOB, status.generation, "n0")
+    assert rep is not None and rep.step == 60 and rep.resumed_step >= 10
+
+
+def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> None:
+    cluster.up(3)
+    cluster.start_node(0, slots=0)  # coordinator-only: the first to campaign, it leads
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("n0 to lead", lambda: etcd.leader() == "n0", 30)
+    for i in (1, 2):
+        cluster.start_node(i)
+    cluster.wait_registered(1, 2)
+    submit(cluster, total_steps=60)
+    wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
+    before = workers(cluster, 1)
+    assert sorted(before) == [0, 1]
+    cluster.kill_node(0)
+    killed = time.monotonic()
+    new = wait_for("a new leader", lambda: (ld := etcd.leader()) not in (None, "n0") and ld,
+                   cluster.lease_ttl_s + 1, 0.05)
+    assert time.monotonic() - killed <= cluster.lease_ttl_s + 1 and new in ("n1", "n2")
+    # The new leader reconciles from etcd and leaves the healthy generation alone.
+    wait_for("training to go on under the new leader",
+             lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 120, 0.2)
+    assert workers(cluster, 1) == before
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.generation == 1 and status.restart_count == 0
+
+
+def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster) -> None:
+    cluster.up(2)
+    for i in (0, 1):
+        cluster.start_node(i)
+    cluster.wait_registered(0, 1)
+    submit(cluster, total_steps=80)
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
+    on_n1 = {r: p for r, p in workers(cluster, 1).items() if r == 1}
+    assert on_n1
+    cluster.partition(1)
+    cut = time.monotonic()
+    # n1 cannot renew its lease: within a TTL it kills its own workers (self-fencing).
+    wait_for("n1's workers to be killed by n1 itself",
+             lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                             for p in on_n1.values()), cluster.lease_ttl_s + 3, 0.1)
+    assert time.monotonic() - cut <= cluster.lease_ttl_s + 3
+    plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation >= 2 and p, 20)
+    assert [m.node_id for m in plan2.members] == ["n0"]
+    cluster.heal(1)
+    cluster.wait_registered(1, timeout_s=20)
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    rep = etcd.report(JOB, status.generation, "n0")
+    assert rep is not None and rep.step == 80

@@ -56,7 +56,7 @@ class Settings:
     listen: str = "127.0.0.1:7070"
     #: Address other nodes reach this one at; msrun's master_addr when this is node_rank 0.
     advertise_host: str = ""
-    #: Workers this node can run.
+    #: Workers this node can run; 0 makes it a coordinator-only node.
     slots: int = 1
     #: Logs of every generation are kept under <work_dir>/logs/<job>/g<generation>.
     work_dir: str = "/var/lib/mselastic"
@@ -85,8 +85,8 @@ class Settings:
             host, _, port = getattr(self, name).rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise SettingsError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be host:port")
-        if self.slots < 1:
-            raise SettingsError(f"--slots must be >= 1 (got {self.slots})")
+        if self.slots < 0:
+            raise SettingsError(f"--slots must be >= 0 (got {self.slots})")
         if self.lease_ttl_s < 2:
             raise SettingsError(f"--lease-ttl-s must be >= 2 (got {self.lease_ttl_s})")
         for name in ("reconcile_interval_s", "shutdown_grace_s"):
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--embedded-etcd-dir", default="", help="run a single-member etcd on loopback, data in DIR")
     p.add_argument("--listen", default=d.listen, help="gRPC host:port for Agent and Control (default %(default)s)")
     p.add_argument("--advertise-host", default="", help="address peers use for this node (default: the listen host)")
-    p.add_argument("--slots", type=int, default=d.slots, help="workers this node can run (default %(default)s)")
+    p.add_argument("--slots", type=int, default=d.slots, help="workers this node can run; 0: coordinate only (default %(default)s)")
     p.add_argument("--work-dir", default=d.work_dir, help="logs of each generation go here (default %(default)s)")
     p.add_argument("--namespace", default=d.namespace, help="etcd key prefix (default %(default)s)")
     p.add_argument("--lease-ttl-s", type=int, default=d.lease_ttl_s,
