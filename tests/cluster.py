@@ -97,6 +97,12 @@ class Cluster:
         self.daemons[i] = p
         return p
 
+    def start_nodes(self, *indexes: int, slots: int = 1) -> None:
+        """Start nodes one after the other, so registration (and so rank) order is index order."""
+        for i in indexes:
+            self.start_node(i, slots=slots)
+            self.wait_registered(i)
+
     def wait_registered(self, *indexes: int, timeout_s: float = 30) -> None:
         assert self.etcd is not None
         etcd = self.etcd

@@ -19,7 +19,9 @@ from typing import Any, Callable, TypeVar
 
 import psutil
 
+from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
+from mselastic.store.embedded import free_port
 from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys
 
@@ -178,10 +180,49 @@ def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: i
     fields.update(overrides)
     with open(path, "w") as f:
         for key, value in fields.items():
-            f.write(f"{key} = {json.dumps(value)}\n")  # JSON scalars and string lists are valid TOML
+            if isinstance(value, dict):  # a TOML inline table
+                value_text = "{" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + "}"
+            else:  # JSON scalars and string lists are valid TOML
+                value_text = json.dumps(value)
+            f.write(f"{key} = {value_text}\n")
     return path
 
 
 def elasticctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([os.path.join(VENV_BIN, "elasticctl"), "--endpoint", endpoint, *args],
                           capture_output=True, text=True, timeout=120)
+
+
+def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str) -> str:
+    """One elasticd (node n0, 2 slots) on the session's etcd; returns its gRPC endpoint."""
+    port = free_port()
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace))
+    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
+    return f"127.0.0.1:{port}"
+
+
+def generation_processes(procs: Processes, generation: int, job: str = "lenet") -> list[psutil.Process]:
+    """Live processes of one generation started (through elasticd) by this test."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if (env.get(TEST_MARK) == procs.mark and env.get(ENV_RUN_ID, "").startswith(f"{job}.{generation}.")
+                    and p.status() != psutil.STATUS_ZOMBIE):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
+    """rank -> pid of the MindSpore workers of a generation (msrun's own environment marks them)."""
+    ranks = {}
+    for p in generation_processes(procs, generation):
+        try:
+            env = p.environ()
+        except psutil.NoSuchProcess:
+            continue
+        if env.get("MS_ROLE") == "MS_WORKER":
+            ranks[int(env["RANK_ID"])] = p.pid
+    return ranks

@@ -9,28 +9,12 @@ import time
 import psutil
 import pytest
 
-from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster
-from tests.harness import TEST_MARK, elasticctl, lenet_spec, wait_for
+from tests.harness import elasticctl, lenet_spec, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
-
-
-def workers(cluster: Cluster, generation: int) -> dict[int, int]:
-    """Global rank -> pid of this test's workers of one generation, on every node."""
-    found = {}
-    for p in psutil.process_iter():
-        try:
-            env = p.environ()
-            if (env.get(TEST_MARK) == cluster.procs.mark and env.get("MS_ROLE") == "MS_WORKER"
-                    and env.get(ENV_RUN_ID, "").startswith(f"{JOB}.{generation}.")
-                    and p.status() != psutil.STATUS_ZOMBIE):
-                found[int(env["RANK_ID"])] = p.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def submit(cluster: Cluster, total_steps: int, **overrides: object) -> None:
@@ -49,16 +33,14 @@ def finished(cluster: Cluster, timeout_s: float = 300):  # type: ignore[no-untyp
 
 def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Cluster) -> None:
     cluster.up(2)
-    for i in (0, 1):
-        cluster.start_node(i)
-    cluster.wait_registered(0, 1)
+    cluster.start_nodes(0, 1)
     submit(cluster, total_steps=60)
     etcd = cluster.etcd
     assert etcd is not None
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     assert [m.node_id for m in plan1.members] == ["n0", "n1"] and plan1.master_addr == cluster.address(0)
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 15, 180, 0.2)
-    ranks = workers(cluster, 1)
+    ranks = worker_pids(cluster.procs, 1)
     assert sorted(ranks) == [0, 1]
     os.kill(ranks[1], signal.SIGKILL)  # rank 1 lives on n1
     killed = time.time()
@@ -67,7 +49,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     assert failed.detected_at - killed < 1.0 and failed.failed_rank == 1
     plan2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
     assert [m.node_id for m in plan2.members] == ["n0", "n1"]  # same nodes, same order
-    wait_for("generation 1 gone on every node", lambda: not workers(cluster, 1), 15)
+    wait_for("generation 1 gone on every node", lambda: not worker_pids(cluster.procs, 1), 15)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 2
@@ -78,9 +60,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
 
 def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     cluster.up(2)
-    for i in (0, 1):
-        cluster.start_node(i)
-    cluster.wait_registered(0, 1)
+    cluster.start_nodes(0, 1)
     submit(cluster, total_steps=60)
     etcd = cluster.etcd
     assert etcd is not None
@@ -104,12 +84,10 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("n0 to lead", lambda: etcd.leader() == "n0", 30)
-    for i in (1, 2):
-        cluster.start_node(i)
-    cluster.wait_registered(1, 2)
+    cluster.start_nodes(1, 2)
     submit(cluster, total_steps=60)
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
-    before = workers(cluster, 1)
+    before = worker_pids(cluster.procs, 1)
     assert sorted(before) == [0, 1]
     cluster.kill_node(0)
     killed = time.monotonic()
@@ -119,7 +97,7 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     # The new leader reconciles from etcd and leaves the healthy generation alone.
     wait_for("training to go on under the new leader",
              lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 120, 0.2)
-    assert workers(cluster, 1) == before
+    assert worker_pids(cluster.procs, 1) == before
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 1 and status.restart_count == 0
@@ -127,14 +105,12 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
 
 def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster) -> None:
     cluster.up(2)
-    for i in (0, 1):
-        cluster.start_node(i)
-    cluster.wait_registered(0, 1)
+    cluster.start_nodes(0, 1)
     submit(cluster, total_steps=80)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
-    on_n1 = {r: p for r, p in workers(cluster, 1).items() if r == 1}
+    on_n1 = {r: p for r, p in worker_pids(cluster.procs, 1).items() if r == 1}
     assert on_n1
     cluster.partition(1)
     cut = time.monotonic()

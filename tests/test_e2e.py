@@ -11,47 +11,12 @@ import numpy as np
 import psutil
 import pytest
 
-from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.states import GenerationState, JobState
-from mselastic.store.embedded import free_port
-from tests.harness import TEST_MARK, Etcd, Processes, elasticctl, elasticd_cmd, lenet_spec, wait_for
+from tests.harness import Etcd, Processes, elasticctl, generation_processes, lenet_spec, start_node, wait_for, \
+    worker_pids
 
 pytestmark = pytest.mark.slow
-JOB = "lenet"
-
-
-def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str) -> str:
-    port = free_port()
-    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace))
-    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
-    return f"127.0.0.1:{port}"
-
-
-def generation_processes(procs: Processes, generation: int) -> list[psutil.Process]:
-    """Live processes of one generation started (through elasticd) by this test."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            env = p.environ()
-            if (env.get(TEST_MARK) == procs.mark and env.get(ENV_RUN_ID, "").startswith(f"{JOB}.{generation}.")
-                    and p.status() != psutil.STATUS_ZOMBIE):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
-    """rank -> pid of the MindSpore workers of a generation (msrun's own environment marks them)."""
-    ranks = {}
-    for p in generation_processes(procs, generation):
-        try:
-            env = p.environ()
-        except psutil.NoSuchProcess:
-            continue
-        if env.get("MS_ROLE") == "MS_WORKER":
-            ranks[int(env["RANK_ID"])] = p.pid
-    return ranks
+JOB = "lenet"  # the harness helpers assume this job name
 
 
 def test_lenet_completes_with_identical_parameters(procs: Processes, etcd: Etcd, namespace: str,

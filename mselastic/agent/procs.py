@@ -49,14 +49,6 @@ def describe(p: psutil.Process) -> Proc | None:
         return None
 
 
-def tree(root_pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(root_pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def marked(run_id: str) -> list[psutil.Process]:
     """Every live process whose environment carries this generation's marker."""
     found = []

@@ -33,6 +33,8 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, check_generation_transition
 
 log = logging.getLogger(__name__)
+#: Grace between SIGTERM and SIGKILL when tearing down a generation with a hung rank.
+HANG_GRACE_S = 3.0
 
 
 def _port_free(port: int) -> bool:
@@ -71,7 +73,7 @@ class Generation:
         self.run_id = f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
         self.state = GenerationState.STARTING
         self.ranks = {r: RankState(r) for r in range(self.first_rank, self.first_rank + member.local_workers)}
-        self.others: dict[int, procs.Proc] = {}  # scheduler, msrun, tails: for teardown
+        self._seen: set[int] = set()  # msrun's children already classified
         self.failed_rank = -1
         self.reason = ""
         self.detected_at = 0.0
@@ -214,8 +216,10 @@ class Generation:
                 self._discover()
                 fault = self._find_fault()
                 if fault is not None:
-                    rank, reason = fault
-                    await self._fail(rank, reason)
+                    rank, reason, hung = fault
+                    # A dead rank broke the collective: kill at once. A hung one may resume on SIGCONT
+                    # and checkpoint on SIGTERM: escalate with a short grace.
+                    await self._fail(rank, reason, min(self.spec.stop_grace_period_s, HANG_GRACE_S) if hung else 0)
                     return
                 if self._msrun.returncode is not None:
                     await self._msrun_exited(self._msrun.returncode)
@@ -228,40 +232,67 @@ class Generation:
             await self._fail(-1, "supervisor error")
 
     def _discover(self) -> None:
+        """Learn each local rank's pid from msrun's direct children.
+
+        A child is classified only once it has exec'd the training script: between
+        fork and exec its environment is still msrun's own (no ``MS_ROLE``), so it is
+        looked at again on the next poll. Descendants of the workers (data loaders)
+        carry the same variables and are never taken for a rank.
+        """
         assert self._msrun is not None
-        for p in procs.tree(self._msrun.pid):
-            if p.pid in self.others or any(r.pid == p.pid for r in self.ranks.values()):
+        try:
+            children = psutil.Process(self._msrun.pid).children()
+        except psutil.NoSuchProcess:
+            return
+        for p in children:
+            if p.pid in self._seen:
                 continue
             d = procs.describe(p)
-            if d is None:
+            if d is None or not d.role:
                 continue
-            if d.role == "MS_WORKER" and d.rank in self.ranks and not self.ranks[d.rank].pid:
+            try:
+                is_script = self.spec.script in p.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            self._seen.add(p.pid)
+            if d.role == "MS_WORKER" and is_script and d.rank in self.ranks and not self.ranks[d.rank].pid:
                 self.ranks[d.rank].pid, self.ranks[d.rank].create_time = d.pid, d.create_time
-            else:
-                self.others[d.pid] = d
 
-    def _find_fault(self) -> tuple[int, str] | None:
+    def _find_fault(self) -> tuple[int, str, bool] | None:
+        """(rank, reason, hung) of the rank that failed; None while all is well.
+
+        msrun SIGKILLs the other workers about a second after one exits, so one poll
+        may find several ranks gone: blame the one that announced a planned exit
+        (it checkpointed on a SIGTERM nobody here sent), else the one silent longest.
+        """
         now = time.monotonic()
+        dead = []
         for rs in self.ranks.values():
-            if rs.pid and not rs.finished and not procs.alive(procs.Proc(rs.pid, rs.create_time, "", rs.rank)):
-                what = "exited to checkpoint (planned)" if rs.planned_exit else "exited before finishing"
-                return rs.rank, f"{what} (pid {rs.pid})"
+            if rs.finished:
+                continue
+            if rs.planned_exit:
+                return rs.rank, f"exited after a checkpoint on SIGTERM (pid {rs.pid})", False
+            if rs.pid and not procs.alive(procs.Proc(rs.pid, rs.create_time, "", rs.rank)):
+                dead.append(rs)
+        if dead:
+            first = min(dead, key=lambda r: r.last_beat)
+            return first.rank, f"exited before finishing (pid {first.pid})", False
+        for rs in self.ranks.values():
             if rs.finished:
                 continue
             if rs.last_beat and now - rs.last_beat > self.spec.hang_timeout_s:
-                return rs.rank, f"no heartbeat for {now - rs.last_beat:.1f}s (hang_timeout_s={self.spec.hang_timeout_s})"
+                return rs.rank, f"no heartbeat for {now - rs.last_beat:.1f}s (hang_timeout_s={self.spec.hang_timeout_s})", True
             if not rs.last_beat and now - self.started_mono > self.spec.startup_timeout_s:
-                return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}"
+                return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}", True
         return None
 
-    async def _fail(self, rank: int, reason: str) -> None:
+    async def _fail(self, rank: int, reason: str, grace_s: float = 0) -> None:
         self.detected_at = time.time()
         self.failed_rank, self.reason = rank, reason
         log.warning("rank %d failed: %s; tearing down", rank, reason, extra={**self._ctx, "rank": rank})
-        # Another rank is gone: the collective is broken, nothing is left to save. Kill at once.
         self._stopping = True
         extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
-        left = await procs.stop_generation(self.run_id, extra, grace_s=0)
+        left = await procs.stop_generation(self.run_id, extra, grace_s=grace_s)
         if left:
             log.error("processes left after teardown: %s", left, extra=self._ctx)
         self.stopped_at = time.time()

@@ -23,6 +23,12 @@ ENV_GLOBAL_BATCH = "MSELASTIC_GLOBAL_BATCH_SIZE"
 ENV_HEARTBEAT = "MSELASTIC_HEARTBEAT"  # abstract unix datagram socket name
 ENV_RUN_ID = "MSELASTIC_RUN_ID"  # marks every process of one generation on one node
 
+#: Variables the agent sets for every worker; a job spec may not override them.
+DAEMON_VARS = frozenset({
+    ENV_JOB, ENV_GENERATION, ENV_RESTART_COUNT, ENV_NODE_ID, ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_INTERVAL,
+    ENV_KEEP_CHECKPOINTS, ENV_TOTAL_STEPS, ENV_GLOBAL_BATCH, ENV_HEARTBEAT, ENV_RUN_ID,
+})
+
 #: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
 PLANNED_EXIT_CODE = 75
 

@@ -15,6 +15,8 @@ import re
 import tomllib
 from typing import Any, Mapping
 
+from mselastic.core.contract import DAEMON_VARS
+
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 
@@ -119,7 +121,7 @@ class JobSpec:
         for k, v in self.env.items():
             if not k or "=" in k:
                 _fail("env", f"variable name {k!r} is not valid")
-            if k.startswith("MSELASTIC_"):
+            if k in DAEMON_VARS:
                 _fail("env", f"{k} is set by the daemon and cannot be overridden")
 
 

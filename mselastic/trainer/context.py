@@ -22,6 +22,7 @@ from typing import NoReturn
 from mselastic.core import contract
 from mselastic.core.contract import Beat
 from mselastic.core.pdeathsig import die_with_parent
+from mselastic.trainer.faults import FaultPlan
 
 log = logging.getLogger("mselastic.trainer")
 
@@ -50,6 +51,7 @@ class ElasticContext:
     global_batch_size: int
     heartbeat_address: str = ""
     stop_requested: bool = False
+    fault: FaultPlan | None = None
     _sock: socket.socket | None = None
 
     @classmethod
@@ -74,6 +76,7 @@ class ElasticContext:
             total_steps=_env_int(contract.ENV_TOTAL_STEPS, total_steps),
             global_batch_size=_env_int(contract.ENV_GLOBAL_BATCH, global_batch_size),
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
+            fault=FaultPlan.from_env(),
         )
         if ctx.global_batch_size % ctx.device_num:
             raise SystemExit(f"mselastic: global batch {ctx.global_batch_size} is not divisible by "
@@ -101,7 +104,9 @@ class ElasticContext:
     # -- heartbeats ----------------------------------------------------------
 
     def beat(self, kind: str, step: int, loss: float = 0.0, resumed_step: int = -1) -> None:
-        """Tell the local agent we are alive (never blocks, never raises)."""
+        """Tell the local agent we are alive (never blocks, never raises; an injected fault may fire)."""
+        if self.fault is not None and kind == "step":
+            self.fault.maybe_inject(self.rank, self.generation, step)
         if self._sock is None:
             return
         b = Beat(kind=kind, rank=self.rank, pid=os.getpid(), generation=self.generation, step=step,

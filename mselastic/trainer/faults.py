@@ -1,0 +1,67 @@
+"""Faults as data, injected into a rank through the environment (for chaos tests and demos).
+
+``MSELASTIC_FAULT="<kind>:rank=<r>:generation=<g>:step=<s>"`` makes rank ``r`` of
+generation ``g`` fail at step ``s`` in the way ``kind`` says. Nothing happens
+without the variable; the job spec's ``env`` carries it to every generation, and
+the generation filter makes the fault fire once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+import sys
+
+ENV_FAULT = "MSELASTIC_FAULT"
+
+
+class Fault(enum.Enum):
+    SIGKILL = "sigkill"  # killed from outside, no chance to react
+    SIGTERM = "sigterm"  # asked to stop: checkpoints at the step boundary, exits with the planned code
+    EXIT = "exit"  # exits with a non-zero code
+    EXCEPTION = "exception"  # an uncaught Python exception
+    ABORT = "abort"  # os.abort(): SIGABRT, as a crash in native code
+    SIGSTOP = "sigstop"  # stops dead (a hang): no heartbeat until resumed
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPlan:
+    fault: Fault
+    rank: int
+    generation: int
+    step: int
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultPlan":
+        kind, *fields = text.split(":")
+        try:
+            values = dict(f.split("=", 1) for f in fields)
+            return cls(Fault(kind), int(values["rank"]), int(values["generation"]), int(values["step"]))
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{ENV_FAULT}={text!r}: expected <kind>:rank=R:generation=G:step=S "
+                             f"with kind one of {', '.join(f.value for f in Fault)} ({e})") from None
+
+    @classmethod
+    def from_env(cls) -> "FaultPlan | None":
+        text = os.environ.get(ENV_FAULT, "")
+        return cls.parse(text) if text else None
+
+    def maybe_inject(self, rank: int, generation: int, step: int) -> None:
+        if (rank, generation, step) != (self.rank, self.generation, self.step):
+            return
+        print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation} step {step}",
+              file=sys.stderr, flush=True)
+        if self.fault is Fault.SIGKILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fault is Fault.SIGTERM:
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif self.fault is Fault.EXIT:
+            os._exit(3)
+        elif self.fault is Fault.EXCEPTION:
+            raise RuntimeError(f"injected fault at step {step}")
+        elif self.fault is Fault.ABORT:
+            os.abort()
+        elif self.fault is Fault.SIGSTOP:
+            os.kill(os.getpid(), signal.SIGSTOP)
