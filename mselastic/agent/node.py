@@ -12,14 +12,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+
+import grpc
 from typing import Callable
 
 from mselastic import __version__
 from mselastic.agent.supervisor import Generation
-from mselastic.core.model import NodeRecord, Plan
+from mselastic.core.model import MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
+from mselastic.v1 import elastic_pb2 as pb
+from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class NodeAgent:
         self._urgent = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: KeptLease | None = None
+        self._peers: dict[str, str] = {}  # node id -> Agent address of the other nodes
         self._ctx = dict(node=cfg.node_id)
 
     # -- registration ------------------------------------------------------
@@ -64,20 +69,70 @@ class NodeAgent:
                     break
                 self.registered.set()
                 on_registered()
-                waiters = [asyncio.create_task(self._lease.lost.wait()), asyncio.create_task(stop.wait())]
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for w in waiters:
-                    w.cancel()
+                await self._hold(self._lease, stop)
                 self.registered.clear()
                 if stop.is_set():
                     break
-                log.error("registration lease lost: self-fencing (stopping all local workers)", extra=self._ctx)
+                log.error("registration lease expired: self-fencing (stopping all local workers)", extra=self._ctx)
                 await self.stop_all(grace_s=0)
         finally:
             if self._lease is not None:
                 await self._lease.release()
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
+
+    async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
+        """Return once the lease has expired (or on stop), fencing meanwhile if partitioned.
+
+        When etcd cannot be reached for a whole TTL, the agent asks the other nodes:
+        if some answer, etcd itself is down and nobody can relaunch anything, so the
+        workers go on; if none answers, this node is cut off and the cluster is about
+        to relaunch without it, so it stops its workers now (self-fencing).
+        """
+        peers = asyncio.create_task(self._track_peers(stop), name="peers")
+        try:
+            while not stop.is_set() and not lease.lost.is_set():
+                await _first(lease.lost, lease.unreachable, stop)
+                if stop.is_set() or lease.lost.is_set():
+                    return
+                if self.generations and self._peers and not await self._any_peer_answers():
+                    log.error("etcd and every peer unreachable: partitioned, self-fencing", extra=self._ctx)
+                    await self.stop_all(grace_s=0)
+                elif self.generations:
+                    log.warning("etcd unreachable but peers answer: training goes on", extra=self._ctx)
+                await _first(lease.lost, stop, cleared=lease.unreachable)
+        finally:
+            peers.cancel()
+            await asyncio.gather(peers, return_exceptions=True)
+
+    async def _track_peers(self, stop: asyncio.Event) -> None:
+        """Keep the other nodes' Agent addresses, read from etcd whenever it answers."""
+        while not stop.is_set():
+            try:
+                _, kvs = await self.store.get_prefix(self.store.keys.nodes)
+                peers = {}
+                for kv in kvs:
+                    try:
+                        rec = NodeRecord.from_json(kv.value)
+                    except MalformedRecord:
+                        continue
+                    if rec.node_id != self.cfg.node_id:
+                        peers[rec.node_id] = rec.agent_address
+                self._peers = peers
+            except (TemporaryError, PermanentError):
+                pass
+            await asyncio.sleep(self.cfg.lease_ttl_s)
+
+    async def _any_peer_answers(self) -> bool:
+        async def probe(address: str) -> bool:
+            async with grpc.aio.insecure_channel(address) as ch:
+                try:
+                    await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=1.0)
+                    return True
+                except grpc.aio.AioRpcError:
+                    return False
+
+        return any(await asyncio.gather(*(probe(a) for a in self._peers.values())))
 
     async def _register(self, lease: KeptLease, stop: asyncio.Event) -> None:
         record = NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
@@ -176,3 +231,18 @@ class NodeAgent:
 
     def status(self) -> list[Generation]:
         return list(self.generations.values())
+
+
+async def _first(*events: asyncio.Event, cleared: asyncio.Event | None = None) -> None:
+    """Wait until one of ``events`` is set, or ``cleared`` is no longer set."""
+    async def unset(e: asyncio.Event) -> bool:
+        while e.is_set():
+            await asyncio.sleep(0.1)
+        return True
+
+    waits: list[asyncio.Task[bool]] = [asyncio.create_task(e.wait()) for e in events]
+    if cleared is not None:
+        waits.append(asyncio.create_task(unset(cleared)))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()

@@ -23,7 +23,7 @@ from mselastic.agent.wire import plan_to_pb
 from mselastic.core.model import Event, FailureRecord, JobStatus, LeaderRecord, Plan
 from mselastic.core.planner import Action, Decision, PortRange, decide
 from mselastic.core.states import JobState, check_job_transition
-from mselastic.store.etcd import PermanentError, Store, TemporaryError
+from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
 from mselastic.store.lease import Election, Term
 from mselastic.store.views import JobView, read_cluster
 from mselastic.v1 import elastic_pb2 as pb
@@ -57,7 +57,7 @@ class Agents:
 
     def stub(self, address: str) -> pb_grpc.AgentStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS.items()))
         return pb_grpc.AgentStub(self._channels[address])
 
     async def launch(self, plan: Plan, only: set[str] | None = None) -> None:

@@ -86,6 +86,13 @@ def _kv(raw: Any) -> KV:
     return KV(raw.key.decode(), raw.value, raw.create_revision, raw.mod_revision, raw.lease)
 
 
+CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
 class Store:
     """An etcd connection with the project's key layout and retry policy."""
 
@@ -97,7 +104,9 @@ class Store:
         self.endpoint = endpoint
         self.keys = keys
         self.retry = retry
-        self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s)
+        # gRPC's default reconnect backoff grows to minutes; after an etcd restart the
+        # leases must be renewed within a TTL, so reconnect within a second.
+        self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS)
         self.tx = self.client.transactions
 
     async def close(self) -> None:

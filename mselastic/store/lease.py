@@ -1,10 +1,15 @@
 """Leased keys kept alive: node registration and leader election.
 
-A :class:`KeptLease` refreshes its lease every ``ttl/3``. When a refresh says
-the lease is gone, or no refresh succeeded for a whole TTL (etcd unreachable or
-this node partitioned), the lease is *lost*: ``lost`` is set and the owner must
-act as if its keys are gone (the agent self-fences, the leader steps down),
-because to everyone else they are.
+A :class:`KeptLease` refreshes its lease every ``ttl/3``. Two things can go wrong,
+and they are told apart because the right reaction differs:
+
+- ``lost``: etcd says the lease has expired. To everyone else this owner's keys
+  are gone: the agent self-fences and registers anew, the leader steps down.
+- ``unreachable``: no renewal succeeded for a whole TTL (cleared by the next
+  success). Either etcd is down (then nobody can act on the expiry and training
+  should go on) or this node is partitioned (then the rest of the cluster will
+  relaunch without it, and it must stop its workers). The owner decides; the
+  agent asks its peers (see ``agent/node.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class KeptLease:
         self.ttl_s = ttl_s
         self.id = 0
         self.lost = asyncio.Event()
+        self.unreachable = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def grant(self) -> int:
@@ -43,14 +49,17 @@ class KeptLease:
             try:
                 ttl = await asyncio.wait_for(self.store.refresh(self.id), timeout=interval)
             except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
-                if time.monotonic() - self._last_ok >= self.ttl_s:
-                    log.warning("lease %x lost: no renewal for %ss (%s)", self.id, self.ttl_s, e)
-                    self.lost.set()
+                if time.monotonic() - self._last_ok >= self.ttl_s and not self.unreachable.is_set():
+                    log.warning("lease %x: no renewal for %ss (%s)", self.id, self.ttl_s, e or "timeout")
+                    self.unreachable.set()
                 continue
             if ttl <= 0:
                 log.warning("lease %x expired", self.id)
                 self.lost.set()
             else:
+                if self.unreachable.is_set():
+                    log.info("lease %x renewed again", self.id)
+                    self.unreachable.clear()
                 self._last_ok = time.monotonic()
 
     async def release(self) -> None:
