@@ -22,7 +22,10 @@ JOB = "lenet"
 TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 50, 25, 6
 
 
-@pytest.mark.parametrize("fault", list(Fault), ids=[f.value for f in Fault])
+RANK_FAULTS = [f for f in Fault if f is not Fault.CORRUPT_CHECKPOINT]
+
+
+@pytest.mark.parametrize("fault", RANK_FAULTS, ids=[f.value for f in RANK_FAULTS])
 def test_rank_fault_is_recovered_from_the_last_checkpoint(fault: Fault, procs: Processes, etcd: Etcd,
                                                           namespace: str, tmp_path: os.PathLike[str],
                                                           digits: str) -> None:
@@ -77,6 +80,26 @@ def test_hang_detection_time_and_escalation(procs: Processes, etcd: Etcd, namesp
     # max_restarts = 0: the job fails cleanly and says why.
     status = wait_for("job to fail", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 20, 0.2)
     assert status.state is JobState.FAILED and "restarts exhausted" in status.message
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_the_event_says_so(procs: Processes, etcd: Etcd, namespace: str,
+                                                                    tmp_path: os.PathLike[str], digits: str) -> None:
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                      TOTAL, env={"MSELASTIC_FAULT": f"corrupt_checkpoint:rank=0:generation=1:step={FAULT_STEP}"})
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    second = etcd.report(JOB, 2, "n0")
+    assert second is not None and second.step == TOTAL
+    # Step 20's checkpoint was damaged: generation 2 resumed from step 10 and said why.
+    assert second.resumed_step == 10
+    assert "skipped unusable ckpt-00000020.json" in second.resume_note and "checksum" in second.resume_note
+    events = [json.loads(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert len(recovered) == 1 and "resumed from step 10" in recovered[0]["message"]
+    assert "ckpt-00000020.json" in recovered[0]["message"]
 
 
 def test_fault_spec_parsing() -> None:

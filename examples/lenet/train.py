@@ -88,7 +88,7 @@ def main() -> None:
     if resumed is not None:  # elastic
         ms.load_param_into_net(opt, resumed.params)
         start = resumed.manifest.step
-    ctx.started(start)  # elastic
+    ctx.started(start, resumed.note if resumed else "")  # elastic
 
     n_train = 1497  # rows in train-images-idx3-ubyte (examples/lenet/make_data.py)
     steps_per_epoch = (n_train // ctx.device_num) // ctx.per_rank_batch

@@ -80,6 +80,7 @@ class Generation:
         self.stopped_at = 0.0
         self.first_step_at = 0.0
         self.resumed_step = -1
+        self.resume_note = ""
         self.started_mono = 0.0
         self.done = asyncio.Event()
         self._on_change = on_change
@@ -198,6 +199,9 @@ class Generation:
         rs.loss = beat.loss
         if beat.kind == "start" and self.resumed_step < 0:
             self.resumed_step = beat.resumed_step
+            if beat.note:
+                self.resume_note = beat.note
+                log.warning("rank %d: %s", beat.rank, beat.note, extra={**self._ctx, "rank": beat.rank})
         if beat.kind == "step" and not self.first_step_at:
             self.first_step_at = time.time()
             if self.state is GenerationState.STARTING:
@@ -325,4 +329,5 @@ class Generation:
         return GenerationReport(
             job=self.spec.name, generation=self.plan.generation, node_id=self.node_id, state=self.state,
             failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
-            stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step, step=max(steps), loss=loss)
+            stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
+            resume_note=self.resume_note, step=max(steps), loss=loss)

@@ -45,6 +45,8 @@ class Beat:
     loss: float = 0.0
     resumed_step: int = -1
     at: float = 0.0
+    #: With ``start``: how the resume went when it was not plain (e.g. a corrupt checkpoint skipped).
+    note: str = ""
 
     KINDS = ("start", "step", "checkpoint", "finished", "planned_exit")
 
@@ -59,4 +61,5 @@ class Beat:
             raise ValueError("not a heartbeat")
         return cls(kind=str(raw["kind"]), rank=int(raw["rank"]), pid=int(raw["pid"]),
                    generation=int(raw["generation"]), step=int(raw["step"]), loss=float(raw.get("loss", 0.0)),
-                   resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)))
+                   resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)),
+                   note=str(raw.get("note", ""))[:500])

@@ -138,6 +138,8 @@ class GenerationReport:
     first_step_at: float = 0.0
     #: Step the generation resumed from (first heartbeat's resumed_step), -1 if unknown.
     resumed_step: int = -1
+    #: How the resume went when not plain (a corrupt checkpoint skipped, ...).
+    resume_note: str = ""
     #: Newest step any local rank reported.
     step: int = -1
     loss: float = 0.0

@@ -258,14 +258,18 @@ class Coordinator:
         f, plan = view.status.last_failure, view.plan
         if f is None or plan is None or f.recover_s or f.generation >= plan.generation:
             return
-        firsts = [r.first_step_at for r in view.current_reports().values() if r.first_step_at]
+        reports = view.current_reports().values()
+        firsts = [r.first_step_at for r in reports if r.first_step_at]
         if not firsts or not f.detected_at:
             return
         recovered = dataclasses.replace(f, recover_s=round(min(firsts) - f.detected_at, 3))
+        resumed = max((r.resumed_step for r in reports), default=-1)
+        notes = sorted({r.resume_note for r in reports if r.resume_note})
         await self._set_status(term, view, view.status.state, view.status.message, failure=recovered,
                                event=Event(at=time.time(), kind="recovered", generation=plan.generation,
-                                           message=f"first step of generation {plan.generation} "
-                                                   f"{recovered.recover_s:.2f}s after the failure was detected"))
+                                           message=f"generation {plan.generation} resumed from step {resumed}, "
+                                                   f"first step {recovered.recover_s:.2f}s after the failure was "
+                                                   f"detected" + "".join(f"; {n}" for n in notes)))
 
     # -- status writes -------------------------------------------------------
 

@@ -48,6 +48,14 @@ class Resumed:
     #: Checkpoints that were newer but unusable, with the reason.
     skipped: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def note(self) -> str:
+        """One line for the agent's report when newer checkpoints had to be skipped."""
+        if not self.skipped:
+            return ""
+        skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped)
+        return f"resumed from step {self.manifest.step} ({self.manifest.file}); skipped unusable {skipped}"
+
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()

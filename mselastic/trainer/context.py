@@ -103,21 +103,22 @@ class ElasticContext:
 
     # -- heartbeats ----------------------------------------------------------
 
-    def beat(self, kind: str, step: int, loss: float = 0.0, resumed_step: int = -1) -> None:
+    def beat(self, kind: str, step: int, loss: float = 0.0, resumed_step: int = -1, note: str = "") -> None:
         """Tell the local agent we are alive (never blocks, never raises; an injected fault may fire)."""
         if self.fault is not None and kind == "step":
-            self.fault.maybe_inject(self.rank, self.generation, step)
+            self.fault.maybe_inject(self.rank, self.generation, step, self.checkpoint_dir)
         if self._sock is None:
             return
         b = Beat(kind=kind, rank=self.rank, pid=os.getpid(), generation=self.generation, step=step,
-                 loss=float(loss), resumed_step=resumed_step, at=time.time())
+                 loss=float(loss), resumed_step=resumed_step, at=time.time(), note=note)
         try:
             self._sock.sendto(b.encode(), "\0" + self.heartbeat_address)
         except OSError:
             pass  # the agent is gone or busy; it will judge us by our process
 
-    def started(self, resumed_step: int) -> None:
-        self.beat("start", resumed_step, resumed_step=resumed_step)
+    def started(self, resumed_step: int, note: str = "") -> None:
+        """Tell the agent where this generation resumed (``note``: e.g. checkpoints skipped as corrupt)."""
+        self.beat("start", resumed_step, resumed_step=resumed_step, note=note)
 
     def finished(self, step: int, loss: float) -> None:
         self.beat("finished", step, loss)

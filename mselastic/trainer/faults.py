@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ class Fault(enum.Enum):
     EXCEPTION = "exception"  # an uncaught Python exception
     ABORT = "abort"  # os.abort(): SIGABRT, as a crash in native code
     SIGSTOP = "sigstop"  # stops dead (a hang): no heartbeat until resumed
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the newest checkpoint is damaged on disk, then SIGKILL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,7 @@ class FaultPlan:
         text = os.environ.get(ENV_FAULT, "")
         return cls.parse(text) if text else None
 
-    def maybe_inject(self, rank: int, generation: int, step: int) -> None:
+    def maybe_inject(self, rank: int, generation: int, step: int, checkpoint_dir: str = "") -> None:
         if (rank, generation, step) != (self.rank, self.generation, self.step):
             return
         print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation} step {step}",
@@ -65,3 +67,20 @@ class FaultPlan:
             os.abort()
         elif self.fault is Fault.SIGSTOP:
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.fault is Fault.CORRUPT_CHECKPOINT:
+            _corrupt_newest(checkpoint_dir)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _corrupt_newest(checkpoint_dir: str) -> None:
+    """Flip a byte in the middle of the checkpoint ``latest.json`` points to."""
+    with open(os.path.join(checkpoint_dir, "latest.json")) as f:
+        manifest = json.load(f)["manifest"]
+    path = os.path.join(checkpoint_dir, manifest.replace(".json", ".ckpt"))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
