@@ -152,3 +152,21 @@ def test_etcd_down_for_10s_training_goes_on_without_relaunch(cluster: Cluster) -
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 1 and status.restart_count == 0
+
+
+def test_below_min_nodes_too_long_fails_cleanly(cluster: Cluster) -> None:
+    cluster.up(2)
+    cluster.start_nodes(0, 1)
+    submit(cluster, total_steps=200, min_nodes=2, max_nodes=2, min_nodes_timeout_s=6)
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
+    cluster.kill_node(1)
+    waiting = wait_for("the job to wait for nodes", lambda: (s := etcd.status(JOB))
+                       and s.state is JobState.RESTARTING and s, 15, 0.2)
+    assert "min_nodes=2" in waiting.message and waiting.waiting_since > 0
+    status = finished(cluster, timeout_s=30)
+    assert status.state is JobState.FAILED and "min_nodes_timeout_s=6" in status.message
+    assert status.updated_at - waiting.waiting_since >= 6
+    # Nothing half-running: n0's workers of generation 1 are stopped too.
+    wait_for("n0's workers stopped", lambda: not worker_pids(cluster.procs, 1), 15)

@@ -97,3 +97,18 @@ def test_salt_separates_clusters_choosing_ports_for_same_job() -> None:
     ports = PortRange()
     chosen = {master_port("lenet", 1, None, ports, salt) for salt in range(50)}
     assert len(chosen) > 40
+
+
+@pytest.mark.parametrize("plan, reports, nodes", [
+    (None, [], []),  # never had enough nodes
+    (plan_on(0, 1), [], [node(0)], ),  # lost one below min_nodes (2) after a launch
+])
+def test_waiting_for_min_nodes_fails_after_the_timeout(plan, reports, nodes):  # type: ignore[no-untyped-def]
+    spec = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=2, max_nodes=2,
+                   min_nodes_timeout_s=30)
+    state = J.PENDING if plan is None else J.RUNNING
+    reps = {r.node_id: r for r in reports}
+    assert decide(spec, state, plan, reps, nodes).action is Action.WAIT  # not waiting yet: just wait
+    assert decide(spec, state, plan, reps, nodes, now=129.0, waiting_since=100.0).action is Action.WAIT
+    d = decide(spec, state, plan, reps, nodes, now=131.0, waiting_since=100.0)
+    assert d.action is Action.FAIL and "min_nodes_timeout_s=30" in d.reason

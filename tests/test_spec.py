@@ -31,6 +31,7 @@ def test_good_spec_round_trips() -> None:
     ({"total_steps": True}, "total_steps"),
     ({"hang_timeout_s": 0}, "hang_timeout_s"),
     ({"stop_grace_period_s": -1.0}, "stop_grace_period_s"),
+    ({"min_nodes_timeout_s": 0}, "min_nodes_timeout_s"),
     ({"max_restarts": -1}, "max_restarts"),
     ({"global_batch_size": 7, "workers_per_node": 2, "min_nodes": 1, "max_nodes": 1}, "global_batch_size"),
     ({"args": "--lr 0.1"}, "args"),

@@ -179,6 +179,8 @@ class JobStatus:
     message: str = ""
     last_failure: FailureRecord | None = None
     updated_at: float = 0.0
+    #: When the job started waiting for min_nodes (0 when it is not waiting).
+    waiting_since: float = 0.0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Rules, in order:
    relaunch as generation g+1 on the surviving members in their old order, new
    nodes appended; if restarts are exhausted, fail the job.
 4. Every member reported SUCCEEDED: the job succeeded.
+5. Waiting for ``min_nodes`` for longer than ``min_nodes_timeout_s``: fail the job.
 """
 
 from __future__ import annotations
@@ -106,15 +107,25 @@ def decide(
     nodes: Iterable[NodeRecord],
     ports: PortRange = PortRange(),
     salt: int = 0,
+    now: float = 0.0,
+    waiting_since: float = 0.0,
 ) -> Decision:
     """The next step for one job. ``reports`` are the current generation's, by node id;
-    ``salt`` varies the master port (see :func:`master_port`)."""
+    ``salt`` varies the master port (see :func:`master_port`); ``now`` and
+    ``waiting_since`` (0: not waiting) time the wait for ``min_nodes``."""
     if state.terminal:
         return Decision(Action.NOTHING)
     alive = eligible(nodes, spec)
+
+    def wait(reason: str, fault: GenerationReport | None = None, lost_nodes: tuple[str, ...] = ()) -> Decision:
+        if waiting_since and now - waiting_since > spec.min_nodes_timeout_s:
+            reason = f"{reason} for more than min_nodes_timeout_s={spec.min_nodes_timeout_s:g}"
+            return Decision(Action.FAIL, reason, fault=fault, lost_nodes=lost_nodes)
+        return Decision(Action.WAIT, reason, fault=fault, lost_nodes=lost_nodes)
+
     if plan is None:
         if len(alive) < spec.min_nodes:
-            return Decision(Action.WAIT, f"waiting for nodes: {len(alive)} of min_nodes={spec.min_nodes}")
+            return wait(f"waiting for nodes: {len(alive)} of min_nodes={spec.min_nodes}")
         chosen = alive[: spec.max_nodes]
         return Decision(Action.LAUNCH, "initial launch",
                         make_plan(spec, chosen, 1, 0, "initial launch", None, ports, salt))
@@ -146,7 +157,7 @@ def decide(
     newcomers = [n for n in alive if n.node_id not in {s.node_id for s in survivors}]
     chosen = (survivors + newcomers)[: spec.max_nodes]
     if len(chosen) < spec.min_nodes:
-        return Decision(Action.WAIT, f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}",
-                        fault=fault, lost_nodes=lost)
+        return wait(f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}",
+                    fault=fault, lost_nodes=lost)
     nxt = make_plan(spec, chosen, plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
     return Decision(Action.LAUNCH, reason, nxt, fault=fault, lost_nodes=lost)

@@ -40,6 +40,9 @@ class JobSpec:
     max_nodes: int = 1
     #: Relaunches allowed after failures before the job is FAILED.
     max_restarts: int = 3
+    #: With fewer than min_nodes usable nodes for this long (before the first launch or
+    #: after a failure), the job is FAILED instead of waiting forever.
+    min_nodes_timeout_s: float = 600.0
     #: Optimizer steps the job runs in total (the trainer stops there).
     total_steps: int = 100
     #: Samples per optimizer step over all ranks, kept constant across world sizes.
@@ -110,7 +113,7 @@ class JobSpec:
                 _fail(key, f"must be a positive integer (got {getattr(self, key)})")
         if self.max_restarts < 0:
             _fail("max_restarts", f"must be >= 0 (got {self.max_restarts})")
-        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s"):
+        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s"):
             if not getattr(self, key) > 0:
                 _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")
         if self.min_nodes > self.max_nodes:

@@ -173,7 +173,8 @@ class Coordinator:
                     await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
                 continue
             decision = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
-                              self.cfg.ports, salt=cluster.revision)
+                              self.cfg.ports, salt=cluster.revision, now=time.time(),
+                              waiting_since=view.status.waiting_since)
             await self._apply(term, view, decision)
 
     async def _apply(self, term: Term, view: JobView, d: Decision) -> None:
@@ -190,8 +191,9 @@ class Coordinator:
                                        {m.node_id: m.agent_address for m in view.plan.members})
         elif d.action is Action.WAIT:
             state = JobState.PENDING if view.plan is None else JobState.RESTARTING
-            if (view.status.state, view.status.message) != (state, d.reason):
-                await self._set_status(term, view, state, d.reason, failure=self._failure(view, d))
+            if (view.status.state, view.status.message) != (state, d.reason) or not view.status.waiting_since:
+                await self._set_status(term, view, state, d.reason, failure=self._failure(view, d),
+                                       waiting_since=view.status.waiting_since or time.time())
         else:
             await self._note_recovery(term, view)
             await self._repush(view)
@@ -274,18 +276,19 @@ class Coordinator:
     # -- status writes -------------------------------------------------------
 
     def _status(self, view: JobView, state: JobState, message: str, failure: FailureRecord | None,
-                plan: Plan | None = None) -> JobStatus:
+                plan: Plan | None = None, waiting_since: float = 0.0) -> JobStatus:
         if state is not view.status.state:
             check_job_transition(view.status.state, state)
         plan = plan or view.plan
         return JobStatus(state=state, generation=plan.generation if plan else 0,
                          restart_count=plan.restart_count if plan else 0, message=message,
-                         last_failure=failure, updated_at=time.time())
+                         last_failure=failure, updated_at=time.time(), waiting_since=waiting_since)
 
     async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
-                          failure: FailureRecord | None = None, event: Event | None = None) -> None:
+                          failure: FailureRecord | None = None, event: Event | None = None,
+                          waiting_since: float = 0.0) -> None:
         failure = failure if failure is not None else view.status.last_failure
-        status = self._status(view, state, message, failure)
+        status = self._status(view, state, message, failure, waiting_since=waiting_since)
         ev = event or Event(at=time.time(), kind=state.value.lower(),
                             generation=view.plan.generation if view.plan else 0, message=message)
         await self.write_status(term, view.name, status, ev)
