@@ -170,3 +170,23 @@ def test_below_min_nodes_too_long_fails_cleanly(cluster: Cluster) -> None:
     assert status.updated_at - waiting.waiting_since >= 6
     # Nothing half-running: n0's workers of generation 1 are stopped too.
     wait_for("n0's workers stopped", lambda: not worker_pids(cluster.procs, 1), 15)
+
+
+def test_node_failing_repeatedly_is_quarantined(cluster: Cluster) -> None:
+    cluster.up(2)
+    cluster.start_nodes(0, 1)
+    # Rank 1 (on n1) exits with an error in generations 1 and 2: n1 is quarantined after 2 failures.
+    submit(cluster, total_steps=40, quarantine_after_failures=2, quarantine_cooldown_s=600,
+           env={"MSELASTIC_FAULT": "exit:rank=1:generation=1-2:step=5"})
+    etcd = cluster.etcd
+    assert etcd is not None
+    plan3 = wait_for("generation 3", lambda: (p := etcd.plan(JOB)) and p.generation == 3 and p, 240, 0.5)
+    assert [m.node_id for m in plan3.members] == ["n0"] and "quarantined: n1" in plan3.reason
+    status = etcd.status(JOB)
+    assert status is not None and status.node_failures == {"n1": 2} and status.quarantined_until["n1"] > time.time()
+    shown = elasticctl("status", JOB, endpoint=cluster.endpoint(0)).stdout
+    assert "quarantined: n1 (2 failures)" in shown
+    final = finished(cluster)
+    assert final.state is JobState.SUCCEEDED and final.generation == 3, final.message
+    rep = etcd.report(JOB, 3, "n0")
+    assert rep is not None and rep.step == 40

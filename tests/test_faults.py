@@ -104,7 +104,8 @@ def test_corrupt_newest_checkpoint_falls_back_and_the_event_says_so(procs: Proce
 
 def test_fault_spec_parsing() -> None:
     plan = FaultPlan.parse("abort:rank=2:generation=3:step=40")
-    assert plan == FaultPlan(Fault.ABORT, 2, 3, 40)
+    assert plan == FaultPlan(Fault.ABORT, 2, 3, 40, 3)
+    assert FaultPlan.parse("exit:rank=1:generation=1-2:step=5").last_generation == 2
     for bad in ("nap:rank=1:generation=1:step=1", "sigkill:rank=1", "sigkill:rank=x:generation=1:step=1"):
         with pytest.raises(ValueError, match="MSELASTIC_FAULT"):
             FaultPlan.parse(bad)

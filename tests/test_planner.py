@@ -112,3 +112,27 @@ def test_waiting_for_min_nodes_fails_after_the_timeout(plan, reports, nodes):  #
     assert decide(spec, state, plan, reps, nodes, now=129.0, waiting_since=100.0).action is Action.WAIT
     d = decide(spec, state, plan, reps, nodes, now=131.0, waiting_since=100.0)
     assert d.action is Action.FAIL and "min_nodes_timeout_s=30" in d.reason
+
+
+def test_quarantine_after_repeated_failures_with_doubling_cooldown() -> None:
+    spec = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=1, max_nodes=2,
+                   max_restarts=10, quarantine_after_failures=2, quarantine_cooldown_s=60)
+    nodes = [node(0), node(1)]
+    # First failure on n1: counted, not yet quarantined.
+    d1 = decide(spec, J.RUNNING, plan_on(0, 1), {"n1": rep(1, G.FAILED)}, nodes, now=1000.0)
+    assert d1.action is Action.LAUNCH and d1.node_failures == {"n1": 1} and not d1.quarantined_until
+    assert d1.plan is not None and [m.node_id for m in d1.plan.members] == ["n0", "n1"]
+    # Second: quarantined for the base cooldown, left out of the new generation.
+    d2 = decide(spec, J.RUNNING, plan_on(0, 1, generation=2, restarts=1), {"n1": rep(1, G.FAILED, generation=2)},
+                nodes, now=1100.0, node_failures=d1.node_failures)
+    assert d2.quarantined_until == {"n1": 1160.0} and "quarantined: n1" in d2.reason
+    assert d2.plan is not None and [m.node_id for m in d2.plan.members] == ["n0"]
+    # While quarantined it is not eligible; once the cooldown has passed it is again.
+    during = decide(spec, J.PENDING, None, {}, nodes, now=1159.0, quarantined_until=d2.quarantined_until)
+    assert during.plan is not None and [m.node_id for m in during.plan.members] == ["n0"]
+    back = decide(spec, J.PENDING, None, {}, nodes, now=1161.0, quarantined_until=d2.quarantined_until)
+    assert back.plan is not None and len(back.plan.members) == 2
+    # A third failure doubles the cooldown.
+    d3 = decide(spec, J.RUNNING, plan_on(0, 1, generation=3, restarts=2), {"n1": rep(1, G.FAILED, generation=3)},
+                nodes, now=2000.0, node_failures=d2.node_failures, quarantined_until=d2.quarantined_until)
+    assert d3.quarantined_until == {"n1": 2120.0}

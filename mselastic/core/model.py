@@ -181,6 +181,10 @@ class JobStatus:
     updated_at: float = 0.0
     #: When the job started waiting for min_nodes (0 when it is not waiting).
     waiting_since: float = 0.0
+    #: Failures blamed on each node so far.
+    node_failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Quarantined nodes and when (Unix seconds) their cooldown ends.
+    quarantined_until: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

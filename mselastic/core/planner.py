@@ -13,6 +13,11 @@ Rules, in order:
    nodes appended; if restarts are exhausted, fail the job.
 4. Every member reported SUCCEEDED: the job succeeded.
 5. Waiting for ``min_nodes`` for longer than ``min_nodes_timeout_s``: fail the job.
+
+Quarantine (Horovod's blacklist with cooldown): each fault is blamed on a node
+(the one whose rank failed first, or a lost one); a node blamed
+``quarantine_after_failures`` times is left out of new generations for
+``quarantine_cooldown_s``, doubled with every further failure (at most an hour).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from mselastic.core.states import GenerationState, JobState
 
 #: Ports msrun's workers (8118-12213) and servers (12214-16309) use; never a master_port.
 RESERVED_PORTS = range(8118, 16310)
+MAX_QUARANTINE_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +68,9 @@ class Decision:
     fault: GenerationReport | None = None
     #: For a relaunch caused by lost nodes.
     lost_nodes: tuple[str, ...] = ()
+    #: Updated failure counts and quarantine when this decision blames a node (None: unchanged).
+    node_failures: Mapping[str, int] | None = None
+    quarantined_until: Mapping[str, float] | None = None
 
 
 def master_port(job: str, generation: int, previous: int | None, ports: PortRange, salt: int = 0) -> int:
@@ -109,19 +118,24 @@ def decide(
     salt: int = 0,
     now: float = 0.0,
     waiting_since: float = 0.0,
+    node_failures: Mapping[str, int] | None = None,
+    quarantined_until: Mapping[str, float] | None = None,
 ) -> Decision:
     """The next step for one job. ``reports`` are the current generation's, by node id;
     ``salt`` varies the master port (see :func:`master_port`); ``now`` and
-    ``waiting_since`` (0: not waiting) time the wait for ``min_nodes``."""
+    ``waiting_since`` (0: not waiting) time the wait for ``min_nodes``;
+    ``node_failures`` / ``quarantined_until`` are the job's node history."""
     if state.terminal:
         return Decision(Action.NOTHING)
-    alive = eligible(nodes, spec)
+    quarantine = {n: t for n, t in (quarantined_until or {}).items() if t > now}
+    alive = [n for n in eligible(nodes, spec) if n.node_id not in quarantine]
 
-    def wait(reason: str, fault: GenerationReport | None = None, lost_nodes: tuple[str, ...] = ()) -> Decision:
+    def wait(reason: str, blame: Decision = Decision(Action.WAIT)) -> Decision:
+        """WAIT, or FAIL once the wait has lasted too long; ``blame`` carries the fault history."""
         if waiting_since and now - waiting_since > spec.min_nodes_timeout_s:
             reason = f"{reason} for more than min_nodes_timeout_s={spec.min_nodes_timeout_s:g}"
-            return Decision(Action.FAIL, reason, fault=fault, lost_nodes=lost_nodes)
-        return Decision(Action.WAIT, reason, fault=fault, lost_nodes=lost_nodes)
+            return dataclasses.replace(blame, action=Action.FAIL, reason=reason)
+        return dataclasses.replace(blame, action=Action.WAIT, reason=reason)
 
     if plan is None:
         if len(alive) < spec.min_nodes:
@@ -148,16 +162,25 @@ def decide(
         reason = f"{rank} on node {fault.node_id} failed: {fault.reason}"
     else:
         reason = f"node(s) lost: {', '.join(lost)}"
+    failures = dict(node_failures or {})
+    for blamed in ([fault.node_id] if fault is not None else list(lost)):
+        failures[blamed] = failures.get(blamed, 0) + 1
+        over = failures[blamed] - spec.quarantine_after_failures
+        if over >= 0:
+            quarantine[blamed] = now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
+    blame = Decision(Action.FAIL, reason, fault=fault, lost_nodes=lost, node_failures=failures,
+                     quarantined_until=quarantine)
     if plan.restart_count >= spec.max_restarts:
-        return Decision(Action.FAIL, f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}",
-                        fault=fault, lost_nodes=lost)
+        return dataclasses.replace(blame, reason=f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}")
 
+    alive = [n for n in alive if n.node_id not in quarantine]
     by_id = {n.node_id: n for n in alive}
     survivors = [by_id[m.node_id] for m in plan.members if m.node_id in by_id]
     newcomers = [n for n in alive if n.node_id not in {s.node_id for s in survivors}]
     chosen = (survivors + newcomers)[: spec.max_nodes]
+    if quarantine.keys() & {m.node_id for m in plan.members}:
+        reason += f"; quarantined: {', '.join(sorted(quarantine.keys() & {m.node_id for m in plan.members}))}"
     if len(chosen) < spec.min_nodes:
-        return wait(f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}",
-                    fault=fault, lost_nodes=lost)
+        return wait(f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}", blame)
     nxt = make_plan(spec, chosen, plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
-    return Decision(Action.LAUNCH, reason, nxt, fault=fault, lost_nodes=lost)
+    return dataclasses.replace(blame, action=Action.LAUNCH, reason=reason, plan=nxt)

@@ -43,6 +43,10 @@ class JobSpec:
     #: With fewer than min_nodes usable nodes for this long (before the first launch or
     #: after a failure), the job is FAILED instead of waiting forever.
     min_nodes_timeout_s: float = 600.0
+    #: A node blamed for this many failures (a rank fault there, or its loss) is quarantined ...
+    quarantine_after_failures: int = 3
+    #: ... for this long, doubling with each further failure (at most an hour).
+    quarantine_cooldown_s: float = 60.0
     #: Optimizer steps the job runs in total (the trainer stops there).
     total_steps: int = 100
     #: Samples per optimizer step over all ranks, kept constant across world sizes.
@@ -108,12 +112,13 @@ class JobSpec:
             if not os.path.isabs(getattr(self, key)):
                 _fail(key, f"{getattr(self, key)!r} must be an absolute path")
         for key in ("workers_per_node", "min_nodes", "max_nodes", "total_steps", "global_batch_size",
-                    "checkpoint_interval_steps", "keep_checkpoints"):
+                    "checkpoint_interval_steps", "keep_checkpoints", "quarantine_after_failures"):
             if getattr(self, key) <= 0:
                 _fail(key, f"must be a positive integer (got {getattr(self, key)})")
         if self.max_restarts < 0:
             _fail("max_restarts", f"must be >= 0 (got {self.max_restarts})")
-        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s"):
+        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
+                    "quarantine_cooldown_s"):
             if not getattr(self, key) > 0:
                 _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")
         if self.min_nodes > self.max_nodes:

@@ -81,6 +81,9 @@ def print_status(res: pb.StatusResponse, out: Any) -> None:
               file=out)
         if j.message:
             print(f"  message: {j.message}", file=out)
+        for q in j.quarantined:
+            print(f"  quarantined: {q.node_id} ({q.failures} failures), {max(0.0, q.until - time.time()):.0f}s "
+                  "of cooldown left", file=out)
         if j.HasField("last_failure"):
             f = j.last_failure
             rec = f"{f.recover_s:.2f}s" if f.recover_s else "pending"

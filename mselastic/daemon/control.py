@@ -33,6 +33,9 @@ def job_to_pb(view: JobView) -> pb.JobStatus:
     if view.plan is not None:
         msg.world_size = view.plan.worker_num
         msg.members.extend(plan_to_pb(view.plan).members)
+    now = time.time()
+    msg.quarantined.extend(pb.Quarantine(node_id=n, failures=st.node_failures.get(n, 0), until=t)
+                           for n, t in sorted(st.quarantined_until.items()) if t > now)
     f = st.last_failure
     if f is not None:
         msg.last_failure.CopyFrom(pb.Failure(generation=f.generation, node_id=f.node_id, rank=f.rank,

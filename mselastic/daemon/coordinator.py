@@ -174,7 +174,8 @@ class Coordinator:
                 continue
             decision = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
                               self.cfg.ports, salt=cluster.revision, now=time.time(),
-                              waiting_since=view.status.waiting_since)
+                              waiting_since=view.status.waiting_since, node_failures=view.status.node_failures,
+                              quarantined_until=view.status.quarantined_until)
             await self._apply(term, view, decision)
 
     async def _apply(self, term: Term, view: JobView, d: Decision) -> None:
@@ -185,7 +186,7 @@ class Coordinator:
         elif d.action is Action.SUCCEED:
             await self._set_status(term, view, JobState.SUCCEEDED, d.reason)
         elif d.action is Action.FAIL:
-            await self._set_status(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d))
+            await self._set_status(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d), decision=d)
             if view.plan is not None:
                 await self.agents.stop(view.name, view.plan.generation, view.spec.stop_grace_period_s,
                                        {m.node_id: m.agent_address for m in view.plan.members})
@@ -193,7 +194,7 @@ class Coordinator:
             state = JobState.PENDING if view.plan is None else JobState.RESTARTING
             if (view.status.state, view.status.message) != (state, d.reason) or not view.status.waiting_since:
                 await self._set_status(term, view, state, d.reason, failure=self._failure(view, d),
-                                       waiting_since=view.status.waiting_since or time.time())
+                                       waiting_since=view.status.waiting_since or time.time(), decision=d)
         else:
             await self._note_recovery(term, view)
             await self._repush(view)
@@ -210,7 +211,7 @@ class Coordinator:
     async def _commit_plan(self, term: Term, view: JobView, d: Decision) -> None:
         assert d.plan is not None
         k, tx = self.store.keys, self.store.tx
-        status = self._status(view, JobState.RUNNING, d.reason, self._failure(view, d), d.plan)
+        status = self._status(view, JobState.RUNNING, d.reason, self._failure(view, d), d.plan, decision=d)
         event = Event(at=time.time(), kind="generation", generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
                               f" (world size {d.plan.worker_num}, master port {d.plan.master_port}): {d.reason}",
@@ -276,19 +277,25 @@ class Coordinator:
     # -- status writes -------------------------------------------------------
 
     def _status(self, view: JobView, state: JobState, message: str, failure: FailureRecord | None,
-                plan: Plan | None = None, waiting_since: float = 0.0) -> JobStatus:
+                plan: Plan | None = None, waiting_since: float = 0.0, decision: Decision | None = None) -> JobStatus:
+        """The next status; node failure counts and quarantine come from ``decision`` when it blamed a node."""
         if state is not view.status.state:
             check_job_transition(view.status.state, state)
         plan = plan or view.plan
+        old = view.status
+        failures = decision.node_failures if decision and decision.node_failures is not None else old.node_failures
+        quarantine = (decision.quarantined_until if decision and decision.quarantined_until is not None
+                      else old.quarantined_until)
         return JobStatus(state=state, generation=plan.generation if plan else 0,
                          restart_count=plan.restart_count if plan else 0, message=message,
-                         last_failure=failure, updated_at=time.time(), waiting_since=waiting_since)
+                         last_failure=failure, updated_at=time.time(), waiting_since=waiting_since,
+                         node_failures=dict(failures), quarantined_until=dict(quarantine))
 
     async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
                           failure: FailureRecord | None = None, event: Event | None = None,
-                          waiting_since: float = 0.0) -> None:
+                          waiting_since: float = 0.0, decision: Decision | None = None) -> None:
         failure = failure if failure is not None else view.status.last_failure
-        status = self._status(view, state, message, failure, waiting_since=waiting_since)
+        status = self._status(view, state, message, failure, waiting_since=waiting_since, decision=decision)
         ev = event or Event(at=time.time(), kind=state.value.lower(),
                             generation=view.plan.generation if view.plan else 0, message=message)
         await self.write_status(term, view.name, status, ev)

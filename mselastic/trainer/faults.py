@@ -1,7 +1,8 @@
 """Faults as data, injected into a rank through the environment (for chaos tests and demos).
 
 ``MSELASTIC_FAULT="<kind>:rank=<r>:generation=<g>:step=<s>"`` makes rank ``r`` of
-generation ``g`` fail at step ``s`` in the way ``kind`` says. Nothing happens
+generation ``g`` (or of each generation in a range ``g1-g2``) fail at step ``s``
+in the way ``kind`` says. Nothing happens
 without the variable; the job spec's ``env`` carries it to every generation, and
 the generation filter makes the fault fire once.
 """
@@ -34,13 +35,16 @@ class FaultPlan:
     rank: int
     generation: int
     step: int
+    #: Last generation the fault fires in (a range from ``generation``).
+    last_generation: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "FaultPlan":
         kind, *fields = text.split(":")
         try:
             values = dict(f.split("=", 1) for f in fields)
-            return cls(Fault(kind), int(values["rank"]), int(values["generation"]), int(values["step"]))
+            first, _, last = values["generation"].partition("-")
+            return cls(Fault(kind), int(values["rank"]), int(first), int(values["step"]), int(last or first))
         except (ValueError, KeyError) as e:
             raise ValueError(f"{ENV_FAULT}={text!r}: expected <kind>:rank=R:generation=G:step=S "
                              f"with kind one of {', '.join(f.value for f in Fault)} ({e})") from None
@@ -51,7 +55,8 @@ class FaultPlan:
         return cls.parse(text) if text else None
 
     def maybe_inject(self, rank: int, generation: int, step: int, checkpoint_dir: str = "") -> None:
-        if (rank, generation, step) != (self.rank, self.generation, self.step):
+        last = self.last_generation or self.generation
+        if (rank, step) != (self.rank, self.step) or not self.generation <= generation <= last:
             return
         print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation} step {step}",
               file=sys.stderr, flush=True)

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amselastic/v1/elastic.proto\x12\x0cmselastic.v1\"h\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\x15\n\rlocal_workers\x18\x03 \x01(\x05\x12\x15\n\ragent_address\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"\xb3\x01\n\x04Plan\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12%\n\x07members\x18\x03 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x12\n\nworker_num\x18\x04 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\"1\n\rLaunchRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.mselastic.v1.Plan\"3\n\x0eLaunchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\x0bStopRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x16\n\x0egrace_period_s\x18\x03 \x01(\x01\"%\n\x0cStopResponse\x12\x15\n\rleftover_pids\x18\x01 \x03(\x05\"\x14\n\x12\x41gentStatusRequest\"U\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x9a\x01\n\x0fLocalGeneration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12,\n\x05state\x18\x03 \x01(\x0e\x32\x1d.mselastic.v1.GenerationState\x12\'\n\x05ranks\x18\x04 \x03(\x0b\x32\x18.mselastic.v1.RankStatus\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"Z\n\x13\x41gentStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x32\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x1d.mselastic.v1.LocalGeneration\"t\n\x07\x46\x61ilure\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65tected_at\x18\x05 \x01(\x01\x12\x11\n\trecover_s\x18\x06 \x01(\x01\"b\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0e\n\x06leader\x18\x05 \x01(\x08\"\x86\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.mselastic.v1.JobState\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12%\n\x07members\x18\x05 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x15\n\rrestart_count\x18\x06 \x01(\x05\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x08 \x01(\x03\x12+\n\x0clast_failure\x18\t \x01(\x0b\x32\x15.mselastic.v1.Failure\x12\x0f\n\x07message\x18\n \x01(\t\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"n\n\x0eStatusResponse\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.mselastic.v1.JobStatus\x12%\n\x05nodes\x18\x02 \x03(\x0b\x32\x16.mselastic.v1.NodeInfo\x12\x0e\n\x06leader\x18\x03 \x01(\t\"\"\n\rSubmitRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\"\x1d\n\x0eSubmitResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\"5\n\x0eStopJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0egrace_period_s\x18\x02 \x01(\x01\"8\n\x0fStopJobResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.mselastic.v1.JobState*\xcb\x01\n\x0fGenerationState\x12 \n\x1cGENERATION_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19GENERATION_STATE_STARTING\x10\x01\x12\x1c\n\x18GENERATION_STATE_RUNNING\x10\x02\x12\x1e\n\x1aGENERATION_STATE_SUCCEEDED\x10\x03\x12\x1b\n\x17GENERATION_STATE_FAILED\x10\x04\x12\x1c\n\x18GENERATION_STATE_STOPPED\x10\x05*\xb3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RESTARTING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x15\n\x11JOB_STATE_STOPPED\x10\x06\x32\xda\x01\n\x05\x41gent\x12\x43\n\x06Launch\x12\x1b.mselastic.v1.LaunchRequest\x1a\x1c.mselastic.v1.LaunchResponse\x12=\n\x04Stop\x12\x19.mselastic.v1.StopRequest\x1a\x1a.mselastic.v1.StopResponse\x12M\n\x06Status\x12 .mselastic.v1.AgentStatusRequest\x1a!.mselastic.v1.AgentStatusResponse2\xdb\x01\n\x07\x43ontrol\x12\x43\n\x06Status\x12\x1b.mselastic.v1.StatusRequest\x1a\x1c.mselastic.v1.StatusResponse\x12\x43\n\x06Submit\x12\x1b.mselastic.v1.SubmitRequest\x1a\x1c.mselastic.v1.SubmitResponse\x12\x46\n\x07StopJob\x12\x1c.mselastic.v1.StopJobRequest\x1a\x1d.mselastic.v1.StopJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amselastic/v1/elastic.proto\x12\x0cmselastic.v1\"h\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\x15\n\rlocal_workers\x18\x03 \x01(\x05\x12\x15\n\ragent_address\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"\xb3\x01\n\x04Plan\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12%\n\x07members\x18\x03 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x12\n\nworker_num\x18\x04 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\"1\n\rLaunchRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.mselastic.v1.Plan\"3\n\x0eLaunchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\x0bStopRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x16\n\x0egrace_period_s\x18\x03 \x01(\x01\"%\n\x0cStopResponse\x12\x15\n\rleftover_pids\x18\x01 \x03(\x05\"\x14\n\x12\x41gentStatusRequest\"U\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x9a\x01\n\x0fLocalGeneration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12,\n\x05state\x18\x03 \x01(\x0e\x32\x1d.mselastic.v1.GenerationState\x12\'\n\x05ranks\x18\x04 \x03(\x0b\x32\x18.mselastic.v1.RankStatus\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"Z\n\x13\x41gentStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x32\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x1d.mselastic.v1.LocalGeneration\"t\n\x07\x46\x61ilure\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65tected_at\x18\x05 \x01(\x01\x12\x11\n\trecover_s\x18\x06 \x01(\x01\"b\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0e\n\x06leader\x18\x05 \x01(\x08\">\n\nQuarantine\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x02 \x01(\x05\x12\r\n\x05until\x18\x03 \x01(\x01\"\xb5\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.mselastic.v1.JobState\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12%\n\x07members\x18\x05 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x15\n\rrestart_count\x18\x06 \x01(\x05\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x08 \x01(\x03\x12+\n\x0clast_failure\x18\t \x01(\x0b\x32\x15.mselastic.v1.Failure\x12\x0f\n\x07message\x18\n \x01(\t\x12-\n\x0bquarantined\x18\x0b \x03(\x0b\x32\x18.mselastic.v1.Quarantine\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"n\n\x0eStatusResponse\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.mselastic.v1.JobStatus\x12%\n\x05nodes\x18\x02 \x03(\x0b\x32\x16.mselastic.v1.NodeInfo\x12\x0e\n\x06leader\x18\x03 \x01(\t\"\"\n\rSubmitRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\"\x1d\n\x0eSubmitResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\"5\n\x0eStopJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0egrace_period_s\x18\x02 \x01(\x01\"8\n\x0fStopJobResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.mselastic.v1.JobState*\xcb\x01\n\x0fGenerationState\x12 \n\x1cGENERATION_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19GENERATION_STATE_STARTING\x10\x01\x12\x1c\n\x18GENERATION_STATE_RUNNING\x10\x02\x12\x1e\n\x1aGENERATION_STATE_SUCCEEDED\x10\x03\x12\x1b\n\x17GENERATION_STATE_FAILED\x10\x04\x12\x1c\n\x18GENERATION_STATE_STOPPED\x10\x05*\xb3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RESTARTING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x15\n\x11JOB_STATE_STOPPED\x10\x06\x32\xda\x01\n\x05\x41gent\x12\x43\n\x06Launch\x12\x1b.mselastic.v1.LaunchRequest\x1a\x1c.mselastic.v1.LaunchResponse\x12=\n\x04Stop\x12\x19.mselastic.v1.StopRequest\x1a\x1a.mselastic.v1.StopResponse\x12M\n\x06Status\x12 .mselastic.v1.AgentStatusRequest\x1a!.mselastic.v1.AgentStatusResponse2\xdb\x01\n\x07\x43ontrol\x12\x43\n\x06Status\x12\x1b.mselastic.v1.StatusRequest\x1a\x1c.mselastic.v1.StatusResponse\x12\x43\n\x06Submit\x12\x1b.mselastic.v1.SubmitRequest\x1a\x1c.mselastic.v1.SubmitResponse\x12\x46\n\x07StopJob\x12\x1c.mselastic.v1.StopJobRequest\x1a\x1d.mselastic.v1.StopJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mselastic.v1.elastic_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATIONSTATE']._serialized_start=1711
-  _globals['_GENERATIONSTATE']._serialized_end=1914
-  _globals['_JOBSTATE']._serialized_start=1917
-  _globals['_JOBSTATE']._serialized_end=2096
+  _globals['_GENERATIONSTATE']._serialized_start=1822
+  _globals['_GENERATIONSTATE']._serialized_end=2025
+  _globals['_JOBSTATE']._serialized_start=2028
+  _globals['_JOBSTATE']._serialized_end=2207
   _globals['_MEMBER']._serialized_start=44
   _globals['_MEMBER']._serialized_end=148
   _globals['_PLAN']._serialized_start=151
@@ -59,22 +59,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FAILURE']._serialized_end=1021
   _globals['_NODEINFO']._serialized_start=1023
   _globals['_NODEINFO']._serialized_end=1121
-  _globals['_JOBSTATUS']._serialized_start=1124
-  _globals['_JOBSTATUS']._serialized_end=1386
-  _globals['_STATUSREQUEST']._serialized_start=1388
-  _globals['_STATUSREQUEST']._serialized_end=1416
-  _globals['_STATUSRESPONSE']._serialized_start=1418
-  _globals['_STATUSRESPONSE']._serialized_end=1528
-  _globals['_SUBMITREQUEST']._serialized_start=1530
-  _globals['_SUBMITREQUEST']._serialized_end=1564
-  _globals['_SUBMITRESPONSE']._serialized_start=1566
-  _globals['_SUBMITRESPONSE']._serialized_end=1595
-  _globals['_STOPJOBREQUEST']._serialized_start=1597
-  _globals['_STOPJOBREQUEST']._serialized_end=1650
-  _globals['_STOPJOBRESPONSE']._serialized_start=1652
-  _globals['_STOPJOBRESPONSE']._serialized_end=1708
-  _globals['_AGENT']._serialized_start=2099
-  _globals['_AGENT']._serialized_end=2317
-  _globals['_CONTROL']._serialized_start=2320
-  _globals['_CONTROL']._serialized_end=2539
+  _globals['_QUARANTINE']._serialized_start=1123
+  _globals['_QUARANTINE']._serialized_end=1185
+  _globals['_JOBSTATUS']._serialized_start=1188
+  _globals['_JOBSTATUS']._serialized_end=1497
+  _globals['_STATUSREQUEST']._serialized_start=1499
+  _globals['_STATUSREQUEST']._serialized_end=1527
+  _globals['_STATUSRESPONSE']._serialized_start=1529
+  _globals['_STATUSRESPONSE']._serialized_end=1639
+  _globals['_SUBMITREQUEST']._serialized_start=1641
+  _globals['_SUBMITREQUEST']._serialized_end=1675
+  _globals['_SUBMITRESPONSE']._serialized_start=1677
+  _globals['_SUBMITRESPONSE']._serialized_end=1706
+  _globals['_STOPJOBREQUEST']._serialized_start=1708
+  _globals['_STOPJOBREQUEST']._serialized_end=1761
+  _globals['_STOPJOBRESPONSE']._serialized_start=1763
+  _globals['_STOPJOBRESPONSE']._serialized_end=1819
+  _globals['_AGENT']._serialized_start=2210
+  _globals['_AGENT']._serialized_end=2428
+  _globals['_CONTROL']._serialized_start=2431
+  _globals['_CONTROL']._serialized_end=2650
 # @@protoc_insertion_point(module_scope)

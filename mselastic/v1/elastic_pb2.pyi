@@ -173,8 +173,18 @@ class NodeInfo(_message.Message):
     leader: bool
     def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ...) -> None: ...
 
+class Quarantine(_message.Message):
+    __slots__ = ("node_id", "failures", "until")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    failures: int
+    until: float
+    def __init__(self, node_id: _Optional[str] = ..., failures: _Optional[int] = ..., until: _Optional[float] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message")
+    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message", "quarantined")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +195,7 @@ class JobStatus(_message.Message):
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     generation: int
@@ -195,7 +206,8 @@ class JobStatus(_message.Message):
     total_steps: int
     last_failure: Failure
     message: str
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job",)
