@@ -13,13 +13,14 @@ Everything is torn down at the end, pass or fail: processes (through the test's
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import uuid
 
 from mselastic.store.embedded import EmbeddedEtcd
-from tests.harness import Etcd, Processes, elasticd_cmd, wait_for
+from tests.harness import VENV_BIN, Etcd, Processes, elasticd_cmd, wait_for
 
 AGENT_PORT = 7070
 
@@ -47,7 +48,8 @@ class Cluster:
         self.bridge = f"msb{self.id}"
         self.nodes: dict[int, str] = {}  # index -> netns name
         self.daemons: dict[int, subprocess.Popen[bytes]] = {}
-        self.etcd_server: EmbeddedEtcd | None = None
+        self.etcd_server: EmbeddedEtcd | None = None  # the first member
+        self.etcd_members: list[EmbeddedEtcd] = []
         self.etcd: Etcd | None = None
 
     # -- addresses and names ---------------------------------------------------
@@ -70,7 +72,11 @@ class Cluster:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def up(self, n_nodes: int) -> "Cluster":
+    @property
+    def etcd_endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.etcd_members)
+
+    def up(self, n_nodes: int, etcd_members: int = 1) -> "Cluster":
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -83,13 +89,35 @@ class Cluster:
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        self.etcd_server = EmbeddedEtcd(os.path.join(self.tmp, "etcd"), host=self.gateway).start()
-        self.etcd = Etcd(self.etcd_server.endpoint, self.namespace)
+        if etcd_members == 1:
+            self.etcd_members = [EmbeddedEtcd(os.path.join(self.tmp, "etcd"), host=self.gateway)]
+        else:
+            members = [EmbeddedEtcd(os.path.join(self.tmp, f"etcd{k}"), host=self.gateway, name=f"e{k}")
+                       for k in range(etcd_members)]
+            initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+            self.etcd_members = [EmbeddedEtcd(m.data_dir, m.host, m.client_port, m.peer_port, m.name, initial)
+                                 for m in members]
+        for m in self.etcd_members:
+            m.start(wait=False)
+        for m in self.etcd_members:
+            m.wait_ready()
+        self.etcd_server = self.etcd_members[0]
+        self.etcd = Etcd(self.etcd_endpoint, self.namespace)
         return self
+
+    def etcd_leader(self) -> EmbeddedEtcd:
+        """The member that currently leads the etcd cluster (asked through etcdctl)."""
+        out = subprocess.run([os.path.join(VENV_BIN, "etcdctl"), f"--endpoints={self.etcd_endpoint}",
+                              "endpoint", "status", "-w", "json"], capture_output=True, text=True, timeout=20,
+                             check=True).stdout
+        for entry in json.loads(out):
+            if entry["Status"]["leader"] == entry["Status"]["header"]["member_id"]:
+                return next(m for m in self.etcd_members if entry["Endpoint"].endswith(m.endpoint))
+        raise AssertionError(f"no etcd leader in {out}")
 
     def start_node(self, i: int, slots: int = 1) -> subprocess.Popen[bytes]:
         assert self.etcd_server is not None
-        cmd = elasticd_cmd(self.node_id(i), self.etcd_server.endpoint, AGENT_PORT,
+        cmd = elasticd_cmd(self.node_id(i), self.etcd_endpoint, AGENT_PORT,
                            os.path.join(self.tmp, f"node{i}"), self.namespace, slots=slots,
                            lease_ttl_s=self.lease_ttl_s)
         cmd[cmd.index("--listen") + 1] = self.endpoint(i)
@@ -123,9 +151,10 @@ class Cluster:
     def down(self) -> None:
         """Stop everything; safe to call more than once and after a partial ``up``."""
         self.procs.stop_all()
-        if self.etcd_server is not None:
-            self.etcd_server.stop()
-            self.etcd_server = None
+        for m in self.etcd_members:
+            m.stop()
+        self.etcd_members = []
+        self.etcd_server = None
         for i, ns in list(self.nodes.items()):
             subprocess.run(["ip", "link", "del", self.veth(i)], capture_output=True, timeout=30)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

@@ -190,3 +190,23 @@ def test_node_failing_repeatedly_is_quarantined(cluster: Cluster) -> None:
     assert final.state is JobState.SUCCEEDED and final.generation == 3, final.message
     rep = etcd.report(JOB, 3, "n0")
     assert rep is not None and rep.step == 40
+
+
+def test_etcd_leader_member_killed_in_a_three_member_cluster(cluster: Cluster) -> None:
+    cluster.up(2, etcd_members=3)
+    cluster.start_nodes(0, 1)
+    submit(cluster, total_steps=80)
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
+    before = worker_pids(cluster.procs, 1)
+    leader = cluster.etcd_leader()
+    leader.stop(signal.SIGKILL)
+    # The other two members elect a new leader; the daemons fail over to them.
+    step = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
+    wait_for("progress reported through the surviving members",
+             lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step + 10, 60, 0.5)
+    assert worker_pids(cluster.procs, 1) == before
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.generation == 1 and status.restart_count == 0

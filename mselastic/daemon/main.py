@@ -48,7 +48,8 @@ class SettingsError(ValueError):
 class Settings:
     #: This node's id (etcd key name): letters, digits, '.', '_', '-'.
     node_id: str
-    #: etcd client endpoint host:port (ignored with embedded_etcd_dir).
+    #: etcd client endpoint host:port, or several comma-separated (the members of a cluster);
+    #: with embedded_etcd_dir, the single address the embedded member listens on.
     etcd_endpoint: str = "127.0.0.1:2379"
     #: Start a single-member etcd on loopback with its data here (a first run on one machine).
     embedded_etcd_dir: str = ""
@@ -81,10 +82,12 @@ class Settings:
             PortRange(self.master_port_start, self.master_port_span)
         except (BadName, ValueError) as e:
             raise SettingsError(str(e)) from None
-        for name in ("etcd_endpoint", "listen"):
-            host, _, port = getattr(self, name).rpartition(":")
+        for name, value in [("etcd_endpoint", e) for e in self.etcd_endpoint.split(",")] + [("listen", self.listen)]:
+            host, _, port = value.strip().rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-                raise SettingsError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be host:port")
+                raise SettingsError(f"--{name.replace('_', '-')} {value!r} must be host:port")
+        if self.embedded_etcd_dir and "," in self.etcd_endpoint:
+            raise SettingsError("--embedded-etcd-dir runs one member: give --etcd-endpoint a single host:port")
         if self.slots < 0:
             raise SettingsError(f"--slots must be >= 0 (got {self.slots})")
         if self.lease_ttl_s < 2:
@@ -102,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p = argparse.ArgumentParser(prog="elasticd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--node-id", default=socket.gethostname().split(".")[0], help="this node's id (default: hostname)")
-    p.add_argument("--etcd-endpoint", default=d.etcd_endpoint, help="etcd host:port (default %(default)s)")
+    p.add_argument("--etcd-endpoint", default=d.etcd_endpoint, help="etcd host:port, or a comma-separated list of the cluster's members (default %(default)s)")
     p.add_argument("--embedded-etcd-dir", default="", help="run a single-member etcd on loopback, data in DIR")
     p.add_argument("--listen", default=d.listen, help="gRPC host:port for Agent and Control (default %(default)s)")
     p.add_argument("--advertise-host", default="", help="address peers use for this node (default: the listen host)")

@@ -40,37 +40,50 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedEtcd:
+    """One etcd member; alone by default, or one of ``initial_cluster`` (name=peer URL, ...)."""
+
     def __init__(self, data_dir: str, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
-                 name: str = "default") -> None:
+                 name: str = "default", initial_cluster: str = "") -> None:
         self.data_dir = data_dir
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.name = name
+        self.initial_cluster = initial_cluster
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
-    def start(self, timeout_s: float = 20.0) -> "EmbeddedEtcd":
+    def start(self, timeout_s: float = 20.0, wait: bool = True) -> "EmbeddedEtcd":
+        """Start the member; with ``wait``, return once it accepts clients (a member of a new
+        cluster only does so with a quorum: start them all, then :meth:`wait_ready` each)."""
         os.makedirs(self.data_dir, exist_ok=True)
         client = f"http://{self.host}:{self.client_port}"
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = self.peer_url
         cmd = [etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"]
+               "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "warn"]
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
-        self.proc = subprocess.Popen(with_parent_death(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(with_parent_death(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
+        if wait:
+            self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
         try:
             self._wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s),

@@ -86,7 +86,8 @@ def _kv(raw: Any) -> KV:
     return KV(raw.key.decode(), raw.value, raw.create_revision, raw.mod_revision, raw.lease)
 
 
-CHANNEL_OPTIONS = {
+CHANNEL_OPTIONS: dict[str, object] = {
+    "grpc.lb_policy_name": "round_robin",
     "grpc.initial_reconnect_backoff_ms": 200,
     "grpc.min_reconnect_backoff_ms": 200,
     "grpc.max_reconnect_backoff_ms": 1000,
@@ -98,9 +99,18 @@ class Store:
 
     def __init__(self, endpoint: str, keys: Keys = Keys(), retry: RetryPolicy = RetryPolicy(),
                  rpc_timeout_s: float = 2.0) -> None:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {endpoint!r} must be host:port")
+        """``endpoint``: ``host:port``, or several separated by commas (the members of a cluster)."""
+        endpoints = [e.strip() for e in endpoint.split(",")]
+        for e in endpoints:
+            h, _, p = e.rpartition(":")
+            if not h or not p.isdigit():
+                raise ValueError(f"etcd endpoint {e!r} must be host:port")
+        if len(endpoints) > 1:
+            # aetcd dials f"{host}:{port}"; gRPC's ipv4: target takes a list of addresses and
+            # fails over between them (round robin skips members that are down).
+            host, _, port = ("ipv4:" + ",".join(endpoints)).rpartition(":")
+        else:
+            host, _, port = endpoint.rpartition(":")
         self.endpoint = endpoint
         self.keys = keys
         self.retry = retry
