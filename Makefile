@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench clean
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,10 @@ test-fast: $(STAMP) data
 
 bench: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/recovery.py --data $(DATA)
+
+# Simulated 2- and 4-node clusters in network namespaces (needs root, like the test suite).
+bench-cluster: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/cluster_recovery.py --nodes 2 4
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -210,3 +210,14 @@ def test_etcd_leader_member_killed_in_a_three_member_cluster(cluster: Cluster) -
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 1 and status.restart_count == 0
+
+
+def test_restarts_exhausted_fails_with_nothing_left_anywhere(cluster: Cluster) -> None:
+    cluster.up(2)
+    cluster.start_nodes(0, 1)
+    submit(cluster, total_steps=60, max_restarts=1, env={"MSELASTIC_FAULT": "exit:rank=1:generation=1-2:step=5"})
+    status = finished(cluster, timeout_s=240)
+    assert status.state is JobState.FAILED and "restarts exhausted (max_restarts=1)" in status.message
+    assert status.generation == 2
+    wait_for("no worker of any generation left on any node",
+             lambda: not worker_pids(cluster.procs, 1) and not worker_pids(cluster.procs, 2), 15)

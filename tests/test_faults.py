@@ -57,6 +57,15 @@ def test_rank_fault_is_recovered_from_the_last_checkpoint(fault: Fault, procs: P
     assert status.generation == 2 and status.restart_count == 1
     rep = etcd.report(JOB, 2, "n0")
     assert rep is not None and rep.step == TOTAL
+    # The job's timeline in etcd: the fault, when it was detected, the relaunch and the recovery.
+    assert status.last_failure is not None and status.last_failure.rank == 1
+    assert status.last_failure.detected_at == failed.detected_at and status.last_failure.recover_s > 0
+    events = sorted((json.loads(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()), key=lambda e: e["at"])
+    kinds = [(e["kind"], e["generation"]) for e in events]
+    assert kinds[:3] == [("submitted", 0), ("generation", 1), ("generation", 2)], kinds
+    relaunch = events[2]
+    assert relaunch["rank"] == 1 and relaunch["node_id"] == "n0" and failed.reason in relaunch["message"]
+    assert ("recovered", 2) in kinds and kinds[-1] == ("succeeded", 2)
 
 
 def test_hang_detection_time_and_escalation(procs: Processes, etcd: Etcd, namespace: str,

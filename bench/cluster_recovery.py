@@ -1,0 +1,170 @@
+"""Recovery on a simulated cluster (network namespaces), for 2 and 4 nodes.
+
+For each cluster size N (one worker per node) it prints, next to the lease TTL
+and next to a plain-msrun cold start on the same namespaces:
+
+- rank kill -> first step of the next generation
+- node loss (elasticd + workers SIGKILLed) -> new plan, and -> first step of it
+- leader loss (a coordinator-only node SIGKILLed) -> new leader
+
+Usage: python bench/cluster_recovery.py [--nodes 2 4]   (root: it creates namespaces)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from mselastic.core.model import Event, GenerationReport  # noqa: E402
+from mselastic.store.embedded import free_port  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
+from tests.harness import DATA_DIR, VENV_BIN, Processes, elasticctl, lenet_spec, wait_for, worker_pids  # noqa: E402
+
+TTL_S = 3
+TRAIN = os.path.join(REPO, "examples", "lenet", "train.py")
+RECEIVER = """
+import socket, sys, json
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind("\\0" + sys.argv[1])
+s.settimeout(300)
+while True:
+    b = json.loads(s.recv(4096))
+    if b["kind"] == "step":
+        print(b["at"], flush=True)
+        break
+"""
+
+
+def plain_cold_start(cluster: Cluster, n: int, tmp: str) -> float:
+    """Plain msrun on every namespace (no daemon): start -> first step, as rank 0 reports it."""
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    receiver = subprocess.Popen(["ip", "netns", "exec", cluster.nodes[0], sys.executable, "-c", RECEIVER, name],
+                                stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    port = free_port()
+    env = {"MSELASTIC_HEARTBEAT": name, "MSELASTIC_CHECKPOINT_DIR": os.path.join(tmp, f"plain-ckpt-{n}"),
+           "MSELASTIC_TOTAL_STEPS": "20", "MSELASTIC_GLOBAL_BATCH_SIZE": "24"}
+    started = time.time()
+    procs = []
+    for i in range(n):
+        cmd = ["ip", "netns", "exec", cluster.nodes[i], os.path.join(VENV_BIN, "msrun"), f"--worker_num={n}",
+               "--local_worker_num=1", f"--node_rank={i}", f"--master_addr={cluster.address(0)}",
+               f"--master_port={port}", f"--log_dir={tmp}/plain-{n}-{i}", "--join=True", "--tail_worker_log=99999",
+               TRAIN, "--data", DATA_DIR, "--out", f"{tmp}/plain-out"]
+        procs.append(cluster.procs.start(f"plain-msrun-{n}-{i}", cmd, env=env))
+    try:
+        first = float(receiver.communicate(timeout=300)[0].strip())
+        return first - started
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def report(cluster: Cluster, job: str, g: int, node: str) -> GenerationReport | None:
+    assert cluster.etcd is not None
+    return cluster.etcd.report(job, g, node)
+
+
+def generation_event_at(cluster: Cluster, job: str, g: int) -> float:
+    assert cluster.etcd is not None
+    events = [Event.from_json(v) for v in cluster.etcd.prefix(cluster.etcd.keys.events(job)).values()]
+    return next(e.at for e in events if e.kind == "generation" and e.generation == g)
+
+
+def measure(n: int, tmp: str) -> dict[str, float]:
+    procs = Processes(uuid.uuid4().hex, tmp)
+    cluster = Cluster(procs, tmp, f"/bench-{uuid.uuid4().hex[:6]}", lease_ttl_s=TTL_S)
+    try:
+        cluster.up(n + 1)  # node 0 coordinates only; nodes 1..n train
+        cluster.start_node(0, slots=0)
+        assert cluster.etcd is not None
+        etcd = cluster.etcd
+        wait_for("n0 to lead", lambda: etcd.leader() == "n0", 30)
+        cluster.start_nodes(*range(1, n + 1))
+        out: dict[str, float] = {}
+        job = "lenet"
+        spec = lenet_spec(os.path.join(tmp, "job.toml"), job, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                          400, workers=1, min_nodes=1, max_nodes=n, global_batch_size=24)
+        assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
+        last = f"n{n}"
+        wait_for("training", lambda: (r := report(cluster, job, 1, last)) and r.step >= 15, 300, 0.2)
+
+        # 1. Rank kill (the last rank) -> first step of generation 2.
+        victim = worker_pids(procs, 1)[n - 1]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.time()
+        second = wait_for("gen 2 first step", lambda: (r := report(cluster, job, 2, "n1")) and r.first_step_at
+                          and r, 300, 0.1)
+        out["rank_kill_to_first_step_s"] = second.first_step_at - killed
+        wait_for("training in gen 2", lambda: (r := report(cluster, job, 2, last)) and r.step >= 30, 300, 0.2)
+
+        # 2. Node loss: the last node's elasticd and workers.
+        cluster.kill_node(n)
+        killed = time.time()
+        third = wait_for("gen 3 first step", lambda: (r := report(cluster, job, 3, "n1")) and r.first_step_at
+                         and r, 300, 0.1)
+        out["node_loss_to_plan_s"] = generation_event_at(cluster, job, 3) - killed
+        out["node_loss_to_first_step_s"] = third.first_step_at - killed
+
+        # 3. Leader loss: n0 holds no ranks.
+        cluster.kill_node(0)
+        killed = time.time()
+        wait_for("a new leader", lambda: (ld := etcd.leader()) not in (None, "n0") and ld, 30, 0.02)
+        out["leader_loss_to_new_leader_s"] = time.time() - killed
+        assert elasticctl("stop", job, endpoint=cluster.endpoint(1)).returncode == 0
+        procs.stop_all()
+        # The plain-msrun baseline on the same namespaces, once the daemons are gone.
+        out["cold_start_s"] = plain_cold_start(cluster, n, tmp)
+        return out
+    finally:
+        cluster.down()
+        left = procs.stop_all()
+        if left:
+            print(f"warning: leftovers {left}", file=sys.stderr)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    args = p.parse_args()
+    results = {}
+    for n in args.nodes:
+        tmp = tempfile.mkdtemp(prefix=f"mselastic-bench-{n}-")
+        try:
+            results[n] = measure(n, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"{n} nodes: " + ", ".join(f"{k}={v:.2f}" for k, v in results[n].items()), flush=True)
+    print(f"\n{'':<30}" + "".join(f"{f'{n} nodes':>12}" for n in results) + f"{'TTL':>8}")
+    rows = ["cold_start_s", "rank_kill_to_first_step_s", "node_loss_to_plan_s", "node_loss_to_first_step_s",
+            "leader_loss_to_new_leader_s"]
+    for k in rows:
+        print(f"{k:<30}" + "".join(f"{results[n][k]:>12.2f}" for n in results) + f"{TTL_S:>8}")
+    for n in results:
+        print(f"ratio rank kill -> first step / cold start, {n} nodes: "
+              f"{results[n]['rank_kill_to_first_step_s'] / results[n]['cold_start_s']:.2f}")
+    print("BENCH " + json.dumps({str(n): {k: round(v, 3) for k, v in r.items()} for n, r in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
