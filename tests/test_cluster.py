@@ -221,3 +221,27 @@ def test_restarts_exhausted_fails_with_nothing_left_anywhere(cluster: Cluster) -
     assert status.generation == 2
     wait_for("no worker of any generation left on any node",
              lambda: not worker_pids(cluster.procs, 1) and not worker_pids(cluster.procs, 2), 15)
+
+
+def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaunch(cluster: Cluster) -> None:
+    cluster.up(2)
+    cluster.start_nodes(0)
+    submit(cluster, total_steps=200)
+    etcd = cluster.etcd
+    assert etcd is not None
+    plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
+    assert [m.node_id for m in plan1.members] == ["n0"]
+    wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
+    before = worker_pids(cluster.procs, 1)
+    cluster.start_nodes(1)  # joins while generation 1 runs
+    time.sleep(1.5)  # reconcile passes with the new node present
+    p = etcd.plan(JOB)
+    assert p is not None and p.generation == 1 and worker_pids(cluster.procs, 1) == before
+    # The next relaunch (rank 0 killed) takes the newcomer in, appended after the survivor.
+    os.kill(before[0], signal.SIGKILL)
+    plan2 = wait_for("generation 2", lambda: (q := etcd.plan(JOB)) and q.generation == 2 and q, 30, 0.1)
+    assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.worker_num == 2
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 200}
+    assert len(resumed) == 2 and len(set(resumed.values())) == 1 and min(resumed.values()) >= 10
