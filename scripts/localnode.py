@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 
 import grpc
 import psutil
+import tenacity
 
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
@@ -35,14 +36,12 @@ def say(msg: str) -> None:
 
 
 def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: float = 0.05) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)
+    """Poll ``fn`` until it returns something truthy; give up with ``what`` after ``timeout_s``."""
+    try:
+        return tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s), wait=tenacity.wait_fixed(poll_s),
+                                 retry=tenacity.retry_if_result(lambda v: not v))(fn)  # type: ignore[return-value]
+    except tenacity.RetryError:
+        raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
 
 
 def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int) -> str:

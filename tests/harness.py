@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 import psutil
+import tenacity
 
 from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
@@ -33,15 +34,12 @@ TEST_MARK = "MSELASTIC_TEST_ID"
 
 
 def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: float = 0.05) -> T:
-    """Poll ``fn`` until it returns something truthy; fail with ``what`` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(poll_s)
+    """Poll ``fn`` until it returns something truthy; give up with ``what`` after ``timeout_s``."""
+    try:
+        return tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s), wait=tenacity.wait_fixed(poll_s),
+                                 retry=tenacity.retry_if_result(lambda v: not v))(fn)  # type: ignore[return-value]
+    except tenacity.RetryError:
+        raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
 
 
 def marked_processes(mark: str) -> list[psutil.Process]:
