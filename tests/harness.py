@@ -224,3 +224,48 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
         if env.get("MS_ROLE") == "MS_WORKER":
             ranks[int(env["RANK_ID"])] = p.pid
     return ranks
+
+
+def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) -> list[Plan]:
+    """The invariants every faulted job must keep, read back from etcd after it succeeded:
+
+    generations numbered 1, 2, ... with a new master port each; surviving nodes keep
+    their relative order; every generation resumed from a committed checkpoint at or
+    after the previous resume and no later than the step the previous one reached;
+    the final generation reached exactly ``total_steps``; the event log has each
+    relaunch with its reason, and the job status the last failure's detection time.
+    """
+    plans = [Plan.from_json(v) for _, v in sorted(etcd.prefix(etcd.keys.plans(job)).items())]
+    assert [p.generation for p in plans] == list(range(1, len(plans) + 1)), "generations must count up"
+    events = sorted((json.loads(v) for v in etcd.prefix(etcd.keys.events(job)).values()), key=lambda e: e["at"])
+    relaunches = {e["generation"]: e for e in events if e["kind"] == "generation"}
+    previous_resume, previous_reached = 0, 0
+    for before, after in zip([None, *plans], plans):
+        reports = [r for m in after.members if (r := etcd.report(job, after.generation, m.node_id))]
+        resumed = {r.resumed_step for r in reports if r.resumed_step >= 0}
+        assert len(resumed) <= 1, f"generation {after.generation}: ranks resumed from different steps {resumed}"
+        assert after.generation in relaunches and after.reason in relaunches[after.generation]["message"]
+        if before is not None:
+            assert after.master_port != before.master_port
+            kept = [m.node_id for m in before.members if after.member(m.node_id)]
+            assert [m.node_id for m in after.members if before.member(m.node_id)] == kept, "rank order changed"
+            step = resumed.pop() if resumed else -1
+            assert step % interval == 0 and previous_resume <= step <= previous_reached, \
+                f"generation {after.generation} resumed at {step} (previous: from {previous_resume} to {previous_reached})"
+            previous_resume = step
+        previous_reached = max((r.step for r in reports), default=0)
+    assert previous_reached == total_steps, f"final step {previous_reached} != {total_steps}"
+    status = etcd.status(job)
+    assert status is not None and status.generation == plans[-1].generation
+    if len(plans) > 1:
+        assert status.last_failure is not None and status.last_failure.detected_at > 0
+        assert any(e["kind"] == "recovered" for e in events)
+    return plans
+
+
+def holds_for(what: str, fn: Callable[[], object], seconds: float, poll_s: float = 0.1) -> None:
+    """Assert that ``fn`` stays truthy for ``seconds`` (a negative check over a window)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert fn(), f"{what} stopped holding"
+        time.sleep(poll_s)

@@ -11,7 +11,7 @@ import pytest
 
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster
-from tests.harness import elasticctl, lenet_spec, wait_for, worker_pids
+from tests.harness import check_history, elasticctl, holds_for, lenet_spec, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -52,6 +52,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     wait_for("generation 1 gone on every node", lambda: not worker_pids(cluster.procs, 1), 15)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 60)
     assert status.generation == 2
     for node in ("n0", "n1"):
         rep = etcd.report(JOB, 2, node)
@@ -74,6 +75,7 @@ def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     assert "node(s) lost: n1" in plan2.reason or "failed" in plan2.reason
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 60)
     rep = etcd.report(JOB, status.generation, "n0")
     assert rep is not None and rep.step == 60 and rep.resumed_step >= 10
 
@@ -100,6 +102,7 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     assert worker_pids(cluster.procs, 1) == before
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 60)
     assert status.generation == 1 and status.restart_count == 0
 
 
@@ -125,6 +128,7 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
     cluster.wait_registered(1, timeout_s=20)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 80)
     rep = etcd.report(JOB, status.generation, "n0")
     assert rep is not None and rep.step == 80
 
@@ -141,9 +145,8 @@ def test_etcd_down_for_10s_training_goes_on_without_relaunch(cluster: Cluster) -
     server.stop()
     down = time.monotonic()
     # Training goes on while etcd is away: the ranks keep running (checked by their pids).
-    while time.monotonic() - down < 10:
-        assert worker_pids(cluster.procs, 1) == before, "workers were restarted while etcd was down"
-        time.sleep(0.5)
+    holds_for("the workers running while etcd is down", lambda: worker_pids(cluster.procs, 1) == before,
+              10 - (time.monotonic() - down), 0.5)
     server.start()
     # The daemons reconnect and report progress made during the outage.
     wait_for("progress reported after etcd returned",
@@ -151,6 +154,7 @@ def test_etcd_down_for_10s_training_goes_on_without_relaunch(cluster: Cluster) -
     assert worker_pids(cluster.procs, 1) == before
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 120)
     assert status.generation == 1 and status.restart_count == 0
 
 
@@ -188,6 +192,7 @@ def test_node_failing_repeatedly_is_quarantined(cluster: Cluster) -> None:
     assert "quarantined: n1 (2 failures)" in shown
     final = finished(cluster)
     assert final.state is JobState.SUCCEEDED and final.generation == 3, final.message
+    check_history(etcd, JOB, 40)
     rep = etcd.report(JOB, 3, "n0")
     assert rep is not None and rep.step == 40
 
@@ -209,6 +214,7 @@ def test_etcd_leader_member_killed_in_a_three_member_cluster(cluster: Cluster) -
     assert worker_pids(cluster.procs, 1) == before
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 80)
     assert status.generation == 1 and status.restart_count == 0
 
 
@@ -234,14 +240,14 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     cluster.start_nodes(1)  # joins while generation 1 runs
-    time.sleep(1.5)  # reconcile passes with the new node present
-    p = etcd.plan(JOB)
-    assert p is not None and p.generation == 1 and worker_pids(cluster.procs, 1) == before
+    holds_for("generation 1 untouched by the join", lambda: (p := etcd.plan(JOB)) and p.generation == 1
+              and worker_pids(cluster.procs, 1) == before, 2.0)
     # The next relaunch (rank 0 killed) takes the newcomer in, appended after the survivor.
     os.kill(before[0], signal.SIGKILL)
     plan2 = wait_for("generation 2", lambda: (q := etcd.plan(JOB)) and q.generation == 2 and q, 30, 0.1)
     assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.worker_num == 2
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 200)
     resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 200}
     assert len(resumed) == 2 and len(set(resumed.values())) == 1 and min(resumed.values()) >= 10

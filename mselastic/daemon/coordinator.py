@@ -221,6 +221,7 @@ class Coordinator:
                    tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0)]
         ok = await self.store.txn(compare, [
             tx.put(plan_key, d.plan.to_json().encode()),
+            tx.put(k.plan_history(view.name, d.plan.generation).encode(), d.plan.to_json().encode()),
             tx.put(k.status(view.name).encode(), status.to_json().encode()),
             tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode()),
         ])

@@ -6,6 +6,7 @@ All keys live under a namespace (default ``/mselastic``)::
     <ns>/nodes/<node_id>                      leased: NodeRecord JSON
     <ns>/jobs/<job>/spec                      JobSpec JSON
     <ns>/jobs/<job>/plan                      Plan JSON (fenced writes only)
+    <ns>/jobs/<job>/plans/<g:012d>            every committed plan, kept for the job's history
     <ns>/jobs/<job>/status                    JobStatus JSON (fenced writes only)
     <ns>/jobs/<job>/events/<seq:012d>         Event JSON, the job's timeline
     <ns>/jobs/<job>/reports/<g:012d>/<node>   GenerationReport JSON, written by agents
@@ -62,6 +63,12 @@ class Keys:
 
     def plan(self, job: str) -> str:
         return self.job(job) + "plan"
+
+    def plans(self, job: str) -> str:
+        return self.job(job) + "plans/"
+
+    def plan_history(self, job: str, generation: int) -> str:
+        return f"{self.plans(job)}{generation:012d}"
 
     def status(self, job: str) -> str:
         return self.job(job) + "status"

@@ -86,6 +86,8 @@ def _apply(view: JobView, rest: str, kv: KV) -> None:
         view.plan, view.plan_kv = Plan.from_json(kv.value), kv
     elif rest == "status":
         view.status, view.status_kv = JobStatus.from_json(kv.value), kv
+    elif rest.startswith("plans/"):
+        pass  # history, read by whoever needs it (not by the reconcile pass)
     elif rest.startswith("reports/"):
         _, gen, node = rest.split("/", 2)
         rep = GenerationReport.from_json(kv.value)
