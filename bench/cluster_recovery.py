@@ -28,7 +28,7 @@ sys.path.insert(0, REPO)
 
 from mselastic.core.model import Event, GenerationReport  # noqa: E402
 from mselastic.store.embedded import free_port  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
+from tests.cluster import Cluster, ClusterFault  # noqa: E402
 from tests.harness import DATA_DIR, VENV_BIN, Processes, elasticctl, lenet_spec, wait_for, worker_pids  # noqa: E402
 
 TTL_S = 3
@@ -118,7 +118,7 @@ def measure(n: int, tmp: str) -> dict[str, float]:
         wait_for("training in gen 2", lambda: (r := report(cluster, job, 2, last)) and r.step >= 30, 300, 0.2)
 
         # 2. Node loss: the last node's elasticd and workers.
-        cluster.kill_node(n)
+        cluster.inject(ClusterFault.KILL_NODE, n)
         killed = time.time()
         third = wait_for("gen 3 first step", lambda: (r := report(cluster, job, 3, "n1")) and r.first_step_at
                          and r, 300, 0.1)
@@ -126,7 +126,7 @@ def measure(n: int, tmp: str) -> dict[str, float]:
         out["node_loss_to_first_step_s"] = third.first_step_at - killed
 
         # 3. Leader loss: n0 holds no ranks.
-        cluster.kill_node(0)
+        cluster.inject(ClusterFault.KILL_LEADER)
         killed = time.time()
         wait_for("a new leader", lambda: (ld := etcd.leader()) not in (None, "n0") and ld, 30, 0.02)
         out["leader_loss_to_new_leader_s"] = time.time() - killed

@@ -13,6 +13,7 @@ Everything is torn down at the end, pass or fail: processes (through the test's
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -23,6 +24,20 @@ from mselastic.store.embedded import EmbeddedEtcd
 from tests.harness import VENV_BIN, Etcd, Processes, elasticd_cmd, wait_for
 
 AGENT_PORT = 7070
+
+
+class ClusterFault(enum.Enum):
+    """Faults of nodes, the coordinator and etcd, injected by the harness (rank faults are
+    ``mselastic.trainer.faults.Fault``, injected through the environment)."""
+
+    KILL_NODE = "kill_node"  # SIGKILL elasticd; its workers die with it
+    PARTITION = "partition"  # the node's veth down
+    HEAL = "heal"  # the node's veth up again
+    JOIN = "join"  # a new node starts and registers
+    KILL_LEADER = "kill_leader"  # SIGKILL the leading elasticd
+    STOP_ETCD = "stop_etcd"  # stop the (first) etcd member; START_ETCD brings it back
+    START_ETCD = "start_etcd"
+    KILL_ETCD_LEADER = "kill_etcd_leader"  # SIGKILL the member leading the etcd cluster
 
 
 def _ip(*args: str) -> None:
@@ -137,16 +152,31 @@ class Cluster:
         wait_for(f"nodes {indexes} registered",
                  lambda: all(etcd.get(etcd.keys.node(self.node_id(i))) for i in indexes), timeout_s, 0.1)
 
+    def inject(self, fault: ClusterFault, node: int = -1) -> None:
+        if fault is ClusterFault.KILL_NODE:
+            self.kill_node(node)
+        elif fault is ClusterFault.PARTITION:
+            _ip("link", "set", self.veth(node), "down")
+        elif fault is ClusterFault.HEAL:
+            _ip("link", "set", self.veth(node), "up")
+        elif fault is ClusterFault.JOIN:
+            self.start_nodes(node)
+        elif fault is ClusterFault.KILL_LEADER:
+            assert self.etcd is not None
+            leader = self.etcd.leader()
+            assert leader is not None, "no leader to kill"
+            self.kill_node(int(leader.removeprefix("n")))
+        elif fault is ClusterFault.STOP_ETCD:
+            self.etcd_members[0].stop()
+        elif fault is ClusterFault.START_ETCD:
+            self.etcd_members[0].start()
+        elif fault is ClusterFault.KILL_ETCD_LEADER:
+            self.etcd_leader().stop(signal.SIGKILL)
+
     def kill_node(self, i: int) -> None:
         """SIGKILL the node's elasticd; its msrun and workers die with it (parent-death signal)."""
         os.kill(self.daemons[i].pid, signal.SIGKILL)
         self.daemons[i].wait(timeout=10)
-
-    def partition(self, i: int) -> None:
-        _ip("link", "set", self.veth(i), "down")
-
-    def heal(self, i: int) -> None:
-        _ip("link", "set", self.veth(i), "up")
 
     def down(self) -> None:
         """Stop everything; safe to call more than once and after a partial ``up``."""

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from mselastic.core.states import GenerationState, JobState
-from tests.cluster import Cluster
+from tests.cluster import Cluster, ClusterFault
 from tests.harness import check_history, elasticctl, holds_for, lenet_spec, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
-    cluster.kill_node(1)  # elasticd and, through the parent-death chain, its workers
+    cluster.inject(ClusterFault.KILL_NODE, 1)  # elasticd and, through the parent-death chain, its workers
     killed = time.monotonic()
     wait_for("n1's lease to expire", lambda: etcd.get(etcd.keys.node("n1")) is None, cluster.lease_ttl_s + 1, 0.05)
     plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
@@ -91,7 +91,7 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     assert sorted(before) == [0, 1]
-    cluster.kill_node(0)
+    cluster.inject(ClusterFault.KILL_LEADER)
     killed = time.monotonic()
     new = wait_for("a new leader", lambda: (ld := etcd.leader()) not in (None, "n0") and ld,
                    cluster.lease_ttl_s + 1, 0.05)
@@ -115,7 +115,7 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
     on_n1 = {r: p for r, p in worker_pids(cluster.procs, 1).items() if r == 1}
     assert on_n1
-    cluster.partition(1)
+    cluster.inject(ClusterFault.PARTITION, 1)
     cut = time.monotonic()
     # n1 cannot renew its lease: within a TTL it kills its own workers (self-fencing).
     wait_for("n1's workers to be killed by n1 itself",
@@ -124,7 +124,7 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
     assert time.monotonic() - cut <= cluster.lease_ttl_s + 3
     plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation >= 2 and p, 20)
     assert [m.node_id for m in plan2.members] == ["n0"]
-    cluster.heal(1)
+    cluster.inject(ClusterFault.HEAL, 1)
     cluster.wait_registered(1, timeout_s=20)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
@@ -137,17 +137,17 @@ def test_etcd_down_for_10s_training_goes_on_without_relaunch(cluster: Cluster) -
     cluster.up(2)
     cluster.start_nodes(0, 1)
     submit(cluster, total_steps=120)
-    etcd, server = cluster.etcd, cluster.etcd_server
-    assert etcd is not None and server is not None
+    etcd = cluster.etcd
+    assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     step_before = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
-    server.stop()
+    cluster.inject(ClusterFault.STOP_ETCD)
     down = time.monotonic()
     # Training goes on while etcd is away: the ranks keep running (checked by their pids).
     holds_for("the workers running while etcd is down", lambda: worker_pids(cluster.procs, 1) == before,
               10 - (time.monotonic() - down), 0.5)
-    server.start()
+    cluster.inject(ClusterFault.START_ETCD)
     # The daemons reconnect and report progress made during the outage.
     wait_for("progress reported after etcd returned",
              lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step_before + 20, 60, 0.5)
@@ -165,7 +165,7 @@ def test_below_min_nodes_too_long_fails_cleanly(cluster: Cluster) -> None:
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
-    cluster.kill_node(1)
+    cluster.inject(ClusterFault.KILL_NODE, 1)
     waiting = wait_for("the job to wait for nodes", lambda: (s := etcd.status(JOB))
                        and s.state is JobState.RESTARTING and s, 15, 0.2)
     assert "min_nodes=2" in waiting.message and waiting.waiting_since > 0
@@ -205,8 +205,7 @@ def test_etcd_leader_member_killed_in_a_three_member_cluster(cluster: Cluster) -
     assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
-    leader = cluster.etcd_leader()
-    leader.stop(signal.SIGKILL)
+    cluster.inject(ClusterFault.KILL_ETCD_LEADER)
     # The other two members elect a new leader; the daemons fail over to them.
     step = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
     wait_for("progress reported through the surviving members",
@@ -239,7 +238,7 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     assert [m.node_id for m in plan1.members] == ["n0"]
     wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
-    cluster.start_nodes(1)  # joins while generation 1 runs
+    cluster.inject(ClusterFault.JOIN, 1)  # joins while generation 1 runs
     holds_for("generation 1 untouched by the join", lambda: (p := etcd.plan(JOB)) and p.generation == 1
               and worker_pids(cluster.procs, 1) == before, 2.0)
     # The next relaunch (rank 0 killed) takes the newcomer in, appended after the survivor.
