@@ -2,9 +2,10 @@
 
 The agent acts only on a plan that is newer than what it runs and equal to the
 plan committed in etcd (the coordinator's push may be stale or from a deposed
-leader). When its lease is lost (etcd unreachable for a whole TTL, or this node
-partitioned), everyone else considers the node dead, so it kills its own workers
-(self-fencing) and registers again once it can.
+leader). When etcd says its lease expired, everyone else considers the node dead,
+so it kills its own workers (self-fencing) and registers again. When etcd merely
+cannot be reached for a TTL, it asks its peers whether it is cut off (see
+:meth:`NodeAgent._hold`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Callable
 
 import grpc
-from typing import Callable
 
 from mselastic import __version__
 from mselastic.agent.supervisor import Generation
