@@ -136,3 +136,14 @@ def test_quarantine_after_repeated_failures_with_doubling_cooldown() -> None:
     d3 = decide(spec, J.RUNNING, plan_on(0, 1, generation=3, restarts=2), {"n1": rep(1, G.FAILED, generation=3)},
                 nodes, now=2000.0, node_failures=d2.node_failures, quarantined_until=d2.quarantined_until)
     assert d3.quarantined_until == {"n1": 2120.0}
+
+
+def test_a_fault_seen_again_while_waiting_is_counted_once() -> None:
+    spec = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=2, max_nodes=2,
+                   max_restarts=5, quarantine_after_failures=3)
+    plan, reps, nodes = plan_on(0, 1), {"n1": rep(1, G.FAILED)}, [node(0)]  # n1 failed and then was lost
+    first = decide(spec, J.RUNNING, plan, reps, nodes, now=10.0)
+    assert first.action is Action.WAIT and first.node_failures == {"n1": 1} and first.failures_counted_through == 1
+    again = decide(spec, J.RESTARTING, plan, reps, nodes, now=11.0, node_failures=first.node_failures,
+                   failures_counted_through=first.failures_counted_through)
+    assert again.node_failures == {"n1": 1}

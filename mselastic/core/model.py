@@ -185,6 +185,8 @@ class JobStatus:
     node_failures: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Quarantined nodes and when (Unix seconds) their cooldown ends.
     quarantined_until: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The newest generation whose failure is already in node_failures (counted once).
+    failures_counted_through: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

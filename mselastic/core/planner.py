@@ -71,6 +71,8 @@ class Decision:
     #: Updated failure counts and quarantine when this decision blames a node (None: unchanged).
     node_failures: Mapping[str, int] | None = None
     quarantined_until: Mapping[str, float] | None = None
+    #: The generation whose failure these counts include.
+    failures_counted_through: int = 0
 
 
 def master_port(job: str, generation: int, previous: int | None, ports: PortRange, salt: int = 0) -> int:
@@ -120,11 +122,13 @@ def decide(
     waiting_since: float = 0.0,
     node_failures: Mapping[str, int] | None = None,
     quarantined_until: Mapping[str, float] | None = None,
+    failures_counted_through: int = 0,
 ) -> Decision:
     """The next step for one job. ``reports`` are the current generation's, by node id;
     ``salt`` varies the master port (see :func:`master_port`); ``now`` and
     ``waiting_since`` (0: not waiting) time the wait for ``min_nodes``;
-    ``node_failures`` / ``quarantined_until`` are the job's node history."""
+    ``node_failures`` / ``quarantined_until`` are the job's node history, which already
+    includes the failures of generations up to ``failures_counted_through``."""
     if state.terminal:
         return Decision(Action.NOTHING)
     quarantine = {n: t for n, t in (quarantined_until or {}).items() if t > now}
@@ -163,13 +167,14 @@ def decide(
     else:
         reason = f"node(s) lost: {', '.join(lost)}"
     failures = dict(node_failures or {})
-    for blamed in ([fault.node_id] if fault is not None else list(lost)):
-        failures[blamed] = failures.get(blamed, 0) + 1
-        over = failures[blamed] - spec.quarantine_after_failures
-        if over >= 0:
-            quarantine[blamed] = now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
+    if failures_counted_through < plan.generation:  # a waiting job sees the same fault on every pass
+        for blamed in ([fault.node_id] if fault is not None else list(lost)):
+            failures[blamed] = failures.get(blamed, 0) + 1
+            over = failures[blamed] - spec.quarantine_after_failures
+            if over >= 0:
+                quarantine[blamed] = now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
     blame = Decision(Action.FAIL, reason, fault=fault, lost_nodes=lost, node_failures=failures,
-                     quarantined_until=quarantine)
+                     quarantined_until=quarantine, failures_counted_through=plan.generation)
     if plan.restart_count >= spec.max_restarts:
         return dataclasses.replace(blame, reason=f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}")
 

@@ -175,7 +175,8 @@ class Coordinator:
             decision = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
                               self.cfg.ports, salt=cluster.revision, now=time.time(),
                               waiting_since=view.status.waiting_since, node_failures=view.status.node_failures,
-                              quarantined_until=view.status.quarantined_until)
+                              quarantined_until=view.status.quarantined_until,
+                              failures_counted_through=view.status.failures_counted_through)
             await self._apply(term, view, decision)
 
     async def _apply(self, term: Term, view: JobView, d: Decision) -> None:
@@ -287,10 +288,12 @@ class Coordinator:
         failures = decision.node_failures if decision and decision.node_failures is not None else old.node_failures
         quarantine = (decision.quarantined_until if decision and decision.quarantined_until is not None
                       else old.quarantined_until)
+        counted = max(old.failures_counted_through, decision.failures_counted_through if decision else 0)
         return JobStatus(state=state, generation=plan.generation if plan else 0,
                          restart_count=plan.restart_count if plan else 0, message=message,
                          last_failure=failure, updated_at=time.time(), waiting_since=waiting_since,
-                         node_failures=dict(failures), quarantined_until=dict(quarantine))
+                         node_failures=dict(failures), quarantined_until=dict(quarantine),
+                         failures_counted_through=counted)
 
     async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
                           failure: FailureRecord | None = None, event: Event | None = None,
