@@ -49,7 +49,6 @@ class NodeAgent:
         self.store = store
         self.cfg = cfg
         self.generations: dict[str, Generation] = {}
-        self.registered = asyncio.Event()
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
@@ -68,10 +67,8 @@ class NodeAgent:
                 await self._register(self._lease, stop)
                 if stop.is_set():
                     break
-                self.registered.set()
                 on_registered()
                 await self._hold(self._lease, stop)
-                self.registered.clear()
                 if stop.is_set():
                     break
                 log.error("registration lease expired: self-fencing (stopping all local workers)", extra=self._ctx)
