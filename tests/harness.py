@@ -246,6 +246,7 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) ->
         assert len(resumed) <= 1, f"generation {after.generation}: ranks resumed from different steps {resumed}"
         assert after.generation in relaunches and after.reason in relaunches[after.generation]["message"]
         if before is not None:
+            assert relaunches[after.generation]["detected_at"] > 0, "the relaunch event lacks the detection time"
             assert after.master_port != before.master_port
             kept = [m.node_id for m in before.members if after.member(m.node_id)]
             assert [m.node_id for m in after.members if before.member(m.node_id)] == kept, "rank order changed"

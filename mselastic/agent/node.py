@@ -122,10 +122,11 @@ class NodeAgent:
             await asyncio.sleep(self.cfg.lease_ttl_s)
 
     async def _any_peer_answers(self) -> bool:
+        probe_s = min(1.0, self.cfg.lease_ttl_s / 6)  # fence well within the TTL
         async def probe(address: str) -> bool:
             async with grpc.aio.insecure_channel(address) as ch:
                 try:
-                    await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=1.0)
+                    await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=probe_s)
                     return True
                 except grpc.aio.AioRpcError:
                     return False

@@ -213,6 +213,8 @@ class Event:
     message: str
     node_id: str = ""
     rank: int = -1
+    #: For a relaunch after a fault: when the fault was detected (Unix seconds).
+    detected_at: float = 0.0
 
     def to_json(self) -> str:
         return _encode(self)

@@ -212,11 +212,13 @@ class Coordinator:
     async def _commit_plan(self, term: Term, view: JobView, d: Decision) -> None:
         assert d.plan is not None
         k, tx = self.store.keys, self.store.tx
-        status = self._status(view, JobState.RUNNING, d.reason, self._failure(view, d), d.plan, decision=d)
+        failure = self._failure(view, d)
+        status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
         event = Event(at=time.time(), kind="generation", generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
                               f" (world size {d.plan.worker_num}, master port {d.plan.master_port}): {d.reason}",
-                      node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1)
+                      node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1,
+                      detected_at=failure.detected_at if failure and (d.fault or d.lost_nodes) else 0.0)
         plan_key = k.plan(view.name).encode()
         compare = [tx.create(k.leader.encode()) == term.create_revision,
                    tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0)]

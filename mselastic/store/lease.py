@@ -5,8 +5,8 @@ and they are told apart because the right reaction differs:
 
 - ``lost``: etcd says the lease has expired. To everyone else this owner's keys
   are gone: the agent self-fences and registers anew, the leader steps down.
-- ``unreachable``: no renewal succeeded for a whole TTL (cleared by the next
-  success). Either etcd is down (then nobody can act on the expiry and training
+- ``unreachable``: no renewal succeeded for 60% of the TTL (cleared by the next
+  success), early enough for the owner to act before etcd expires the lease. Either etcd is down (then nobody can act on the expiry and training
   should go on) or this node is partitioned (then the rest of the cluster will
   relaunch without it, and it must stop its workers). The owner decides; the
   agent asks its peers (see ``agent/node.py``).
@@ -22,6 +22,8 @@ import time
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)
+#: Without a renewal for this share of the TTL, the lease is reported unreachable.
+UNREACHABLE_FRACTION = 0.6
 
 
 class KeptLease:
@@ -49,8 +51,9 @@ class KeptLease:
             try:
                 ttl = await asyncio.wait_for(self.store.refresh(self.id), timeout=interval)
             except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
-                if time.monotonic() - self._last_ok >= self.ttl_s and not self.unreachable.is_set():
-                    log.warning("lease %x: no renewal for %ss (%s)", self.id, self.ttl_s, e or "timeout")
+                silent = time.monotonic() - self._last_ok
+                if silent >= UNREACHABLE_FRACTION * self.ttl_s and not self.unreachable.is_set():
+                    log.warning("lease %x: no renewal for %.1fs (%s)", self.id, silent, e or "timeout")
                     self.unreachable.set()
                 continue
             if ttl <= 0:
