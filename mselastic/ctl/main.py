@@ -7,8 +7,11 @@ Examples::
     elasticctl submit examples/lenet/job.toml
     elasticctl stop lenet --grace-period-s 30
 
+Any elasticd may be named by --endpoint: changes are forwarded to the leader,
+and right after a cluster starts they wait (up to --timeout-s) for one to be elected.
+
 Exit codes: 0 done; 1 refused by the cluster (unknown job, job exists, ...);
-2 bad arguments or a bad spec (nothing was sent); 3 no elasticd reachable.
+2 bad arguments or a bad spec (nothing was sent); 3 no elasticd (or no leader) reachable.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from typing import Any, Callable
 
 import grpc
+import tenacity
 from google.protobuf import json_format
 
 from mselastic.core.spec import SpecError, load_toml
@@ -37,8 +41,23 @@ class CtlError(Exception):
         self.code = code
 
 
+class _NoLeaderYet(Exception):
+    pass
+
+
 def _call(endpoint: str, method: Callable[[pb_grpc.ControlStub], Any], timeout_s: float) -> Any:
-    """Call the Control service, following one not-the-leader redirect."""
+    """Call the Control service; while no leader is elected yet (a cluster just started), retry."""
+    try:
+        return tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s), wait=tenacity.wait_fixed(0.5),
+                                 retry=tenacity.retry_if_exception_type(_NoLeaderYet), reraise=True)(
+            _call_once, endpoint, method, timeout_s)
+    except _NoLeaderYet:
+        raise CtlError(f"no leader elected after {timeout_s:.0f}s; is etcd reachable from the daemons?",
+                       EXIT_UNREACHABLE) from None
+
+
+def _call_once(endpoint: str, method: Callable[[pb_grpc.ControlStub], Any], timeout_s: float) -> Any:
+    """One call, following one not-the-leader redirect."""
     for _ in range(2):
         with grpc.insecure_channel(endpoint) as ch:
             try:
@@ -47,6 +66,8 @@ def _call(endpoint: str, method: Callable[[pb_grpc.ControlStub], Any], timeout_s
                 code, details = e.code(), e.details() or ""
                 if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(NOT_LEADER_PREFIX):
                     nxt = details[len(NOT_LEADER_PREFIX):]
+                    if ":" not in nxt:
+                        raise _NoLeaderYet()
                     if ":" in nxt and nxt != endpoint:
                         endpoint = nxt
                         continue
