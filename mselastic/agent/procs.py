@@ -59,11 +59,12 @@ def marked(run_id: str) -> list[psutil.Process]:
     return found
 
 
-def alive(proc: Proc) -> bool:
-    """True while the process runs (a zombie counts as dead: it only waits to be reaped)."""
+def alive(pid: int, create_time: float) -> bool:
+    """True while that process runs (a zombie counts as dead: it only waits to be reaped);
+    ``create_time`` guards against a reused pid."""
     try:
-        p = psutil.Process(proc.pid)
-        return p.create_time() == proc.create_time and p.status() != psutil.STATUS_ZOMBIE
+        p = psutil.Process(pid)
+        return p.create_time() == create_time and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 

@@ -276,7 +276,7 @@ class Generation:
                 continue
             if rs.planned_exit:
                 return rs.rank, f"exited after a checkpoint on SIGTERM (pid {rs.pid})", False
-            if rs.pid and not procs.alive(procs.Proc(rs.pid, rs.create_time, "", rs.rank)):
+            if rs.pid and not procs.alive(rs.pid, rs.create_time):
                 dead.append(rs)
         if dead:
             first = min(dead, key=lambda r: r.last_beat)

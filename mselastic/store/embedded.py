@@ -106,9 +106,3 @@ class EmbeddedEtcd:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
-
-    def __enter__(self) -> "EmbeddedEtcd":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
