@@ -227,40 +227,55 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
 
 
 def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) -> list[Plan]:
-    """The invariants every faulted job must keep, read back from etcd after it succeeded:
+    """The invariants every elastic or faulted job must keep, read back from etcd after it succeeded:
 
     generations numbered 1, 2, ... with a new master port each; surviving nodes keep
-    their relative order; every generation resumed from a committed checkpoint at or
-    after the previous resume and no later than the step the previous one reached;
-    the final generation reached exactly ``total_steps``; the event log has each
-    relaunch with its reason, and the job status the last failure's detection time.
+    their relative order; a generation after a planned relaunch (drain, scale-up) or
+    after ranks that exited on SIGTERM resumed exactly at the step those ranks
+    checkpointed at (nothing recomputed); any other resumed from an interval checkpoint
+    at or after the previous resume and no later than the step the previous one
+    reached; the final generation reached exactly ``total_steps``; the event log has
+    each relaunch with its reason, and after faults the job status has the last
+    failure's detection time.
     """
     plans = [Plan.from_json(v) for _, v in sorted(etcd.prefix(etcd.keys.plans(job)).items())]
     assert [p.generation for p in plans] == list(range(1, len(plans) + 1)), "generations must count up"
     events = sorted((json.loads(v) for v in etcd.prefix(etcd.keys.events(job)).values()), key=lambda e: e["at"])
-    relaunches = {e["generation"]: e for e in events if e["kind"] == "generation"}
-    previous_resume, previous_reached = 0, 0
+    relaunches = {e["generation"]: e for e in events if e["kind"] in ("generation", "planned")}
+    previous_resume, previous_reached, previous_exits = 0, 0, set()
     for before, after in zip([None, *plans], plans):
         reports = [r for m in after.members if (r := etcd.report(job, after.generation, m.node_id))]
         resumed = {r.resumed_step for r in reports if r.resumed_step >= 0}
         assert len(resumed) <= 1, f"generation {after.generation}: ranks resumed from different steps {resumed}"
         assert after.generation in relaunches and after.reason in relaunches[after.generation]["message"]
+        assert relaunches[after.generation]["kind"] == ("planned" if after.planned else "generation")
         if before is not None:
-            assert relaunches[after.generation]["detected_at"] > 0, "the relaunch event lacks the detection time"
             assert after.master_port != before.master_port
             kept = [m.node_id for m in before.members if after.member(m.node_id)]
             assert [m.node_id for m in after.members if before.member(m.node_id)] == kept, "rank order changed"
             step = resumed.pop() if resumed else -1
-            assert step % interval == 0 and previous_resume <= step <= previous_reached, \
-                f"generation {after.generation} resumed at {step} (previous: from {previous_resume} to {previous_reached})"
+            if after.planned or previous_exits - {-1}:
+                assert previous_exits == {step}, \
+                    f"generation {after.generation} resumed at {step}; generation {before.generation}'s ranks " \
+                    f"checkpointed at {previous_exits}"
+                assert after.planned or after.restart_count == before.restart_count + 1
+            else:
+                assert relaunches[after.generation]["detected_at"] > 0, "the relaunch event lacks the detection time"
+                assert step % interval == 0 and previous_resume <= step <= previous_reached, \
+                    f"generation {after.generation} resumed at {step} (previous: from {previous_resume} to " \
+                    f"{previous_reached})"
+            assert after.restart_count == before.restart_count + (0 if after.planned else 1)
             previous_resume = step
         previous_reached = max((r.step for r in reports), default=0)
+        previous_exits = {r.exit_step for r in reports}
     assert previous_reached == total_steps, f"final step {previous_reached} != {total_steps}"
     status = etcd.status(job)
     assert status is not None and status.generation == plans[-1].generation
-    if len(plans) > 1:
+    if any(not p.planned for p in plans[1:]):
         assert status.last_failure is not None and status.last_failure.detected_at > 0
         assert any(e["kind"] == "recovered" for e in events)
+    if any(p.planned for p in plans[1:]):
+        assert any(e["kind"] == "resumed" for e in events)
     return plans
 
 
@@ -270,3 +285,27 @@ def holds_for(what: str, fn: Callable[[], object], seconds: float, poll_s: float
     while time.monotonic() < deadline:
         assert fn(), f"{what} stopped holding"
         time.sleep(poll_s)
+
+
+def plain_msrun(procs: Processes, out_dir: str, total_steps: int, workers: int, port: int,
+                extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The baseline: LeNet under plain msrun (no daemon), uninterrupted; returns its result."""
+    ckpt = os.path.join(out_dir, "ckpt")
+    env = {"MSELASTIC_CHECKPOINT_DIR": ckpt, "MSELASTIC_TOTAL_STEPS": str(total_steps),
+           "MSELASTIC_GLOBAL_BATCH_SIZE": "32"}
+    p = procs.start(f"msrun-{os.path.basename(out_dir)}", [
+        os.path.join(VENV_BIN, "msrun"), f"--worker_num={workers}", f"--local_worker_num={workers}",
+        f"--master_port={port}", f"--log_dir={os.path.join(out_dir, 'logs')}", "--join=True",
+        "--tail_worker_log=99999", os.path.join(REPO, "examples", "lenet", "train.py"),
+        "--data", DATA_DIR, "--out", out_dir, "--lr", "0.05", *extra_args], env=env)
+    assert p.wait(timeout=600) == 0, f"plain msrun failed; see {out_dir}/logs"
+    with open(os.path.join(out_dir, "result_g0.json")) as f:
+        result: dict[str, Any] = json.load(f)
+    return result
+
+
+def params(out_dir: str, rank: int = 0) -> dict[str, Any]:
+    import numpy as np
+
+    with np.load(os.path.join(out_dir, f"params_rank{rank}.npz")) as z:
+        return {k: z[k] for k in z.files}

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mselastic.core.model import GenerationReport, NodeRecord, Plan
+import dataclasses
+from typing import Any
+
+from mselastic.core.model import GenerationReport, JobStatus, NodeRecord, Plan
 from mselastic.core.planner import RESERVED_PORTS, Action, PortRange, decide, make_plan, master_port
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState as G
@@ -17,6 +20,10 @@ SPEC = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node
 def node(i: int, rev: int | None = None, slots: int = 2) -> NodeRecord:
     return NodeRecord(node_id=f"n{i}", agent_address=f"10.0.0.{i}:7070", host=f"10.0.0.{i}", slots=slots,
                       version="t", create_revision=rev if rev is not None else i + 1)
+
+
+def st(state: J = J.RUNNING, **kw: Any) -> JobStatus:
+    return JobStatus(state, **kw)
 
 
 def plan_on(*ids: int, generation: int = 1, restarts: int = 0) -> Plan:
@@ -50,6 +57,12 @@ CASES = [
     ("restarts exhausted", J.RUNNING, plan_on(0, restarts=2), [rep(0, G.FAILED)], [node(0)], Action.FAIL, None, None),
     ("below min_nodes after loss: wait", J.RUNNING, plan_on(0), [], [], Action.WAIT, None, None),
     ("terminal: nothing", J.SUCCEEDED, plan_on(0), [rep(0, G.FAILED)], [node(0)], Action.NOTHING, None, None),
+    ("ranks exited on an outside SIGTERM: relaunch", J.RUNNING, plan_on(0, 1), [rep(1, G.STOPPED)],
+     [node(0), node(1)], Action.LAUNCH, ["n0", "n1"], 2),
+    ("cordoned member keeps running", J.RUNNING, plan_on(0, 1), [rep(0, G.RUNNING), rep(1, G.RUNNING)],
+     [node(0), dataclasses.replace(node(1), cordoned=True)], Action.NOTHING, None, None),
+    ("cordoned member left out of a relaunch", J.RUNNING, plan_on(0, 1), [rep(0, G.FAILED)],
+     [node(0), dataclasses.replace(node(1), cordoned=True)], Action.LAUNCH, ["n0"], 2),
     ("stopped: nothing", J.STOPPED, None, [], [node(0)], Action.NOTHING, None, None),
 ]
 
@@ -68,7 +81,7 @@ def test_decide(state, plan, reports, nodes, action, members, generation):  # ty
         assert d.plan.master_addr == d.plan.members[0].host
         if plan is not None:
             assert d.plan.master_port != plan.master_port
-            assert d.plan.restart_count == plan.restart_count + 1
+            assert d.plan.restart_count == plan.restart_count + 1 and not d.plan.planned
 
 
 def test_first_failure_is_the_earliest_detected() -> None:
@@ -109,8 +122,8 @@ def test_waiting_for_min_nodes_fails_after_the_timeout(plan, reports, nodes):  #
     state = J.PENDING if plan is None else J.RUNNING
     reps = {r.node_id: r for r in reports}
     assert decide(spec, state, plan, reps, nodes).action is Action.WAIT  # not waiting yet: just wait
-    assert decide(spec, state, plan, reps, nodes, now=129.0, waiting_since=100.0).action is Action.WAIT
-    d = decide(spec, state, plan, reps, nodes, now=131.0, waiting_since=100.0)
+    assert decide(spec, state, plan, reps, nodes, now=129.0, status=st(state, waiting_since=100.0)).action is Action.WAIT
+    d = decide(spec, state, plan, reps, nodes, now=131.0, status=st(state, waiting_since=100.0))
     assert d.action is Action.FAIL and "min_nodes_timeout_s=30" in d.reason
 
 
@@ -124,17 +137,17 @@ def test_quarantine_after_repeated_failures_with_doubling_cooldown() -> None:
     assert d1.plan is not None and [m.node_id for m in d1.plan.members] == ["n0", "n1"]
     # Second: quarantined for the base cooldown, left out of the new generation.
     d2 = decide(spec, J.RUNNING, plan_on(0, 1, generation=2, restarts=1), {"n1": rep(1, G.FAILED, generation=2)},
-                nodes, now=1100.0, node_failures=d1.node_failures)
+                nodes, now=1100.0, status=st(node_failures=d1.node_failures))
     assert d2.quarantined_until == {"n1": 1160.0} and "quarantined: n1" in d2.reason
     assert d2.plan is not None and [m.node_id for m in d2.plan.members] == ["n0"]
     # While quarantined it is not eligible; once the cooldown has passed it is again.
-    during = decide(spec, J.PENDING, None, {}, nodes, now=1159.0, quarantined_until=d2.quarantined_until)
+    during = decide(spec, J.PENDING, None, {}, nodes, now=1159.0, status=st(quarantined_until=d2.quarantined_until))
     assert during.plan is not None and [m.node_id for m in during.plan.members] == ["n0"]
-    back = decide(spec, J.PENDING, None, {}, nodes, now=1161.0, quarantined_until=d2.quarantined_until)
+    back = decide(spec, J.PENDING, None, {}, nodes, now=1161.0, status=st(quarantined_until=d2.quarantined_until))
     assert back.plan is not None and len(back.plan.members) == 2
     # A third failure doubles the cooldown.
     d3 = decide(spec, J.RUNNING, plan_on(0, 1, generation=3, restarts=2), {"n1": rep(1, G.FAILED, generation=3)},
-                nodes, now=2000.0, node_failures=d2.node_failures, quarantined_until=d2.quarantined_until)
+                nodes, now=2000.0, status=st(node_failures=d2.node_failures, quarantined_until=d2.quarantined_until))
     assert d3.quarantined_until == {"n1": 2120.0}
 
 
@@ -144,6 +157,91 @@ def test_a_fault_seen_again_while_waiting_is_counted_once() -> None:
     plan, reps, nodes = plan_on(0, 1), {"n1": rep(1, G.FAILED)}, [node(0)]  # n1 failed and then was lost
     first = decide(spec, J.RUNNING, plan, reps, nodes, now=10.0)
     assert first.action is Action.WAIT and first.node_failures == {"n1": 1} and first.failures_counted_through == 1
-    again = decide(spec, J.RESTARTING, plan, reps, nodes, now=11.0, node_failures=first.node_failures,
-                   failures_counted_through=first.failures_counted_through)
+    again = decide(spec, J.RESTARTING, plan, reps, nodes, now=11.0,
+                   status=st(J.RESTARTING, node_failures=first.node_failures,
+                             failures_counted_through=first.failures_counted_through))
     assert again.node_failures == {"n1": 1}
+
+
+# -- elastic range: valid world sizes, drain, scale-up -------------------------------------------
+
+ELASTIC = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node=1, min_nodes=1, max_nodes=4,
+                  global_batch_size=32, scale_up_settle_s=10)
+
+
+def one(i: int, **kw: Any) -> NodeRecord:
+    return dataclasses.replace(node(i, slots=1), **kw)
+
+
+def elastic_plan(*ids: int, generation: int = 1, restarts: int = 0) -> Plan:
+    return make_plan(ELASTIC, [one(i) for i in ids], generation, restarts, "t", None, PortRange())
+
+
+def running(*ids: int, generation: int = 1) -> dict[str, GenerationReport]:
+    return {f"n{i}": rep(i, G.RUNNING, generation=generation) for i in ids}
+
+
+def test_only_valid_world_sizes_are_formed_and_idle_nodes_are_named() -> None:
+    spec = dataclasses.replace(ELASTIC, global_batch_size=24)  # valid: 1, 2, 3, 4
+    d = decide(spec, J.PENDING, None, {}, [one(i) for i in range(5)])
+    assert d.plan is not None and d.plan.worker_num == 4 and "n4 idle: max_nodes=4" in d.reason
+    spec = dataclasses.replace(ELASTIC, global_batch_size=20, max_nodes=4)  # valid: 1, 2, 4
+    d = decide(spec, J.PENDING, None, {}, [one(i) for i in range(3)])
+    assert d.plan is not None and [m.node_id for m in d.plan.members] == ["n0", "n1"]
+    assert "n2 idle: global_batch_size=20 needs a world size in [1, 2, 4]" in d.reason
+    # After losing a node of four, three are left: a relaunch on two, one named idle.
+    d = decide(spec, J.RUNNING, elastic_plan(0, 1, 2, 3), {}, [one(0), one(1), one(3)])
+    assert d.action is Action.LAUNCH and d.plan is not None
+    assert [m.node_id for m in d.plan.members] == ["n0", "n1"] and "n3 idle" in d.reason
+
+
+def test_micro_batch_sizes_limit_the_world_sizes() -> None:
+    spec = dataclasses.replace(ELASTIC, global_batch_size=32, micro_batch_sizes=(8,), min_nodes=1, max_nodes=8)
+    assert spec.valid_world_sizes() == [1, 2, 4]
+    d = decide(spec, J.PENDING, None, {}, [one(i) for i in range(7)])
+    assert d.plan is not None and d.plan.worker_num == 4
+
+
+def test_drain_is_a_planned_relaunch_without_the_node() -> None:
+    nodes = [one(0), one(1, cordoned=True, draining=True)]
+    d = decide(ELASTIC, J.RUNNING, elastic_plan(0, 1), running(0, 1), nodes)
+    assert d.action is Action.LAUNCH and d.plan is not None and d.plan.planned
+    assert [m.node_id for m in d.plan.members] == ["n0"] and d.plan.restart_count == 0
+    assert "drain of n1" in d.reason
+    # A drain that would leave fewer than min_nodes waits and says so.
+    spec = dataclasses.replace(ELASTIC, min_nodes=2)
+    d = decide(spec, J.RUNNING, elastic_plan(0, 1), running(0, 1), nodes)
+    assert d.action is Action.NOTHING and "drain of n1 waits" in d.note
+    # ... unless an idle node can take its place.
+    d = decide(spec, J.RUNNING, elastic_plan(0, 1), running(0, 1), nodes + [one(2)])
+    assert d.plan is not None and [m.node_id for m in d.plan.members] == ["n0", "n2"]
+
+
+def test_scale_up_waits_for_the_settle_window_and_takes_every_join_at_once() -> None:
+    plan = elastic_plan(0)
+    d1 = decide(ELASTIC, J.RUNNING, plan, running(0), [one(0), one(1)], now=100.0)
+    assert d1.action is Action.NOTHING and d1.scale_up_nodes == ("n1",) and d1.scale_up_since == 100.0
+    assert "scale-up pending" in d1.note
+    # Another join restarts the window.
+    status = st(scale_up_nodes=d1.scale_up_nodes, scale_up_since=d1.scale_up_since)
+    d2 = decide(ELASTIC, J.RUNNING, plan, running(0), [one(0), one(1), one(2)], now=105.0, status=status)
+    assert d2.action is Action.NOTHING and d2.scale_up_nodes == ("n1", "n2") and d2.scale_up_since == 105.0
+    status = st(scale_up_nodes=d2.scale_up_nodes, scale_up_since=d2.scale_up_since)
+    assert decide(ELASTIC, J.RUNNING, plan, running(0), [one(0), one(1), one(2)], now=114.0,
+                  status=status).action is Action.NOTHING
+    # One relaunch for both joins, to the largest valid size (3 of 32 is not: 2 nodes).
+    d3 = decide(ELASTIC, J.RUNNING, plan, running(0), [one(0), one(1), one(2)], now=115.5, status=status)
+    assert d3.action is Action.LAUNCH and d3.plan is not None and d3.plan.planned
+    assert [m.node_id for m in d3.plan.members] == ["n0", "n1"] and "n2 idle" in d3.reason
+    assert d3.plan.restart_count == 0 and d3.plan.generation == 2
+
+
+def test_no_scale_up_before_every_rank_started_or_when_no_larger_size_is_valid() -> None:
+    plan = elastic_plan(0)
+    status = st(scale_up_nodes=("n1",), scale_up_since=1.0)
+    starting = {"n0": rep(0, G.STARTING)}
+    d = decide(ELASTIC, J.RUNNING, plan, starting, [one(0), one(1)], now=100.0, status=status)
+    assert d.action is Action.NOTHING and "every rank has started" in d.note
+    spec = dataclasses.replace(ELASTIC, global_batch_size=20)  # valid 1, 2, 4: running on 2, a third joins
+    d = decide(spec, J.RUNNING, elastic_plan(0, 1), running(0, 1), [one(0), one(1), one(2)], now=100.0)
+    assert d.action is Action.NOTHING and "n2 idle" in d.note and not d.scale_up_nodes

@@ -34,6 +34,13 @@ def test_good_spec_round_trips() -> None:
     ({"min_nodes_timeout_s": 0}, "min_nodes_timeout_s"),
     ({"max_restarts": -1}, "max_restarts"),
     ({"global_batch_size": 7, "workers_per_node": 2, "min_nodes": 1, "max_nodes": 1}, "global_batch_size"),
+    ({"global_batch_size": 30, "workers_per_node": 4, "min_nodes": 2, "max_nodes": 3}, "global_batch_size"),
+    ({"global_batch_size": 32, "micro_batch_sizes": [3, 5]}, "global_batch_size"),
+    ({"global_batch_size": 0}, "global_batch_size"),
+    ({"micro_batch_sizes": [4, 0]}, "micro_batch_sizes"),
+    ({"micro_batch_sizes": 4}, "micro_batch_sizes"),
+    ({"scale_up_settle_s": 0}, "scale_up_settle_s"),
+    ({"min_nodes": 0}, "min_nodes"),
     ({"args": "--lr 0.1"}, "args"),
     ({"env": {"MSELASTIC_JOB": "x"}}, "env"),
     ({"env": {"A": 1}}, "env"),
@@ -68,3 +75,14 @@ def test_toml_syntax_error_is_one_line(tmp_path: os.PathLike[str]) -> None:
         f.write('name = "j\n')
     with pytest.raises(SpecError, match="not valid TOML"):
         load_toml(path)
+
+
+def test_valid_world_sizes_and_layouts() -> None:
+    spec = JobSpec.from_dict({**GOOD, "workers_per_node": 2, "min_nodes": 1, "max_nodes": 4, "global_batch_size": 48,
+                              "micro_batch_sizes": [4, 8]})
+    assert spec.valid_world_sizes() == [2, 4, 6]  # 8 would need 6 per rank: neither 4 nor 8 divides it
+    layout = spec.layout(4)
+    assert layout is not None and (layout.micro_batch, layout.accumulation_steps) == (4, 3)
+    layout = spec.layout(6)
+    assert layout is not None and (layout.micro_batch, layout.accumulation_steps) == (8, 1)
+    assert spec.node_count(4) == 3 and spec.node_count(0) == 0

@@ -1,11 +1,15 @@
 """LeNet on MNIST-format digits, data parallel, made elastic with a few lines.
 
-The seed example (``ds.MnistDataset(num_shards, shard_id)``, ``DATA_PARALLEL`` with
-``gradients_mean=True``, ``DistributedGradReducer``, ``Momentum(0.01, 0.9)``,
+The seed example (``ds.MnistDataset`` sharded over the ranks, ``DATA_PARALLEL`` with
+``gradients_mean=True``, ``DistributedGradReducer``, ``Momentum(lr, 0.9)``,
 ``value_and_grad``) is unchanged in spirit; the lines marked ``# elastic`` are
 what mselastic adds: join through ``ElasticContext.init()``, resume from the
-newest valid checkpoint, heartbeat every step, checkpoint every N steps and on
-SIGTERM. Runs under elasticd, or under plain msrun with ``--checkpoint-dir``.
+newest valid checkpoint (parameters, momentum, learning-rate step, data position),
+shard with ``DistributedSampler(num_shards, shard_id)`` from the checkpoint's sample
+cursor so every sample of an epoch is used exactly once at any world size, keep
+the global batch with gradient accumulation, heartbeat every step, checkpoint
+every N steps and at the step all ranks agree on after a SIGTERM. Runs under
+elasticd, or under plain msrun with the defaults below.
 
 Usage: msrun --worker_num=2 --local_worker_num=2 train.py --data DIR --out DIR
 """
@@ -15,8 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
-from mselastic.trainer import Checkpointer, ElasticContext  # elastic
+from mselastic.trainer import Checkpointer, ElasticContext, ElasticData  # elastic
 
 ctx = ElasticContext.init(checkpoint_dir="/tmp/lenet-ckpt", total_steps=200, global_batch_size=32)  # elastic
 
@@ -50,13 +55,22 @@ class LeNet5(nn.Cell):
         return self.fc3(self.relu(self.fc2(self.relu(self.fc1(x)))))
 
 
-def dataset(data_dir: str, usage: str, batch: int, shard: tuple[int, int] | None, epoch: int) -> ds.Dataset:
-    ds.config.set_seed(SEED + epoch)  # the same shuffle on every rank and on every resume of this epoch
-    kwargs = dict(num_shards=shard[0], shard_id=shard[1]) if shard else {}
-    d = ds.MnistDataset(data_dir, usage=usage, shuffle=usage == "train", **kwargs)
+N_TRAIN = 1497  # rows in train-images-idx3-ubyte (examples/lenet/make_data.py)
+
+
+def transform(d: ds.Dataset, batch: int) -> ds.Dataset:
     d = d.map([V.Rescale(1.0 / 255.0, 0.0), V.Normalize((0.1307,), (0.3081,)), V.HWC2CHW()], "image")
     d = d.map(T.TypeCast(ms.int32), "label")
-    return d.batch(batch, drop_remainder=usage == "train")
+    return d.batch(batch, drop_remainder=True)
+
+
+def train_batches(data_dir: str, data: ElasticData, pos, with_ids: bool) -> ds.Dataset:  # type: ignore[no-untyped-def]
+    """This rank's micro-batches for the rest of the epoch (image, label[, sample id])."""
+    d = ds.MnistDataset(data_dir, usage="train", sampler=data.sampler(pos))  # elastic: sampler, not num_shards
+    if with_ids:  # the same sampler over the row numbers: which samples this rank consumed
+        ids = ds.NumpySlicesDataset({"id": np.arange(N_TRAIN, dtype=np.int32)}, sampler=data.sampler(pos))
+        d = ds.zip((d, ids))
+    return transform(d, ctx.micro_batch)
 
 
 def main() -> None:
@@ -64,6 +78,9 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True, help="results and final parameters go here")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--record-samples", action="store_true",
+                   help="append the sample ids each rank consumes to OUT/samples_g<G>_r<R>.jsonl")
+    p.add_argument("--step-sleep-s", type=float, default=0.0, help="pause after each step (tests pace the run)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -72,56 +89,62 @@ def main() -> None:
     ms.set_seed(SEED)
 
     net = LeNet5()
-    opt = nn.Momentum(net.trainable_params(), learning_rate=args.lr, momentum=0.9)
+    lr = nn.cosine_decay_lr(args.lr / 10, args.lr, ctx.total_steps, 1, ctx.total_steps)  # indexed by global_step
+    opt = nn.Momentum(net.trainable_params(), learning_rate=lr, momentum=0.9)
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
     reducer = nn.DistributedGradReducer(opt.parameters)
-
-    def train_step(x, y):  # type: ignore[no-untyped-def]
-        loss, grads = grad_fn(x, y)
-        opt(reducer(grads))
-        return loss
 
     ckpt = Checkpointer.from_context(ctx)  # elastic
     resumed = ckpt.load()  # elastic
     start = 0
     if resumed is not None:  # elastic
-        ms.load_param_into_net(opt, resumed.params)
+        ms.load_param_into_net(opt, resumed.params)  # weights, momentum buffers, global_step
         start = resumed.manifest.step
+    data = ElasticData(ctx, N_TRAIN, SEED)  # elastic
+    pos = data.start(resumed)  # elastic: epoch, seed, global sample cursor
     ctx.started(start, resumed.note if resumed else "")  # elastic
+    record = open(os.path.join(args.out, f"samples_g{ctx.generation}_r{ctx.rank}.jsonl"), "a") \
+        if args.record_samples else None
 
-    n_train = 1497  # rows in train-images-idx3-ubyte (examples/lenet/make_data.py)
-    steps_per_epoch = (n_train // ctx.device_num) // ctx.per_rank_batch
-    epoch, offset = divmod(start, steps_per_epoch)
-    it = dataset(args.data, "train", ctx.per_rank_batch, (ctx.num_shards, ctx.shard_id), epoch) \
-        .skip(offset).create_tuple_iterator(num_epochs=1)
     step, loss = start, float("nan")
     while step < ctx.total_steps:
-        try:
-            x, y = next(it)
-        except StopIteration:
-            epoch += 1
-            it = dataset(args.data, "train", ctx.per_rank_batch, (ctx.num_shards, ctx.shard_id), epoch) \
-                .create_tuple_iterator(num_epochs=1)
-            continue
-        loss = float(train_step(x, y).asnumpy())
-        step += 1
-        ctx.beat("step", step, loss)  # elastic
-        if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or ctx.stop_requested:  # elastic
-            ckpt.save(opt, step, epoch)
-            if ctx.stop_requested:
-                ctx.planned_exit(step)
+        it = train_batches(args.data, data, pos, record is not None).create_tuple_iterator(num_epochs=1)
+        for _ in range(min(data.steps_left(pos), ctx.total_steps - step)):
+            grads, losses, ids = None, [], []
+            for _ in range(ctx.accumulation_steps):  # elastic: the global batch stays the same
+                x, y, *rest = next(it)
+                micro_loss, g = grad_fn(x, y)
+                grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+                losses.append(float(micro_loss.asnumpy()))
+                ids += rest[0].asnumpy().tolist() if rest else []
+            if ctx.accumulation_steps > 1:
+                grads = tuple(g / ctx.accumulation_steps for g in grads)
+            opt(reducer(grads))
+            step, pos, loss = step + 1, data.advance(pos), sum(losses) / len(losses)
+            if record is not None:
+                record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.device_num, "ids": ids}) + "\n")
+                record.flush()
+            ctx.beat("step", step, loss)  # elastic
+            time.sleep(args.step_sleep_s)
+            stop = ctx.should_stop()  # elastic: a SIGTERM on any rank stops all at this step
+            if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
+                ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
+                if stop:
+                    ctx.planned_exit(step)
 
     np.savez(os.path.join(args.out, f"params_rank{ctx.rank}.npz"),
              **{p.name: p.asnumpy() for p in net.trainable_params()})
     if ctx.rank == 0:
         correct = total = 0
-        for x, y in dataset(args.data, "test", 100, None, 0).create_tuple_iterator(num_epochs=1):
+        test = transform(ds.MnistDataset(args.data, usage="test", shuffle=False), 100)
+        for x, y in test.create_tuple_iterator(num_epochs=1):
             pred = net(x).asnumpy().argmax(axis=1)
             correct += int((pred == y.asnumpy()).sum())
             total += len(pred)
         result = {"final_step": step, "loss": loss, "accuracy": correct / total, "resumed_from": start,
-                  "generation": ctx.generation, "world_size": ctx.device_num}
+                  "generation": ctx.generation, "world_size": ctx.device_num,
+                  "global_step": int(opt.global_step.asnumpy()[0])}
         with open(os.path.join(args.out, f"result_g{ctx.generation}.json"), "w") as f:
             json.dump(result, f)
         print("RESULT", json.dumps(result), flush=True)

@@ -49,7 +49,7 @@ class NodeAgent:
         self.store = store
         self.cfg = cfg
         self.generations: dict[str, Generation] = {}
-        self._dirty: set[str] = set()
+        self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -163,7 +163,8 @@ class NodeAgent:
                 raise LaunchRefused(f"job {plan.job} has no spec in etcd")
             spec = JobSpec.from_json(spec_kv.value)
             if current is not None and not current.done.is_set():
-                await current.stop(spec.stop_grace_period_s)
+                # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
+                await current.stop(spec.stop_grace_period_s if plan.planned else 0)
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed)
             self.generations[plan.job] = gen
             await gen.start()
@@ -191,7 +192,7 @@ class NodeAgent:
     # -- reports -----------------------------------------------------------
 
     def _changed(self, gen: Generation, urgent: bool = True) -> None:
-        self._dirty.add(gen.plan.job)
+        self._dirty[(gen.plan.job, gen.plan.generation)] = gen
         self._wake.set()
         if urgent:
             self._urgent.set()
@@ -202,26 +203,24 @@ class NodeAgent:
         Progress (a beat every step) is written at most once per ``report_interval_s``;
         state changes (first step, failure, success) are written at once.
         """
-        last: dict[str, str] = {}
+        last: dict[tuple[str, int], str] = {}
         while not stop.is_set():
             await self._wake.wait()
             self._wake.clear()
             self._urgent.clear()
-            for job in list(self._dirty):
-                self._dirty.discard(job)
-                gen = self.generations.get(job)
-                if gen is None:
-                    continue
+            for key, gen in sorted(self._dirty.items()):
+                del self._dirty[key]
                 rep = gen.report()
                 body = rep.to_json()
-                if last.get(job) == body:
+                if last.get(key) == body:
                     continue
                 try:
-                    await self.store.put(self.store.keys.report(job, rep.generation, self.cfg.node_id), body)
-                    last[job] = body
+                    await self.store.put(self.store.keys.report(key[0], key[1], self.cfg.node_id), body)
+                    last = {k: v for k, v in last.items() if k[0] != key[0] or k[1] >= key[1] - 1}
+                    last[key] = body
                 except (TemporaryError, PermanentError) as e:
                     log.warning("report not written (%s); will retry", e, extra=self._ctx)
-                    self._dirty.add(job)
+                    self._dirty.setdefault(key, gen)
                     self._wake.set()
             try:
                 await asyncio.wait_for(self._urgent.wait(), timeout=self.cfg.report_interval_s)

@@ -69,6 +69,24 @@ def alive(pid: int, create_time: float) -> bool:
         return False
 
 
+def exit_status(pid: int, create_time: float) -> int | None:
+    """The exit code of a process that has exited but not been reaped yet (a zombie of another
+    parent: msrun reaps its workers about once a second), from ``/proc/<pid>/stat``; None when
+    it still runs, is gone or was killed by a signal (then: minus the signal number)."""
+    try:
+        p = psutil.Process(pid)
+        if p.create_time() != create_time or p.status() != psutil.STATUS_ZOMBIE:
+            return None
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (psutil.NoSuchProcess, OSError):
+        return None
+    if len(fields) < 50:
+        return None
+    status = int(fields[49])  # field 52, exit_code, as waitpid reports it
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
 def _signal_groups(procs: list[psutil.Process], signum: int) -> None:
     groups = set()
     for p in procs:

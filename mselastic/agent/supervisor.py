@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -56,7 +57,10 @@ class RankState:
     step: int = -1
     loss: float = 0.0
     finished: bool = False
-    planned_exit: bool = False
+    #: Step this rank checkpointed at before exiting on SIGTERM (-1: it did not).
+    exit_step: int = -1
+    #: Exit code seen before msrun reaped it (None: not seen).
+    exit_code: int | None = None
 
 
 class Generation:
@@ -81,6 +85,7 @@ class Generation:
         self.first_step_at = 0.0
         self.resumed_step = -1
         self.resume_note = ""
+        self.exit_step = -1
         self.started_mono = 0.0
         self.done = asyncio.Event()
         self._on_change = on_change
@@ -138,16 +143,25 @@ class Generation:
             contract.ENV_KEEP_CHECKPOINTS: str(self.spec.keep_checkpoints),
             contract.ENV_TOTAL_STEPS: str(self.spec.total_steps),
             contract.ENV_GLOBAL_BATCH: str(self.spec.global_batch_size),
+            contract.ENV_MICRO_BATCHES: ",".join(map(str, self.spec.micro_batch_sizes)),
             contract.ENV_HEARTBEAT: "mselastic-hb-" + self.run_id,
             contract.ENV_RUN_ID: self.run_id,
         })
         return env
 
     async def stop(self, grace_s: float) -> list[int]:
-        """Stop every process of this generation (planned: SIGTERM first). Returns leftovers."""
+        """Stop every process of this generation. Returns leftovers.
+
+        With ``grace_s`` > 0 (a planned stop) the ranks alone get SIGTERM first: they agree
+        on the next step, checkpoint there and exit with the planned-exit code. msrun itself
+        must not get it (it has no handler and dies; its workers die with it, unsaved).
+        Whatever is left after the grace period is killed.
+        """
         self._stopping = True
+        if grace_s > 0 and not self.state.terminal:
+            await self._ask_ranks_to_stop(grace_s)
         extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
-        left = await procs.stop_generation(self.run_id, extra, grace_s)
+        left = await procs.stop_generation(self.run_id, extra, grace_s=0)
         if self._msrun is not None:
             try:
                 await asyncio.wait_for(self._msrun.wait(), timeout=5)
@@ -155,11 +169,49 @@ class Generation:
                 left.append(self._msrun.pid)
         self.stopped_at = self.stopped_at or time.time()
         if not self.state.terminal:
-            self._set(GenerationState.STOPPED, reason="stopped")
+            exit_step = self._exit_step()
+            self.exit_step = exit_step
+            self._set(GenerationState.STOPPED, reason=f"stopped on request: ranks checkpointed at step {exit_step} "
+                      f"and {self._exit_codes()}" if exit_step >= 0 else "stopped on request")
         self._close()
         if left:
             log.error("processes left after stop: %s", left, extra=self._ctx)
         return left
+
+    async def _ask_ranks_to_stop(self, grace_s: float) -> None:
+        self._discover()
+        ranks = [rs for rs in self.ranks.values() if rs.pid and procs.alive(rs.pid, rs.create_time)]
+        for rs in ranks:
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                try:
+                    os.kill(rs.pid, sig)
+                except ProcessLookupError:
+                    pass
+        log.info("asked ranks %s to checkpoint and exit (grace %.0fs)", [r.rank for r in ranks], grace_s,
+                 extra=self._ctx)
+        deadline = time.monotonic() + grace_s
+        while any(procs.alive(rs.pid, rs.create_time) for rs in ranks) and time.monotonic() < deadline:
+            await asyncio.sleep(self._poll_s)
+            self._note_exit_codes()
+        self._note_exit_codes()
+        slow = [rs.rank for rs in ranks if procs.alive(rs.pid, rs.create_time)]
+        if slow:
+            log.warning("ranks %s did not exit within %.0fs of SIGTERM; killing", slow, grace_s, extra=self._ctx)
+
+    def _note_exit_codes(self) -> None:
+        for rs in self.ranks.values():
+            if rs.pid and rs.exit_code is None:
+                rs.exit_code = procs.exit_status(rs.pid, rs.create_time)
+
+    def _exit_codes(self) -> str:
+        """The ranks' exit codes as seen, for a report's reason."""
+        codes = sorted({rs.exit_code for rs in self.ranks.values() if rs.exit_code is not None})
+        return f"exited with code {', '.join(map(str, codes))}" if codes else "exited (code not seen)"
+
+    def _exit_step(self) -> int:
+        """The step every local rank checkpointed at before its planned exit; -1 if they did not all."""
+        steps = {rs.exit_step for rs in self.ranks.values()}
+        return steps.pop() if len(steps) == 1 and -1 not in steps else -1
 
     def _close(self) -> None:
         if self._task is not None and self._task is not asyncio.current_task():
@@ -210,7 +262,7 @@ class Generation:
         if beat.kind == "finished":
             rs.finished = True
         if beat.kind == "planned_exit":
-            rs.planned_exit = True
+            rs.exit_step = beat.step
         self._on_change(self, False)
 
     async def _watch(self) -> None:
@@ -218,7 +270,11 @@ class Generation:
         try:
             while not self.state.terminal and not self._stopping:
                 self._discover()
+                self._note_exit_codes()
                 fault = self._find_fault()
+                if fault is not None and self._exited_on_sigterm():
+                    await self._stopped_unasked()
+                    return
                 if fault is not None:
                     rank, reason, hung = fault
                     # A dead rank broke the collective: kill at once. A hung one may resume on SIGCONT
@@ -266,21 +322,24 @@ class Generation:
         """(rank, reason, hung) of the rank that failed; None while all is well.
 
         msrun SIGKILLs the other workers about a second after one exits, so one poll
-        may find several ranks gone: blame the one that announced a planned exit
-        (it checkpointed on a SIGTERM nobody here sent), else the one silent longest.
+        may find several ranks gone: blame the one silent longest. Ranks that announced
+        a planned exit (they checkpointed on a SIGTERM) are not a fault unless another
+        rank died without one.
         """
         now = time.monotonic()
-        dead = []
-        for rs in self.ranks.values():
-            if rs.finished:
-                continue
-            if rs.planned_exit:
-                return rs.rank, f"exited after a checkpoint on SIGTERM (pid {rs.pid})", False
-            if rs.pid and not procs.alive(rs.pid, rs.create_time):
-                dead.append(rs)
+        exited = [rs for rs in self.ranks.values() if rs.exit_step >= 0]
+        dead = [rs for rs in self.ranks.values()
+                if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
         if dead:
             first = min(dead, key=lambda r: r.last_beat)
             return first.rank, f"exited before finishing (pid {first.pid})", False
+        if exited:
+            # The ranks agreed on the step; the others' planned exits are at most a moment behind.
+            pending = [rs for rs in self.ranks.values() if rs.exit_step < 0 and not rs.finished]
+            if not pending or now - max(rs.last_beat for rs in exited) > self.spec.stop_grace_period_s:
+                first = exited[0]
+                return first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})", False
+            return None
         for rs in self.ranks.values():
             if rs.finished:
                 continue
@@ -289,6 +348,28 @@ class Generation:
             if not rs.last_beat and now - self.started_mono > self.spec.startup_timeout_s:
                 return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}", True
         return None
+
+    def _exited_on_sigterm(self) -> bool:
+        """Every local rank checkpointed on a SIGTERM and has exited (or is exiting)."""
+        return all(rs.exit_step >= 0 or rs.finished for rs in self.ranks.values()) and self._exit_step() >= 0
+
+    async def _stopped_unasked(self) -> None:
+        """The ranks exited on a SIGTERM this agent did not send (an operator, another node's
+        rank: they all agree on the step). Nothing is lost; the coordinator relaunches."""
+        self.detected_at = time.time()
+        self.exit_step = self._exit_step()
+        self._note_exit_codes()
+        self.reason = (f"ranks checkpointed at step {self.exit_step} on a SIGTERM not sent by the agent and "
+                       f"{self._exit_codes()}")
+        log.warning("%s", self.reason, extra=self._ctx)
+        self._stopping = True
+        extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
+        left = await procs.stop_generation(self.run_id, extra, grace_s=0)
+        if left:
+            log.error("processes left after the ranks' exit: %s", left, extra=self._ctx)
+        self.stopped_at = time.time()
+        self._set(GenerationState.STOPPED)
+        self._close()
 
     async def _fail(self, rank: int, reason: str, grace_s: float = 0) -> None:
         self.detected_at = time.time()
@@ -330,4 +411,4 @@ class Generation:
             job=self.spec.name, generation=self.plan.generation, node_id=self.node_id, state=self.state,
             failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
-            resume_note=self.resume_note, step=max(steps), loss=loss)
+            resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step)

@@ -14,7 +14,7 @@ from mselastic.v1 import elastic_pb2 as pb
 def plan_to_pb(plan: Plan) -> pb.Plan:
     return pb.Plan(
         job=plan.job, generation=plan.generation, worker_num=plan.worker_num, master_addr=plan.master_addr,
-        master_port=plan.master_port, restart_count=plan.restart_count, reason=plan.reason,
+        master_port=plan.master_port, restart_count=plan.restart_count, reason=plan.reason, planned=plan.planned,
         members=[pb.Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                            agent_address=m.agent_address, host=m.host) for m in plan.members])
 
@@ -22,7 +22,7 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
 def plan_from_pb(msg: pb.Plan) -> Plan:
     return Plan(
         job=msg.job, generation=msg.generation, worker_num=msg.worker_num, master_addr=msg.master_addr,
-        master_port=msg.master_port, restart_count=msg.restart_count, reason=msg.reason,
+        master_port=msg.master_port, restart_count=msg.restart_count, reason=msg.reason, planned=msg.planned,
         members=tuple(Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                              agent_address=m.agent_address, host=m.host) for m in msg.members))
 

@@ -61,10 +61,13 @@ class NodeRecord:
     version: str
     #: etcd create revision of the registration: older nodes sort first.
     create_revision: int = 0
+    #: Set from ``cordons/<node_id>`` when read (never written by the agent): no new generations here.
     cordoned: bool = False
+    #: ... and running generations move off it (a planned relaunch without it).
+    draining: bool = False
 
     def to_json(self) -> str:
-        return _encode(dataclasses.replace(self, create_revision=0))
+        return _encode(dataclasses.replace(self, create_revision=0, cordoned=False, draining=False))
 
     @classmethod
     def from_json(cls, text: str | bytes, create_revision: int = 0) -> "NodeRecord":
@@ -93,6 +96,8 @@ class Plan:
     master_port: int
     restart_count: int
     reason: str
+    #: A relaunch the coordinator chose (drain, scale-up): ranks checkpoint on SIGTERM first.
+    planned: bool = False
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +148,8 @@ class GenerationReport:
     #: Newest step any local rank reported.
     step: int = -1
     loss: float = 0.0
+    #: Step every local rank checkpointed at before exiting on request (-1: not such an exit).
+    exit_step: int = -1
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
@@ -187,10 +194,18 @@ class JobStatus:
     quarantined_until: dict[str, float] = dataclasses.field(default_factory=dict)
     #: The newest generation whose failure is already in node_failures (counted once).
     failures_counted_through: int = 0
+    #: What the coordinator is waiting for or leaving out (scale-up pending, idle nodes, a drain that waits).
+    note: str = ""
+    #: Nodes that joined a running generation, and since when that set is unchanged (settle window).
+    scale_up_nodes: tuple[str, ...] = ()
+    scale_up_since: float = 0.0
+    #: The newest planned generation whose resume is recorded in the events.
+    resumed_through: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
         d["state"] = JobState(d["state"])
+        d["scale_up_nodes"] = tuple(d.get("scale_up_nodes", ()))
         if d.get("last_failure") is not None:
             d["last_failure"] = FailureRecord(**d["last_failure"])
         return d
@@ -221,6 +236,23 @@ class Event:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Event":
+        return _decode(cls, text)
+
+
+@dataclasses.dataclass(frozen=True)
+class CordonRecord:
+    """``cordons/<node_id>``: written by ``elasticctl cordon`` / ``drain``, removed by ``uncordon``."""
+
+    node_id: str
+    drain: bool
+    at: float
+    reason: str = ""
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "CordonRecord":
         return _decode(cls, text)
 
 

@@ -6,13 +6,18 @@ and applies the one :class:`Decision` it returns.
 
 Rules, in order:
 1. A job in a terminal state: nothing.
-2. No plan yet: launch generation 1 on the oldest eligible nodes (up to
-   ``max_nodes``) once ``min_nodes`` are there; otherwise wait.
-3. A member reported FAILED, or a member's registration is gone (lease expired):
+2. No plan yet: launch generation 1 on the oldest eligible nodes, as many as
+   give the largest valid world size (see :mod:`mselastic.core.elastic`) within
+   ``min_nodes``..``max_nodes``; otherwise wait. Nodes left out are named in the reason.
+3. A member reported FAILED (or STOPPED: its ranks exited on a SIGTERM the
+   coordinator did not send), or a member's registration is gone (lease expired):
    relaunch as generation g+1 on the surviving members in their old order, new
-   nodes appended; if restarts are exhausted, fail the job.
+   nodes appended, cut to a valid size; if restarts are exhausted, fail the job.
 4. Every member reported SUCCEEDED: the job succeeded.
 5. Waiting for ``min_nodes`` for longer than ``min_nodes_timeout_s``: fail the job.
+6. A healthy generation with a member being drained, or with joined nodes that give
+   a larger valid world size and no further join for ``scale_up_settle_s``: a
+   *planned* relaunch (the ranks checkpoint on SIGTERM; not counted as a restart).
 
 Quarantine (Horovod's blacklist with cooldown): each fault is blamed on a node
 (the one whose rank failed first, or a lost one); a node blamed
@@ -27,7 +32,7 @@ import enum
 import zlib
 from typing import Iterable, Mapping
 
-from mselastic.core.model import GenerationReport, Member, NodeRecord, Plan
+from mselastic.core.model import GenerationReport, JobStatus, Member, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 
@@ -73,6 +78,10 @@ class Decision:
     quarantined_until: Mapping[str, float] | None = None
     #: The generation whose failure these counts include.
     failures_counted_through: int = 0
+    #: For NOTHING: what the job waits for or leaves out, for its status.
+    note: str = ""
+    scale_up_nodes: tuple[str, ...] = ()
+    scale_up_since: float = 0.0
 
 
 def master_port(job: str, generation: int, previous: int | None, ports: PortRange, salt: int = 0) -> int:
@@ -88,14 +97,14 @@ def master_port(job: str, generation: int, previous: int | None, ports: PortRang
 
 
 def eligible(nodes: Iterable[NodeRecord], spec: JobSpec) -> list[NodeRecord]:
-    """Nodes that can run the job, oldest registration first."""
+    """Nodes a new generation may use, oldest registration first."""
     ok = [n for n in nodes if n.slots >= spec.workers_per_node and not n.cordoned]
     return sorted(ok, key=lambda n: (n.create_revision, n.node_id))
 
 
 def make_plan(
     spec: JobSpec, nodes: list[NodeRecord], generation: int, restart_count: int, reason: str,
-    previous_port: int | None, ports: PortRange, salt: int = 0,
+    previous_port: int | None, ports: PortRange, salt: int = 0, planned: bool = False,
 ) -> Plan:
     members = tuple(
         Member(node_id=n.node_id, node_rank=i, local_workers=spec.workers_per_node,
@@ -106,8 +115,17 @@ def make_plan(
         job=spec.name, generation=generation, members=members,
         worker_num=spec.workers_per_node * len(members), master_addr=members[0].host,
         master_port=master_port(spec.name, generation, previous_port, ports, salt),
-        restart_count=restart_count, reason=reason,
+        restart_count=restart_count, reason=reason, planned=planned,
     )
+
+
+def idle_note(spec: JobSpec, idle: list[NodeRecord], used: int) -> str:
+    """Why nodes that could run the job are left out of a generation of ``used`` nodes."""
+    if not idle:
+        return ""
+    why = (f"max_nodes={spec.max_nodes}" if used >= spec.max_nodes else
+           f"global_batch_size={spec.global_batch_size} needs a world size in {spec.valid_world_sizes()}")
+    return f"node(s) {', '.join(n.node_id for n in idle)} idle: {why}"
 
 
 def decide(
@@ -119,46 +137,46 @@ def decide(
     ports: PortRange = PortRange(),
     salt: int = 0,
     now: float = 0.0,
-    waiting_since: float = 0.0,
-    node_failures: Mapping[str, int] | None = None,
-    quarantined_until: Mapping[str, float] | None = None,
-    failures_counted_through: int = 0,
+    status: JobStatus | None = None,
 ) -> Decision:
     """The next step for one job. ``reports`` are the current generation's, by node id;
-    ``salt`` varies the master port (see :func:`master_port`); ``now`` and
-    ``waiting_since`` (0: not waiting) time the wait for ``min_nodes``;
-    ``node_failures`` / ``quarantined_until`` are the job's node history, which already
-    includes the failures of generations up to ``failures_counted_through``."""
+    ``salt`` varies the master port (see :func:`master_port`); ``now`` times the waits
+    against ``status`` (the job's status as stored: waiting since, node failure counts
+    and quarantine, the pending scale-up)."""
     if state.terminal:
         return Decision(Action.NOTHING)
-    quarantine = {n: t for n, t in (quarantined_until or {}).items() if t > now}
+    st = status or JobStatus(state)
+    nodes = list(nodes)
+    quarantine = {n: t for n, t in st.quarantined_until.items() if t > now}
     alive = [n for n in eligible(nodes, spec) if n.node_id not in quarantine]
 
     def wait(reason: str, blame: Decision = Decision(Action.WAIT)) -> Decision:
         """WAIT, or FAIL once the wait has lasted too long; ``blame`` carries the fault history."""
-        if waiting_since and now - waiting_since > spec.min_nodes_timeout_s:
+        if st.waiting_since and now - st.waiting_since > spec.min_nodes_timeout_s:
             reason = f"{reason} for more than min_nodes_timeout_s={spec.min_nodes_timeout_s:g}"
             return dataclasses.replace(blame, action=Action.FAIL, reason=reason)
         return dataclasses.replace(blame, action=Action.WAIT, reason=reason)
 
     if plan is None:
-        if len(alive) < spec.min_nodes:
-            return wait(f"waiting for nodes: {len(alive)} of min_nodes={spec.min_nodes}")
-        chosen = alive[: spec.max_nodes]
-        return Decision(Action.LAUNCH, "initial launch",
-                        make_plan(spec, chosen, 1, 0, "initial launch", None, ports, salt))
+        n = spec.node_count(len(alive))
+        if not n:
+            return wait(f"waiting for nodes: {len(alive)} usable, need {spec.min_nodes}..{spec.max_nodes} "
+                        f"giving a world size in {spec.valid_world_sizes()}")
+        reason = "; ".join(filter(None, ["initial launch", idle_note(spec, alive[n:], n)]))
+        return Decision(Action.LAUNCH, reason, make_plan(spec, alive[:n], 1, 0, reason, None, ports, salt))
 
     current = [r for r in reports.values() if r.generation == plan.generation]
-    failed = sorted((r for r in current if r.state is GenerationState.FAILED),
+    # STOPPED on a generation that is still the plan: its ranks exited on a SIGTERM nobody here sent.
+    failed = sorted((r for r in current if r.state in (GenerationState.FAILED, GenerationState.STOPPED)),
                     key=lambda r: (r.detected_at or float("inf"), r.node_id))
-    alive_ids = {n.node_id for n in alive}
-    lost = tuple(m.node_id for m in plan.members if m.node_id not in alive_ids)
+    registered = {n.node_id for n in nodes if n.slots >= spec.workers_per_node}
+    lost = tuple(m.node_id for m in plan.members if m.node_id not in registered)
 
     if not failed and not lost:
         done = {r.node_id for r in current if r.state is GenerationState.SUCCEEDED}
         if done >= {m.node_id for m in plan.members}:
             return Decision(Action.SUCCEED, f"generation {plan.generation} finished on every node")
-        return Decision(Action.NOTHING)
+        return _planned(spec, plan, current, nodes, alive, ports, salt, now, st)
 
     fault = failed[0] if failed else None
     if fault is not None:
@@ -166,8 +184,8 @@ def decide(
         reason = f"{rank} on node {fault.node_id} failed: {fault.reason}"
     else:
         reason = f"node(s) lost: {', '.join(lost)}"
-    failures = dict(node_failures or {})
-    if failures_counted_through < plan.generation:  # a waiting job sees the same fault on every pass
+    failures = dict(st.node_failures)
+    if st.failures_counted_through < plan.generation:  # a waiting job sees the same fault on every pass
         for blamed in ([fault.node_id] if fault is not None else list(lost)):
             failures[blamed] = failures.get(blamed, 0) + 1
             over = failures[blamed] - spec.quarantine_after_failures
@@ -179,13 +197,55 @@ def decide(
         return dataclasses.replace(blame, reason=f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}")
 
     alive = [n for n in alive if n.node_id not in quarantine]
-    by_id = {n.node_id: n for n in alive}
-    survivors = [by_id[m.node_id] for m in plan.members if m.node_id in by_id]
-    newcomers = [n for n in alive if n.node_id not in {s.node_id for s in survivors}]
-    chosen = (survivors + newcomers)[: spec.max_nodes]
+    pool = _keep_order(plan, alive)
     if quarantine.keys() & {m.node_id for m in plan.members}:
         reason += f"; quarantined: {', '.join(sorted(quarantine.keys() & {m.node_id for m in plan.members}))}"
-    if len(chosen) < spec.min_nodes:
-        return wait(f"{reason}; waiting for nodes: {len(chosen)} of min_nodes={spec.min_nodes}", blame)
-    nxt = make_plan(spec, chosen, plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
+    n = spec.node_count(len(pool))
+    if not n:
+        return wait(f"{reason}; waiting for nodes: {len(pool)} usable, need {spec.min_nodes}..{spec.max_nodes} "
+                    f"giving a world size in {spec.valid_world_sizes()}", blame)
+    reason = "; ".join(filter(None, [reason, idle_note(spec, pool[n:], n)]))
+    nxt = make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
     return dataclasses.replace(blame, action=Action.LAUNCH, reason=reason, plan=nxt)
+
+
+def _keep_order(plan: Plan, alive: list[NodeRecord]) -> list[NodeRecord]:
+    """Usable nodes for the next generation: the plan's members in their order, then the others."""
+    by_id = {n.node_id: n for n in alive}
+    survivors = [by_id[m.node_id] for m in plan.members if m.node_id in by_id]
+    return survivors + [n for n in alive if plan.member(n.node_id) is None]
+
+
+def _planned(spec: JobSpec, plan: Plan, current: list[GenerationReport], nodes: list[NodeRecord],
+             alive: list[NodeRecord], ports: PortRange, salt: int, now: float, st: JobStatus) -> Decision:
+    """A healthy running generation: drain members marked for it, or scale up to joined nodes
+    once none has joined for ``scale_up_settle_s``. Both are planned relaunches: the ranks
+    checkpoint on SIGTERM and the next generation resumes at that step; neither counts as
+    a restart."""
+    draining = sorted(n.node_id for n in nodes if n.draining and plan.member(n.node_id) is not None)
+    pool = _keep_order(plan, alive)
+    n = spec.node_count(len(pool))
+    nxt = lambda reason: make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count, reason,  # noqa: E731
+                                   plan.master_port, ports, salt, planned=True)
+    if draining:
+        if not n:
+            return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {len(pool)} other usable "
+                                                 f"node(s), need {spec.min_nodes}..{spec.max_nodes} giving a world "
+                                                 f"size in {spec.valid_world_sizes()}")
+        reason = "; ".join(filter(None, [f"planned: drain of {', '.join(draining)}", idle_note(spec, pool[n:], n)]))
+        return Decision(Action.LAUNCH, reason, nxt(reason))
+    joined = tuple(x.node_id for x in pool if plan.member(x.node_id) is None)
+    if not joined or n * spec.workers_per_node <= plan.worker_num:
+        return Decision(Action.NOTHING, note=idle_note(spec, [x for x in pool if x.node_id in joined],
+                                                        len(plan.members)))
+    since = st.scale_up_since if st.scale_up_nodes == joined and st.scale_up_since else now
+    running = len(current) == len(plan.members) and all(r.state is GenerationState.RUNNING for r in current)
+    if now - since < spec.scale_up_settle_s or not running:
+        note = (f"scale-up pending: {', '.join(joined)} joined; world size {plan.worker_num} -> "
+                f"{n * spec.workers_per_node} once no node joined for scale_up_settle_s={spec.scale_up_settle_s:g}"
+                + ("" if running else " and every rank has started"))
+        return Decision(Action.NOTHING, note=note, scale_up_nodes=joined, scale_up_since=since)
+    added = [x.node_id for x in pool[:n] if plan.member(x.node_id) is None]
+    reason = "; ".join(filter(None, [f"planned: scale up, {', '.join(added)} joined (world size {plan.worker_num} -> "
+                                     f"{n * spec.workers_per_node})", idle_note(spec, pool[n:], n)]))
+    return Decision(Action.LAUNCH, reason, nxt(reason))

@@ -16,6 +16,7 @@ import tomllib
 from typing import Any, Mapping
 
 from mselastic.core.contract import DAEMON_VARS
+from mselastic.core.elastic import BatchLayout, batch_layout, node_count, valid_world_sizes
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -51,6 +52,13 @@ class JobSpec:
     total_steps: int = 100
     #: Samples per optimizer step over all ranks, kept constant across world sizes.
     global_batch_size: int = 32
+    #: Micro-batch sizes a rank may run (gradient accumulation makes up the rest); empty:
+    #: any, i.e. global_batch_size / world size with no accumulation. Only world sizes that
+    #: reach global_batch_size exactly with one of them are used.
+    micro_batch_sizes: tuple[int, ...] = ()
+    #: A node that joins a running job is added after no other node joined for this long
+    #: (several joins make one relaunch, at a checkpoint taken on request).
+    scale_up_settle_s: float = 30.0
     #: Folder the trainer writes checkpoints to (absolute; shared by all nodes).
     checkpoint_dir: str = ""
     #: A checkpoint is written every this many steps.
@@ -70,9 +78,24 @@ class JobSpec:
     def world_size_range(self) -> tuple[int, int]:
         return self.min_nodes * self.workers_per_node, self.max_nodes * self.workers_per_node
 
+    def valid_world_sizes(self) -> list[int]:
+        """World sizes in range that keep the global batch (see :mod:`mselastic.core.elastic`)."""
+        lo, hi = self.world_size_range
+        return [w for w in valid_world_sizes(self.global_batch_size, lo, hi, self.micro_batch_sizes)
+                if w % self.workers_per_node == 0]
+
+    def layout(self, world_size: int) -> BatchLayout | None:
+        return batch_layout(self.global_batch_size, world_size, self.micro_batch_sizes)
+
+    def node_count(self, available: int) -> int:
+        """Nodes to use out of ``available`` (the most with a valid world size); 0: none will do."""
+        return node_count(available, self.min_nodes, self.max_nodes, self.workers_per_node,
+                          self.global_batch_size, self.micro_batch_sizes)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["args"] = list(self.args)
+        d["micro_batch_sizes"] = list(self.micro_batch_sizes)
         d["env"] = dict(self.env)
         return d
 
@@ -118,14 +141,20 @@ class JobSpec:
         if self.max_restarts < 0:
             _fail("max_restarts", f"must be >= 0 (got {self.max_restarts})")
         for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
-                    "quarantine_cooldown_s"):
+                    "quarantine_cooldown_s", "scale_up_settle_s"):
             if not getattr(self, key) > 0:
                 _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")
         if self.min_nodes > self.max_nodes:
             _fail("min_nodes", f"must be <= max_nodes (got {self.min_nodes} > {self.max_nodes})")
-        lo, hi = self.world_size_range
-        if not any(self.global_batch_size % w == 0 for w in range(lo, hi + 1)):
-            _fail("global_batch_size", f"{self.global_batch_size} is not divisible by any world size in {lo}..{hi}")
+        for m in self.micro_batch_sizes:
+            if m <= 0:
+                _fail("micro_batch_sizes", f"must be positive integers (got {m})")
+        if not self.valid_world_sizes():
+            lo, hi = self.world_size_range
+            with_micro = f" with micro_batch_sizes {list(self.micro_batch_sizes)}" if self.micro_batch_sizes else ""
+            _fail("global_batch_size", f"{self.global_batch_size} cannot be split over any world size in "
+                                       f"{lo}..{hi} (min_nodes..max_nodes x workers_per_node){with_micro}; "
+                                       f"change global_batch_size or the node range")
         for k, v in self.env.items():
             if not k or "=" in k:
                 _fail("env", f"variable name {k!r} is not valid")
@@ -168,6 +197,10 @@ def _coerce(key: str, field: dataclasses.Field[Any], value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(key, f"must be a number of seconds (got {value!r})")
         return float(value)
+    if kind == "tuple[int, ...]":
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            _fail(key, "must be a list of integers")
+        return tuple(value)
     if kind == "tuple[str, ...]":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             _fail(key, "must be a list of strings")

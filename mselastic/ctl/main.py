@@ -6,6 +6,8 @@ Examples::
     elasticctl status lenet -o json        # one job, machine-readable
     elasticctl submit examples/lenet/job.toml
     elasticctl stop lenet --grace-period-s 30
+    elasticctl drain node-b                # move running jobs off node-b, nothing lost
+    elasticctl uncordon node-b             # node-b may run generations again
 
 Any elasticd may be named by --endpoint: changes are forwarded to the leader,
 and right after a cluster starts they wait (up to --timeout-s) for one to be elected.
@@ -90,7 +92,10 @@ def _ago(t: float) -> str:
 
 def print_status(res: pb.StatusResponse, out: Any) -> None:
     print(f"LEADER  {res.leader or '(none)'}", file=out)
-    print(f"NODES   {', '.join(f'{n.node_id}({n.slots})' for n in res.nodes) or '(none)'}", file=out)
+    def node(n: pb.NodeInfo) -> str:
+        return f"{n.node_id}({n.slots}{', draining' if n.draining else ', cordoned' if n.cordoned else ''})"
+
+    print(f"NODES   {', '.join(node(n) for n in res.nodes) or '(none)'}", file=out)
     if not res.jobs:
         print("JOBS    (none)", file=out)
         return
@@ -102,6 +107,8 @@ def print_status(res: pb.StatusResponse, out: Any) -> None:
               file=out)
         if j.message:
             print(f"  message: {j.message}", file=out)
+        if j.note:
+            print(f"  note: {j.note}", file=out)
         for q in j.quarantined:
             print(f"  quarantined: {q.node_id} ({q.failures} failures), {max(0.0, q.until - time.time()):.0f}s "
                   "of cooldown left", file=out)
@@ -130,7 +137,44 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Example: elasticctl stop lenet --grace-period-s 30")
     s.add_argument("job")
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
+    s = sub.add_parser("cordon", help="no new generations on a node (running ones go on)",
+                       description="Example: elasticctl cordon node-b --reason 'disk replacement'")
+    s.add_argument("node")
+    s.add_argument("--reason", default="")
+    s = sub.add_parser("drain", help="cordon a node and move its running jobs off it (planned, nothing lost)",
+                       description="Example: elasticctl drain node-b. Each job on the node is relaunched without it: "
+                                   "its ranks checkpoint at the next step and the next generation resumes there. "
+                                   "Waits until no job runs on the node (--wait-s; 0: do not wait).")
+    s.add_argument("node")
+    s.add_argument("--reason", default="")
+    s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain (default %(default)s)")
+    s = sub.add_parser("uncordon", help="let a node run generations again (a running job may scale up to it)",
+                       description="Example: elasticctl uncordon node-b")
+    s.add_argument("node")
     return p
+
+
+def _cordon(args: argparse.Namespace, cordon: bool, drain: bool) -> None:
+    req = pb.CordonRequest(node_id=args.node, cordon=cordon, drain=drain, reason=getattr(args, "reason", ""))
+    _call(args.endpoint, lambda c: lambda **kw: c.Cordon(req, **kw), args.timeout_s)
+
+
+def _wait_drained(args: argparse.Namespace, out: Any) -> None:
+    """Until no unfinished job has the node in its current generation, and nothing runs there."""
+    def jobs_on_node() -> list[pb.JobStatus]:
+        res = _call(args.endpoint, lambda c: lambda **kw: c.Status(pb.StatusRequest(), **kw), args.timeout_s)
+        running = {j for n in res.nodes if n.node_id == args.node for j in n.running_jobs}
+        return [j for j in res.jobs if j.job in running or (_state(j.state) in ("PENDING", "RUNNING", "RESTARTING")
+                                                            and any(m.node_id == args.node for m in j.members))]
+
+    try:
+        tenacity.Retrying(stop=tenacity.stop_after_delay(args.wait_s), wait=tenacity.wait_fixed(1.0),
+                          retry=tenacity.retry_if_result(bool))(jobs_on_node)
+    except tenacity.RetryError as e:
+        left = e.last_attempt.result()
+        why = "; ".join(f"{j.job}: {j.note or j.message}" for j in left)
+        raise CtlError(f"node {args.node} still runs {', '.join(j.job for j in left)} after {args.wait_s:.0f}s "
+                       f"({why}); it stays cordoned and draining", EXIT_REFUSED) from None
 
 
 def run(argv: list[str] | None, out: Any = sys.stdout) -> int:
@@ -155,6 +199,11 @@ def run(argv: list[str] | None, out: Any = sys.stdout) -> int:
         res = _call(args.endpoint, lambda c: lambda **kw: c.StopJob(
             pb.StopJobRequest(job=args.job, grace_period_s=args.grace_period_s), **kw), args.timeout_s + 60)
         print(f"job {args.job} {_state(res.state)}", file=out)
+    elif args.command in ("cordon", "drain", "uncordon"):
+        _cordon(args, cordon=args.command != "uncordon", drain=args.command == "drain")
+        if args.command == "drain" and args.wait_s > 0:
+            _wait_drained(args, out)
+        print(f"node {args.node} {args.command}ed", file=out)
     return EXIT_OK
 
 

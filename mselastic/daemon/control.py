@@ -1,18 +1,19 @@
 """The Control gRPC service elasticctl talks to.
 
-Status is answered by any elasticd (it reads etcd). Submit and StopJob change a
-job and are answered by the leader only; any other elasticd refuses with
+Status is answered by any elasticd (it reads etcd). Submit, StopJob and Cordon
+change state and are answered by the leader only; any other elasticd refuses with
 FAILED_PRECONDITION and the leader's address, which elasticctl follows.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
 
 from mselastic.agent.wire import abort, job_state_to_pb, plan_to_pb
-from mselastic.core.model import Event, JobStatus, LeaderRecord
+from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
 from mselastic.daemon.coordinator import Coordinator, Fenced
@@ -22,6 +23,8 @@ from mselastic.store.views import JobView, read_cluster
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 NOT_LEADER_PREFIX = "not the leader; leader is "
 
 
@@ -29,7 +32,7 @@ def job_to_pb(view: JobView) -> pb.JobStatus:
     st = view.status
     msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
                        restart_count=st.restart_count, step=view.step, message=st.message or view.spec_error,
-                       total_steps=view.spec.total_steps if view.spec else 0)
+                       total_steps=view.spec.total_steps if view.spec else 0, note=st.note)
     if view.plan is not None:
         msg.world_size = view.plan.worker_num
         msg.members.extend(plan_to_pb(view.plan).members)
@@ -61,7 +64,9 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.StatusResponse(
             jobs=[job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
             nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
-                               leader=n.node_id == leader) for n in cluster.nodes],
+                               leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
+                               running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)))
+                   for n in cluster.nodes],
             leader=leader)
 
     async def _require_leader(self, context: grpc.aio.ServicerContext) -> None:
@@ -120,3 +125,32 @@ class ControlService(pb_grpc.ControlServicer):
             await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
                                                {m.node_id: m.agent_address for m in view.plan.members})
         return pb.StopJobResponse(state=job_state_to_pb(JobState.STOPPED))
+
+    async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
+        """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.
+        The reconcile pass does the rest: a draining member gets a planned relaunch without it."""
+        if request.drain and not request.cordon:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "drain implies cordon")
+        await self._require_leader(context)
+        k = self.store.keys
+        try:
+            key = k.cordon(request.node_id)
+            cluster = await read_cluster(self.store)
+            known = {n.node_id for n in cluster.nodes} | set(cluster.cordons)
+            if request.node_id not in known:
+                await abort(context, grpc.StatusCode.NOT_FOUND,
+                            f"no node named {request.node_id!r} is registered (see elasticctl status)")
+            if request.cordon:
+                rec = CordonRecord(request.node_id, request.drain, time.time(), request.reason)
+                await self.store.put(key, rec.to_json())
+            else:
+                await self.store.delete(key)
+        except BadName as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        log.info("node %s %s", request.node_id,
+                 "draining" if request.drain else "cordoned" if request.cordon else "uncordoned",
+                 extra=dict(node=request.node_id))
+        self.coordinator.wake()
+        return pb.CordonResponse(node_id=request.node_id, cordoned=request.cordon, draining=request.drain)

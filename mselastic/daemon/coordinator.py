@@ -60,13 +60,14 @@ class Agents:
             self._channels[address] = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS.items()))
         return pb_grpc.AgentStub(self._channels[address])
 
-    async def launch(self, plan: Plan, only: set[str] | None = None) -> None:
-        """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised."""
+    async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> None:
+        """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised.
+        ``extra_timeout_s``: the agents first stop what runs there, with that grace period."""
         msg = pb.LaunchRequest(plan=plan_to_pb(plan))
 
         async def one(address: str, node_id: str) -> None:
             try:
-                res = await self.stub(address).Launch(msg, timeout=self.timeout_s)
+                res = await self.stub(address).Launch(msg, timeout=self.timeout_s + extra_timeout_s)
                 if not res.accepted:
                     log.warning("launch refused by %s: %s", node_id, res.message,
                                 extra=dict(job=plan.job, generation=plan.generation, node=node_id))
@@ -173,10 +174,7 @@ class Coordinator:
                     await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
                 continue
             decision = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
-                              self.cfg.ports, salt=cluster.revision, now=time.time(),
-                              waiting_since=view.status.waiting_since, node_failures=view.status.node_failures,
-                              quarantined_until=view.status.quarantined_until,
-                              failures_counted_through=view.status.failures_counted_through)
+                              self.cfg.ports, salt=cluster.revision, now=time.time(), status=view.status)
             await self._apply(term, view, decision)
 
     async def _apply(self, term: Term, view: JobView, d: Decision) -> None:
@@ -198,7 +196,19 @@ class Coordinator:
                                        waiting_since=view.status.waiting_since or time.time(), decision=d)
         else:
             await self._note_recovery(term, view)
+            await self._note(term, view, d)
             await self._repush(view)
+
+    async def _note(self, term: Term, view: JobView, d: Decision) -> None:
+        """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
+        old = view.status
+        if view.plan is None or old.state.terminal or (old.note, old.scale_up_nodes, old.scale_up_since) == (
+                d.note, d.scale_up_nodes, d.scale_up_since):
+            return
+        status = dataclasses.replace(self._status(view, old.state, old.message, old.last_failure),
+                                     note=d.note, scale_up_nodes=d.scale_up_nodes, scale_up_since=d.scale_up_since)
+        event = Event(at=time.time(), kind="note", generation=view.plan.generation, message=d.note or "note cleared")
+        await self.write_status(term, view.name, status, event if d.note != old.note else None)
 
     def _failure(self, view: JobView, d: Decision) -> FailureRecord | None:
         if view.plan is None or (d.fault is None and not d.lost_nodes):
@@ -210,11 +220,11 @@ class Coordinator:
                              reason="node lost (lease expired)", detected_at=time.time())
 
     async def _commit_plan(self, term: Term, view: JobView, d: Decision) -> None:
-        assert d.plan is not None
+        assert d.plan is not None and view.spec is not None
         k, tx = self.store.keys, self.store.tx
         failure = self._failure(view, d)
         status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
-        event = Event(at=time.time(), kind="generation", generation=d.plan.generation,
+        event = Event(at=time.time(), kind="planned" if d.plan.planned else "generation", generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
                               f" (world size {d.plan.worker_num}, master port {d.plan.master_port}): {d.reason}",
                       node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1,
@@ -234,12 +244,15 @@ class Coordinator:
             return
         log.info("committed generation %d: %s", d.plan.generation, d.reason,
                  extra=dict(job=view.name, generation=d.plan.generation))
-        if view.plan is not None:
-            dropped = {m.node_id: m.agent_address for m in view.plan.members if d.plan.member(m.node_id) is None}
-            if dropped:
-                await self.agents.stop(view.name, view.plan.generation, 0, dropped)
+        # Planned: every rank of the running generation is asked (SIGTERM) to checkpoint at the next
+        # step; the ranks agree on that step, so the members being dropped and the ones relaunched
+        # are told at the same time. After a fault there is nothing to save: kill at once.
+        grace = view.spec.stop_grace_period_s if d.plan.planned else 0.0
+        dropped = {m.node_id: m.agent_address for m in (view.plan.members if view.plan else ())
+                   if d.plan.member(m.node_id) is None}
         self._mark_pushed(d.plan)
-        await self.agents.launch(d.plan)
+        stops = self.agents.stop(view.name, view.plan.generation, grace, dropped) if view.plan and dropped else None
+        await asyncio.gather(self.agents.launch(d.plan, extra_timeout_s=grace), *([stops] if stops else []))
 
     async def _repush(self, view: JobView) -> None:
         """Push the committed plan again to members that have not reported on it (missed push)."""
@@ -261,8 +274,12 @@ class Coordinator:
                 self._pushed[(plan.job, plan.generation, m.node_id)] = now
 
     async def _note_recovery(self, term: Term, view: JobView) -> None:
-        """Once the new generation's first step is reported, record the recovery time."""
+        """Once the new generation's first step is reported, record the recovery time
+        (or, after a planned relaunch, where it resumed against where the last one stopped)."""
         f, plan = view.status.last_failure, view.plan
+        if plan is not None and plan.planned and view.status.resumed_through < plan.generation:
+            await self._note_planned_resume(term, view, plan)
+            return
         if f is None or plan is None or f.recover_s or f.generation >= plan.generation:
             return
         reports = view.current_reports().values()
@@ -278,6 +295,20 @@ class Coordinator:
                                                    f"first step {recovered.recover_s:.2f}s after the failure was "
                                                    f"detected" + "".join(f"; {n}" for n in notes)))
 
+    async def _note_planned_resume(self, term: Term, view: JobView, plan: Plan) -> None:
+        reports = view.current_reports().values()
+        firsts = [r.first_step_at for r in reports if r.first_step_at]
+        if not firsts:
+            return
+        resumed = max((r.resumed_step for r in reports), default=-1)
+        exits = sorted({r.exit_step for r in view.reports.get(plan.generation - 1, {}).values()})
+        lost = f"{exits[-1] - resumed} step(s) recomputed" if exits and exits[-1] >= 0 else "previous ranks were killed"
+        status = dataclasses.replace(view.status, resumed_through=plan.generation, updated_at=time.time())
+        await self.write_status(term, view.name, status, Event(
+            at=time.time(), kind="resumed", generation=plan.generation,
+            message=f"generation {plan.generation} resumed from step {resumed}; generation {plan.generation - 1} "
+                    f"checkpointed at step(s) {exits} on request; {lost}"))
+
     # -- status writes -------------------------------------------------------
 
     def _status(self, view: JobView, state: JobState, message: str, failure: FailureRecord | None,
@@ -291,11 +322,15 @@ class Coordinator:
         quarantine = (decision.quarantined_until if decision and decision.quarantined_until is not None
                       else old.quarantined_until)
         counted = max(old.failures_counted_through, decision.failures_counted_through if decision else 0)
+        # A new plan or a decision resets the note; a plain status write keeps it.
+        note = (decision.note, decision.scale_up_nodes, decision.scale_up_since) if decision else (
+            old.note, old.scale_up_nodes, old.scale_up_since)
         return JobStatus(state=state, generation=plan.generation if plan else 0,
                          restart_count=plan.restart_count if plan else 0, message=message,
                          last_failure=failure, updated_at=time.time(), waiting_since=waiting_since,
                          node_failures=dict(failures), quarantined_until=dict(quarantine),
-                         failures_counted_through=counted)
+                         failures_counted_through=counted, note=note[0], scale_up_nodes=note[1],
+                         scale_up_since=note[2], resumed_through=old.resumed_through)
 
     async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
                           failure: FailureRecord | None = None, event: Event | None = None,
@@ -307,11 +342,11 @@ class Coordinator:
         await self.write_status(term, view.name, status, ev)
         log.info("job %s: %s", state.value, message, extra=dict(job=view.name, generation=status.generation))
 
-    async def write_status(self, term: Term, job: str, status: JobStatus, event: Event) -> None:
+    async def write_status(self, term: Term, job: str, status: JobStatus, event: Event | None) -> None:
         k, tx = self.store.keys, self.store.tx
         ok = await self.store.txn([tx.create(k.leader.encode()) == term.create_revision], [
             tx.put(k.status(job).encode(), status.to_json().encode()),
-            tx.put(k.event(job, time.time_ns()).encode(), event.to_json().encode()),
+            *([tx.put(k.event(job, time.time_ns()).encode(), event.to_json().encode())] if event else []),
         ])
         if not ok:
             raise Fenced()

@@ -4,6 +4,7 @@ All keys live under a namespace (default ``/mselastic``)::
 
     <ns>/leader                               leased: who coordinates (LeaderRecord JSON)
     <ns>/nodes/<node_id>                      leased: NodeRecord JSON
+    <ns>/cordons/<node_id>                    CordonRecord JSON (cordon / drain; survives re-registration)
     <ns>/jobs/<job>/spec                      JobSpec JSON
     <ns>/jobs/<job>/plan                      Plan JSON (fenced writes only)
     <ns>/jobs/<job>/plans/<g:012d>            every committed plan, kept for the job's history
@@ -50,6 +51,13 @@ class Keys:
 
     def node(self, node_id: str) -> str:
         return self.nodes + check_id("node id", node_id)
+
+    @property
+    def cordons(self) -> str:
+        return f"{self.namespace}/cordons/"
+
+    def cordon(self, node_id: str) -> str:
+        return self.cordons + check_id("node id", node_id)
 
     @property
     def jobs(self) -> str:

@@ -1,4 +1,4 @@
-"""Reading the whole cluster's state from etcd in two range reads, decoded and checked.
+"""Reading the whole cluster's state from etcd in a few range reads, decoded and checked.
 
 The coordinator's reconcile pass and the Control service's status both start
 here, so both see the same thing. A malformed value is logged with its key and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from mselastic.core.model import GenerationReport, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import CordonRecord, GenerationReport, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
 from mselastic.store.etcd import KV, Store
@@ -33,6 +33,10 @@ class JobView:
     def current_reports(self) -> dict[str, GenerationReport]:
         return self.reports.get(self.plan.generation, {}) if self.plan else {}
 
+    def running_on(self, node_id: str) -> bool:
+        """Some generation of this job still starts or runs on the node (by its last report)."""
+        return any(not reps[node_id].state.terminal for reps in self.reports.values() if node_id in reps)
+
     @property
     def step(self) -> int:
         return max((r.step for r in self.current_reports().values()), default=-1)
@@ -43,6 +47,8 @@ class ClusterView:
     revision: int
     nodes: list[NodeRecord]
     jobs: dict[str, JobView]
+    #: Every cordon, also of nodes not registered now.
+    cordons: dict[str, CordonRecord]
     leader: LeaderRecord | None
 
 
@@ -55,6 +61,16 @@ async def read_cluster(store: Store, job: str = "") -> ClusterView:
             nodes.append(NodeRecord.from_json(kv.value, kv.create_revision))
         except MalformedRecord as e:
             log.error("skipping malformed node record %s: %s", kv.key, e)
+    _, cordon_kvs = await store.get_prefix(keys.cordons)
+    cordons: dict[str, CordonRecord] = {}
+    for kv in cordon_kvs:
+        try:
+            rec = CordonRecord.from_json(kv.value)
+            cordons[rec.node_id] = rec
+        except MalformedRecord as e:
+            log.error("skipping malformed cordon record %s: %s", kv.key, e)
+    nodes = [dataclasses.replace(n, cordoned=True, draining=cordons[n.node_id].drain) if n.node_id in cordons else n
+             for n in nodes]
     leader_kv = await store.get(keys.leader)
     leader = None
     if leader_kv is not None:
@@ -76,7 +92,7 @@ async def read_cluster(store: Store, job: str = "") -> ClusterView:
             log.error("malformed value at %s: %s", kv.key, e, extra={"job": name})
             if rest == "spec":
                 view.spec_error = str(e)
-    return ClusterView(revision, nodes, {k: v for k, v in jobs.items() if v.spec or v.spec_error}, leader)
+    return ClusterView(revision, nodes, {k: v for k, v in jobs.items() if v.spec or v.spec_error}, cordons, leader)
 
 
 def _apply(view: JobView, rest: str, kv: KV) -> None:

@@ -6,15 +6,21 @@ mselastic that imports MindSpore (lazily). A script adds a few lines::
     ctx = ElasticContext.init()                  # calls mindspore.communication.init() first
     ckpt = Checkpointer.from_context(ctx)
     resumed = ckpt.load()                        # newest valid checkpoint or None
-    ...
+    data = ElasticData(ctx, num_samples, seed)   # exactly-once samples at any world size
+    pos = data.start(resumed)                    # epoch, seed, global sample cursor
+    dataset = ds.MnistDataset(..., sampler=data.sampler(pos)).batch(ctx.micro_batch)
+    ...                                          # ctx.accumulation_steps micro-batches per step
+    pos = data.advance(pos)
     ctx.beat("step", step, loss)                 # every step
-    if step % ctx.checkpoint_interval_steps == 0 or ctx.stop_requested:
-        ckpt.save(optimizer, step, epoch)
-        if ctx.stop_requested: ctx.planned_exit(step)
+    stop = ctx.should_stop()                     # SIGTERM on any rank: all stop at this step
+    if step % ctx.checkpoint_interval_steps == 0 or stop:
+        ckpt.save(optimizer, step, pos.epoch, pos.cursor, pos.seed)
+        if stop: ctx.planned_exit(step)
     ctx.finished(step, loss)
 """
 
 from mselastic.trainer.checkpoint import Checkpointer, Manifest, Resumed
 from mselastic.trainer.context import ElasticContext
+from mselastic.trainer.data import ElasticData, Position
 
-__all__ = ["Checkpointer", "ElasticContext", "Manifest", "Resumed"]
+__all__ = ["Checkpointer", "ElasticContext", "ElasticData", "Manifest", "Position", "Resumed"]

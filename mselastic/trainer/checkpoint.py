@@ -3,7 +3,8 @@
 Layout in the job's checkpoint folder::
 
     ckpt-00000120.ckpt    MindSpore checkpoint (crc_check on save and load)
-    ckpt-00000120.json    manifest: step, epoch, world size, generation, sha256, size
+    ckpt-00000120.json    manifest: step, data position (epoch, seed, global sample cursor),
+                          world size, generation, sha256, size
     latest.json           pointer to the newest complete manifest
 
 A checkpoint is complete once its manifest exists: the ``.ckpt`` is written and
@@ -38,6 +39,9 @@ class Manifest:
     file: str
     sha256: str
     size: int
+    #: Positions of the epoch's permutation consumed (see :mod:`mselastic.trainer.data`).
+    cursor: int = 0
+    seed: int = 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -101,8 +105,11 @@ class Checkpointer:
     def writer(self) -> bool:
         return self.rank == 0
 
-    def save(self, obj: Any, step: int, epoch: int, extra: dict[str, Any] | None = None) -> Manifest | None:
-        """Write a checkpoint of ``obj`` (a Cell, e.g. the optimizer) at ``step``; rank 0 only."""
+    def save(self, obj: Any, step: int, epoch: int, cursor: int = 0, seed: int = 0,
+             extra: dict[str, Any] | None = None) -> Manifest | None:
+        """Write a checkpoint of ``obj`` at ``step``; rank 0 only. ``obj``: the optimizer, whose
+        parameters are the network's plus its own state (momentum buffers, learning rate, global
+        step), so all of it is carried across relaunches."""
         if not self.writer:
             return None
         import mindspore as ms
@@ -112,7 +119,8 @@ class Checkpointer:
         ms.save_checkpoint(obj, path, crc_check=True)
         _fsync_file(path)
         manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
-                            file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path), extra=extra or {})
+                            file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path), cursor=cursor,
+                            seed=seed, extra=extra or {})
         _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
         _write_atomic(os.path.join(self.dir, "latest.json"), json.dumps({"manifest": name + ".json"}))
         dfd = os.open(self.dir, os.O_RDONLY)

@@ -17,10 +17,11 @@ import signal
 import socket
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mselastic.core import contract
 from mselastic.core.contract import Beat
+from mselastic.core.elastic import BatchLayout, batch_layout
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.trainer.faults import FaultPlan
 
@@ -37,6 +38,16 @@ def _env_int(name: str, default: int) -> int:
         raise SystemExit(f"mselastic: {name}={value!r} is not an integer") from None
 
 
+def _env_ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"mselastic: {name}={value!r} is not a comma-separated list of integers") from None
+
+
 @dataclasses.dataclass
 class ElasticContext:
     rank: int
@@ -49,13 +60,17 @@ class ElasticContext:
     keep_checkpoints: int
     total_steps: int
     global_batch_size: int
+    layout: BatchLayout
     heartbeat_address: str = ""
+    #: Set by the SIGTERM handler (only there: the handler may run at any bytecode).
     stop_requested: bool = False
     fault: FaultPlan | None = None
     _sock: socket.socket | None = None
+    _sum: Any = None
 
     @classmethod
-    def init(cls, checkpoint_dir: str = "", total_steps: int = 0, global_batch_size: int = 0) -> "ElasticContext":
+    def init(cls, checkpoint_dir: str = "", total_steps: int = 0, global_batch_size: int = 0,
+             micro_batch_sizes: tuple[int, ...] = ()) -> "ElasticContext":
         """Join the job: ``mindspore.communication.init()`` first, then everything else.
 
         The arguments are defaults for running the script without elasticd (plain msrun).
@@ -65,8 +80,15 @@ class ElasticContext:
         from mindspore.communication import get_group_size, get_rank, init
 
         init()
+        world = get_group_size()
+        gbs = _env_int(contract.ENV_GLOBAL_BATCH, global_batch_size)
+        micro = _env_ints(contract.ENV_MICRO_BATCHES, micro_batch_sizes)
+        layout = batch_layout(gbs, world, micro)
+        if layout is None:
+            raise SystemExit(f"mselastic: global batch {gbs} cannot be split over world size {world}"
+                             + (f" with micro-batch sizes {list(micro)}" if micro else ""))
         ctx = cls(
-            rank=get_rank(), device_num=get_group_size(),
+            rank=get_rank(), device_num=world,
             job=os.environ.get(contract.ENV_JOB, "local"),
             generation=_env_int(contract.ENV_GENERATION, 0),
             restart_count=_env_int(contract.ENV_RESTART_COUNT, 0),
@@ -74,13 +96,10 @@ class ElasticContext:
             checkpoint_interval_steps=_env_int(contract.ENV_CHECKPOINT_INTERVAL, 10),
             keep_checkpoints=_env_int(contract.ENV_KEEP_CHECKPOINTS, 3),
             total_steps=_env_int(contract.ENV_TOTAL_STEPS, total_steps),
-            global_batch_size=_env_int(contract.ENV_GLOBAL_BATCH, global_batch_size),
+            global_batch_size=gbs, layout=layout,
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
             fault=FaultPlan.from_env(),
         )
-        if ctx.global_batch_size % ctx.device_num:
-            raise SystemExit(f"mselastic: global batch {ctx.global_batch_size} is not divisible by "
-                             f"world size {ctx.device_num}")
         if ctx.heartbeat_address:
             ctx._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             ctx._sock.setblocking(False)
@@ -98,8 +117,14 @@ class ElasticContext:
         return self.device_num
 
     @property
-    def per_rank_batch(self) -> int:
-        return self.global_batch_size // self.device_num
+    def micro_batch(self) -> int:
+        """Samples per forward/backward pass on this rank."""
+        return self.layout.micro_batch
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward/backward passes per optimizer step (gradients summed, divided by this)."""
+        return self.layout.accumulation_steps
 
     # -- heartbeats ----------------------------------------------------------
 
@@ -128,8 +153,35 @@ class ElasticContext:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
+    def should_stop(self) -> bool:
+        """At a step boundary: did any rank get SIGTERM? Every rank gets the same answer (an
+        allreduce of the flag), so all checkpoint at the same step, wherever the signal landed."""
+        if self.device_num > 1:
+            # A SIGTERM that lands during the allreduce is seen at the next step boundary.
+            return self._allreduce_sum(1.0 if self.stop_requested else 0.0) > 0
+        return self.stop_requested
+
+    def barrier(self) -> None:
+        """Every rank waits here for the others (rank 0's checkpoint is committed after it)."""
+        if self.device_num > 1:
+            self._allreduce_sum(0.0)
+
+    def _allreduce_sum(self, value: float) -> float:
+        """(MindSpore's CPU AllReduce only sums.)"""
+        import mindspore as ms
+        import numpy as np
+        from mindspore import ops
+
+        if self._sum is None:
+            self._sum = ops.AllReduce(ops.ReduceOp.SUM)
+        return float(self._sum(ms.Tensor(np.array([value], np.float32))).asnumpy()[0])
+
     def planned_exit(self, step: int) -> NoReturn:
-        """After checkpointing on SIGTERM: leave with the planned-exit code."""
+        """After checkpointing on an agreed stop: wait for the checkpoint, leave with the planned-exit code.
+
+        msrun kills the other workers once one exits non-zero, so no rank leaves before
+        rank 0's checkpoint is committed (the barrier)."""
+        self.barrier()
         self.beat("planned_exit", step)
         log.warning("rank %d: checkpointed at step %d on request; exiting", self.rank, step)
         sys.exit(contract.PLANNED_EXIT_CODE)

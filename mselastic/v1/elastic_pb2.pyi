@@ -54,7 +54,7 @@ class Member(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_workers: _Optional[int] = ..., agent_address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("job", "generation", "members", "worker_num", "master_addr", "master_port", "restart_count", "reason")
+    __slots__ = ("job", "generation", "members", "worker_num", "master_addr", "master_port", "restart_count", "reason", "planned")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class Plan(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -71,7 +72,8 @@ class Plan(_message.Message):
     master_port: int
     restart_count: int
     reason: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., worker_num: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    planned: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., worker_num: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class LaunchRequest(_message.Message):
     __slots__ = ("plan",)
@@ -160,18 +162,24 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., detected_at: _Optional[float] = ..., recover_s: _Optional[float] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "agent_address", "slots", "version", "leader")
+    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_JOBS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_address: str
     slots: int
     version: str
     leader: bool
-    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ...) -> None: ...
+    cordoned: bool
+    draining: bool
+    running_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Quarantine(_message.Message):
     __slots__ = ("node_id", "failures", "until")
@@ -184,7 +192,7 @@ class Quarantine(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., failures: _Optional[int] = ..., until: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message", "quarantined")
+    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message", "quarantined", "note")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +204,7 @@ class JobStatus(_message.Message):
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     generation: int
@@ -207,7 +216,8 @@ class JobStatus(_message.Message):
     last_failure: Failure
     message: str
     quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ...) -> None: ...
+    note: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job",)
@@ -250,3 +260,25 @@ class StopJobResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class CordonRequest(_message.Message):
+    __slots__ = ("node_id", "cordon", "drain", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CORDON_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cordon: bool
+    drain: bool
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., cordon: _Optional[bool] = ..., drain: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CordonResponse(_message.Message):
+    __slots__ = ("node_id", "cordoned", "draining")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cordoned: bool
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...

@@ -207,6 +207,11 @@ class ControlStub:
                 request_serializer=mselastic_dot_v1_dot_elastic__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=mselastic_dot_v1_dot_elastic__pb2.StopJobResponse.FromString,
                 _registered_method=True)
+        self.Cordon = channel.unary_unary(
+                '/mselastic.v1.Control/Cordon',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.CordonRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.CordonResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -230,6 +235,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cordon(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +258,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=mselastic_dot_v1_dot_elastic__pb2.StopJobRequest.FromString,
                     response_serializer=mselastic_dot_v1_dot_elastic__pb2.StopJobResponse.SerializeToString,
+            ),
+            'Cordon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cordon,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.CordonRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.CordonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -330,6 +346,33 @@ class Control:
             '/mselastic.v1.Control/StopJob',
             mselastic_dot_v1_dot_elastic__pb2.StopJobRequest.SerializeToString,
             mselastic_dot_v1_dot_elastic__pb2.StopJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cordon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Control/Cordon',
+            mselastic_dot_v1_dot_elastic__pb2.CordonRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.CordonResponse.FromString,
             options,
             channel_credentials,
             insecure,
