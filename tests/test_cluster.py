@@ -244,7 +244,7 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     assert [m.node_id for m in plan1.members] == ["n0"]
     wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
-    cluster.inject(ClusterFault.JOIN, 1)  # joins while generation 1 runs
+    cluster.inject(ClusterFault.JOIN, 1)  # joins while generation 1 runs (scale_up_settle_s is 30 s)
     holds_for("generation 1 untouched by the join", lambda: (p := etcd.plan(JOB)) and p.generation == 1
               and worker_pids(cluster.procs, 1) == before, 2.0)
     # The next relaunch (rank 0 killed) takes the newcomer in, appended after the survivor.

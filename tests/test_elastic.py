@@ -67,13 +67,16 @@ def check_exactly_once(committed: dict[int, tuple[int, int, list[int]]], total_s
 
 def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
         cluster: Cluster, procs: Processes) -> None:
-    """2 -> 1 (drain) -> 2 (uncordon: scale-up) -> 1 (node killed) -> 2 (node back: scale-up)."""
+    """2 -> 1 (drain) -> 2 (uncordon: scale-up) -> 1 (node killed) -> 2 (node back: scale-up).
+
+    With micro_batch_sizes = [8] the global batch of 32 is 2 x 8 per rank (2 accumulation steps)
+    on two ranks and 4 x 8 on one; the uninterrupted baseline runs 16 per rank in one pass."""
     total = 100
     cluster.up(2)
     cluster.start_nodes(0, 1)
     out = os.path.join(cluster.tmp, "out")
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), total,
-                      workers=1, min_nodes=1, max_nodes=2, max_restarts=3, scale_up_settle_s=2,
+                      workers=1, min_nodes=1, max_nodes=2, max_restarts=3, scale_up_settle_s=2, micro_batch_sizes=[8],
                       args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", "--step-sleep-s", "0.1"])
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     etcd = cluster.etcd
@@ -104,7 +107,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     for n in ("n0", "n1"):
         rep = etcd.report(JOB, 1, n)
         # The code is the workers' own exit status, read by the agent before msrun reaped them.
-        assert rep is not None and rep.state is GenerationState.STOPPED and "exited with code 75" in rep.reason, rep
+        assert rep is not None and rep.state is GenerationState.STOPPED and "code 75" in rep.reason, rep
     status = etcd.status(JOB)
     assert status is not None and status.restart_count == 0
 

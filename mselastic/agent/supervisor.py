@@ -160,6 +160,8 @@ class Generation:
         self._stopping = True
         if grace_s > 0 and not self.state.terminal:
             await self._ask_ranks_to_stop(grace_s)
+        elif not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
+            await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
         extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
         left = await procs.stop_generation(self.run_id, extra, grace_s=0)
         if self._msrun is not None:
@@ -169,10 +171,9 @@ class Generation:
                 left.append(self._msrun.pid)
         self.stopped_at = self.stopped_at or time.time()
         if not self.state.terminal:
-            exit_step = self._exit_step()
-            self.exit_step = exit_step
-            self._set(GenerationState.STOPPED, reason=f"stopped on request: ranks checkpointed at step {exit_step} "
-                      f"and {self._exit_codes()}" if exit_step >= 0 else "stopped on request")
+            self.exit_step = self._exit_step()
+            self._set(GenerationState.STOPPED, reason=self._exit_reason(asked=grace_s > 0)
+                      if self.exit_step >= 0 else "stopped on request")
         self._close()
         if left:
             log.error("processes left after stop: %s", left, extra=self._ctx)
@@ -189,14 +190,19 @@ class Generation:
                     pass
         log.info("asked ranks %s to checkpoint and exit (grace %.0fs)", [r.rank for r in ranks], grace_s,
                  extra=self._ctx)
-        deadline = time.monotonic() + grace_s
-        while any(procs.alive(rs.pid, rs.create_time) for rs in ranks) and time.monotonic() < deadline:
-            await asyncio.sleep(self._poll_s)
-            self._note_exit_codes()
-        self._note_exit_codes()
-        slow = [rs.rank for rs in ranks if procs.alive(rs.pid, rs.create_time)]
+        slow = await self._wait_ranks_gone(grace_s)
         if slow:
             log.warning("ranks %s did not exit within %.0fs of SIGTERM; killing", slow, grace_s, extra=self._ctx)
+
+    async def _wait_ranks_gone(self, timeout_s: float) -> list[int]:
+        """Wait for the ranks to exit, noting their exit codes; returns the ranks still running."""
+        ranks = [rs for rs in self.ranks.values() if rs.pid]
+        deadline = time.monotonic() + timeout_s
+        while any(procs.alive(rs.pid, rs.create_time) for rs in ranks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # msrun reaps within a second: look often to see the exit codes
+            self._note_exit_codes()
+        self._note_exit_codes()
+        return [rs.rank for rs in ranks if procs.alive(rs.pid, rs.create_time)]
 
     def _note_exit_codes(self) -> None:
         for rs in self.ranks.values():
@@ -206,7 +212,13 @@ class Generation:
     def _exit_codes(self) -> str:
         """The ranks' exit codes as seen, for a report's reason."""
         codes = sorted({rs.exit_code for rs in self.ranks.values() if rs.exit_code is not None})
-        return f"exited with code {', '.join(map(str, codes))}" if codes else "exited (code not seen)"
+        if codes:
+            return f"exited with code {', '.join(map(str, codes))}"
+        return f"exited (announced code {contract.PLANNED_EXIT_CODE}; reaped by msrun before the agent saw it)"
+
+    def _exit_reason(self, asked: bool) -> str:
+        why = "on request" if asked else "on a SIGTERM not sent by the agent"
+        return f"ranks checkpointed at step {self.exit_step} {why} and {self._exit_codes()}"
 
     def _exit_step(self) -> int:
         """The step every local rank checkpointed at before its planned exit; -1 if they did not all."""
@@ -358,11 +370,10 @@ class Generation:
         rank: they all agree on the step). Nothing is lost; the coordinator relaunches."""
         self.detected_at = time.time()
         self.exit_step = self._exit_step()
-        self._note_exit_codes()
-        self.reason = (f"ranks checkpointed at step {self.exit_step} on a SIGTERM not sent by the agent and "
-                       f"{self._exit_codes()}")
-        log.warning("%s", self.reason, extra=self._ctx)
         self._stopping = True
+        await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))
+        self.reason = self._exit_reason(asked=False)
+        log.warning("%s", self.reason, extra=self._ctx)
         extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
         left = await procs.stop_generation(self.run_id, extra, grace_s=0)
         if left:

@@ -160,8 +160,7 @@ def decide(
     if plan is None:
         n = spec.node_count(len(alive))
         if not n:
-            return wait(f"waiting for nodes: {len(alive)} usable, need {spec.min_nodes}..{spec.max_nodes} "
-                        f"giving a world size in {spec.valid_world_sizes()}")
+            return wait(_short(spec, len(alive)))
         reason = "; ".join(filter(None, ["initial launch", idle_note(spec, alive[n:], n)]))
         return Decision(Action.LAUNCH, reason, make_plan(spec, alive[:n], 1, 0, reason, None, ports, salt))
 
@@ -180,8 +179,11 @@ def decide(
 
     fault = failed[0] if failed else None
     if fault is not None:
-        rank = f"rank {fault.failed_rank}" if fault.failed_rank >= 0 else "msrun"
-        reason = f"{rank} on node {fault.node_id} failed: {fault.reason}"
+        if fault.state is GenerationState.STOPPED:
+            reason = f"on node {fault.node_id}, {fault.reason}"
+        else:
+            rank = f"rank {fault.failed_rank}" if fault.failed_rank >= 0 else "msrun"
+            reason = f"{rank} on node {fault.node_id} failed: {fault.reason}"
     else:
         reason = f"node(s) lost: {', '.join(lost)}"
     failures = dict(st.node_failures)
@@ -202,11 +204,15 @@ def decide(
         reason += f"; quarantined: {', '.join(sorted(quarantine.keys() & {m.node_id for m in plan.members}))}"
     n = spec.node_count(len(pool))
     if not n:
-        return wait(f"{reason}; waiting for nodes: {len(pool)} usable, need {spec.min_nodes}..{spec.max_nodes} "
-                    f"giving a world size in {spec.valid_world_sizes()}", blame)
+        return wait(f"{reason}; {_short(spec, len(pool))}", blame)
     reason = "; ".join(filter(None, [reason, idle_note(spec, pool[n:], n)]))
     nxt = make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
     return dataclasses.replace(blame, action=Action.LAUNCH, reason=reason, plan=nxt)
+
+
+def _short(spec: JobSpec, usable: int) -> str:
+    return (f"waiting for nodes: {usable} usable, need min_nodes={spec.min_nodes} (up to max_nodes={spec.max_nodes}) "
+            f"giving a world size in {spec.valid_world_sizes()}")
 
 
 def _keep_order(plan: Plan, alive: list[NodeRecord]) -> list[NodeRecord]:
@@ -229,9 +235,7 @@ def _planned(spec: JobSpec, plan: Plan, current: list[GenerationReport], nodes: 
                                    plan.master_port, ports, salt, planned=True)
     if draining:
         if not n:
-            return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {len(pool)} other usable "
-                                                 f"node(s), need {spec.min_nodes}..{spec.max_nodes} giving a world "
-                                                 f"size in {spec.valid_world_sizes()}")
+            return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {_short(spec, len(pool))}")
         reason = "; ".join(filter(None, [f"planned: drain of {', '.join(draining)}", idle_note(spec, pool[n:], n)]))
         return Decision(Action.LAUNCH, reason, nxt(reason))
     joined = tuple(x.node_id for x in pool if plan.member(x.node_id) is None)
