@@ -159,11 +159,12 @@ class Etcd:
 
 
 def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: str, slots: int = 2,
-                 lease_ttl_s: int = 3) -> list[str]:
-    return [os.path.join(VENV_BIN, "elasticd"), "--node-id", node_id, "--etcd-endpoint", etcd,
+                 lease_ttl_s: int = 3, metrics_listen: str = "") -> list[str]:
+    """An elasticd for tests: no config file, metrics only when asked (several share a host)."""
+    return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,
             "--namespace", namespace, "--lease-ttl-s", str(lease_ttl_s), "--reconcile-interval-s", "0.5",
-            "--shutdown-grace-s", "3"]
+            "--shutdown-grace-s", "3", "--progress-interval-s", "1", "--metrics-listen", metrics_listen]
 
 
 def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: int, workers: int = 2,
@@ -191,10 +192,10 @@ def elasticctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str) -> str:
+def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str, *extra: str) -> str:
     """One elasticd (node n0, 2 slots) on the session's etcd; returns its gRPC endpoint."""
     port = free_port()
-    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace))
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace) + list(extra))
     wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
     return f"127.0.0.1:{port}"
 

@@ -23,6 +23,7 @@ from mselastic.core.model import MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
+from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -38,6 +39,7 @@ class AgentConfig:
     work_dir: str
     lease_ttl_s: int
     report_interval_s: float = 1.0
+    tls: TlsFiles = TlsFiles()
 
 
 class LaunchRefused(Exception):
@@ -124,7 +126,7 @@ class NodeAgent:
     async def _any_peer_answers(self) -> bool:
         probe_s = min(1.0, self.cfg.lease_ttl_s / 6)  # fence well within the TTL
         async def probe(address: str) -> bool:
-            async with grpc.aio.insecure_channel(address) as ch:
+            async with self.cfg.tls.aio_channel(address) as ch:
                 try:
                     await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=probe_s)
                     return True

@@ -1,6 +1,12 @@
-"""The Agent gRPC service: Launch, Stop, Status, called by the leader."""
+"""The Agent gRPC service: Launch, Stop, Status, called by the leader; Logs, called by elasticctl."""
 
 from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import re
+from typing import AsyncIterator
 
 import grpc
 
@@ -9,6 +15,7 @@ from mselastic.agent.wire import abort, generation_state_to_pb, plan_from_pb
 from mselastic.core.model import MalformedRecord
 from mselastic.core.spec import SpecError
 from mselastic.store.etcd import TemporaryError
+from mselastic.store.keys import BadName, check_id
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -45,3 +52,40 @@ class AgentService(pb_grpc.AgentServicer):
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
         return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens)
+
+    async def Logs(self, request: pb.LogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogChunk]:
+        """Stream ``worker_<rank>.log`` of a generation that ran here; with ``follow``, until it ends."""
+        if not request.job or request.rank < 0 or request.generation < 0 or request.tail_bytes < 0:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        "Logs needs a job, a rank >= 0, a generation >= 0 and tail_bytes >= 0")
+        try:
+            root = os.path.join(self.agent.cfg.work_dir, "logs", check_id("job name", request.job))
+        except BadName as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        name = f"worker_{request.rank}.log"
+        if request.generation:
+            path = os.path.join(root, f"g{request.generation:06d}", name)
+        else:
+            found = sorted(glob.glob(os.path.join(root, "g*", name)))
+            path = found[-1] if found else ""
+        if not path or not os.path.exists(path):
+            await abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"no log of rank {request.rank} of job {request.job}"
+                        + (f" generation {request.generation}" if request.generation else "")
+                        + f" on node {self.agent.cfg.node_id}")
+        generation = int(re.sub(r"\D", "", os.path.basename(os.path.dirname(path))))
+        with open(path, "rb") as f:
+            if request.tail_bytes:
+                f.seek(max(0, os.path.getsize(path) - request.tail_bytes))
+            while True:
+                data = f.read(1 << 16)
+                if data:
+                    yield pb.LogChunk(data=data, generation=generation)
+                    continue
+                if not request.follow or not self._running(request.job, generation):
+                    return
+                await asyncio.sleep(0.2)
+
+    def _running(self, job: str, generation: int) -> bool:
+        gen = self.agent.generations.get(job)
+        return gen is not None and gen.plan.generation == generation and not gen.state.terminal

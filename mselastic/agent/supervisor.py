@@ -25,6 +25,7 @@ from typing import Callable
 
 import psutil
 
+from mselastic import metrics
 from mselastic.agent import procs
 from mselastic.core import contract
 from mselastic.core.contract import Beat
@@ -384,6 +385,8 @@ class Generation:
 
     async def _fail(self, rank: int, reason: str, grace_s: float = 0) -> None:
         self.detected_at = time.time()
+        if rank in self.ranks and self.ranks[rank].last_beat:
+            metrics.DETECTION.observe(time.monotonic() - self.ranks[rank].last_beat)
         self.failed_rank, self.reason = rank, reason
         log.warning("rank %d failed: %s; tearing down", rank, reason, extra={**self._ctx, "rank": rank})
         self._stopping = True

@@ -201,6 +201,8 @@ class JobStatus:
     scale_up_since: float = 0.0
     #: The newest planned generation whose resume is recorded in the events.
     resumed_through: int = 0
+    #: ``elasticctl restart`` asked for a planned relaunch of this generation.
+    restart_requested: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +222,7 @@ class JobStatus:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One line of a job's timeline (``jobs/<job>/events/<seq>``)."""
+    """One line of a job's timeline (``events/<job>/<seq>``)."""
 
     at: float
     kind: str
@@ -230,6 +232,10 @@ class Event:
     rank: int = -1
     #: For a relaunch after a fault: when the fault was detected (Unix seconds).
     detected_at: float = 0.0
+    #: For ``progress`` events: the step reached, the world size and the loss then.
+    step: int = -1
+    world_size: int = 0
+    loss: float = 0.0
 
     def to_json(self) -> str:
         return _encode(self)

@@ -15,9 +15,11 @@ Rules, in order:
    nodes appended, cut to a valid size; if restarts are exhausted, fail the job.
 4. Every member reported SUCCEEDED: the job succeeded.
 5. Waiting for ``min_nodes`` for longer than ``min_nodes_timeout_s``: fail the job.
-6. A healthy generation with a member being drained, or with joined nodes that give
-   a larger valid world size and no further join for ``scale_up_settle_s``: a
-   *planned* relaunch (the ranks checkpoint on SIGTERM; not counted as a restart).
+6. A healthy generation asked to restart (``elasticctl restart``), with more members
+   than ``max_nodes`` (``elasticctl scale``), with a member being drained, or with
+   joined nodes that give a larger valid world size and no further join for
+   ``scale_up_settle_s``: a *planned* relaunch (the ranks checkpoint on SIGTERM; not
+   counted as a restart).
 
 Quarantine (Horovod's blacklist with cooldown): each fault is blamed on a node
 (the one whose rank failed first, or a lost one); a node blamed
@@ -78,6 +80,8 @@ class Decision:
     quarantined_until: Mapping[str, float] | None = None
     #: The generation whose failure these counts include.
     failures_counted_through: int = 0
+    #: For LAUNCH: why, one of mselastic.metrics.REASONS (a label, so a fixed set).
+    kind: str = ""
     #: For NOTHING: what the job waits for or leaves out, for its status.
     note: str = ""
     scale_up_nodes: tuple[str, ...] = ()
@@ -162,7 +166,8 @@ def decide(
         if not n:
             return wait(_short(spec, len(alive)))
         reason = "; ".join(filter(None, ["initial launch", idle_note(spec, alive[n:], n)]))
-        return Decision(Action.LAUNCH, reason, make_plan(spec, alive[:n], 1, 0, reason, None, ports, salt))
+        return Decision(Action.LAUNCH, reason, make_plan(spec, alive[:n], 1, 0, reason, None, ports, salt),
+                        kind="initial")
 
     current = [r for r in reports.values() if r.generation == plan.generation]
     # STOPPED on a generation that is still the plan: its ranks exited on a SIGTERM nobody here sent.
@@ -194,7 +199,7 @@ def decide(
             if over >= 0:
                 quarantine[blamed] = now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
     blame = Decision(Action.FAIL, reason, fault=fault, lost_nodes=lost, node_failures=failures,
-                     quarantined_until=quarantine, failures_counted_through=plan.generation)
+                     quarantined_until=quarantine, failures_counted_through=plan.generation, kind=_kind(fault))
     if plan.restart_count >= spec.max_restarts:
         return dataclasses.replace(blame, reason=f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}")
 
@@ -208,6 +213,16 @@ def decide(
     reason = "; ".join(filter(None, [reason, idle_note(spec, pool[n:], n)]))
     nxt = make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
     return dataclasses.replace(blame, action=Action.LAUNCH, reason=reason, plan=nxt)
+
+
+def _kind(fault: GenerationReport | None) -> str:
+    if fault is None:
+        return "node_lost"
+    if fault.state is GenerationState.STOPPED:
+        return "sigterm"
+    if fault.failed_rank < 0:
+        return "msrun_failure"
+    return "hang" if fault.reason.startswith("no heartbeat") else "rank_failure"
 
 
 def _short(spec: JobSpec, usable: int) -> str:
@@ -233,11 +248,20 @@ def _planned(spec: JobSpec, plan: Plan, current: list[GenerationReport], nodes: 
     n = spec.node_count(len(pool))
     nxt = lambda reason: make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count, reason,  # noqa: E731
                                    plan.master_port, ports, salt, planned=True)
+    if st.restart_requested >= plan.generation:
+        if not n:
+            return Decision(Action.NOTHING, note=f"restart waits: {_short(spec, len(pool))}")
+        reason = "planned: restart requested by the operator"
+        return Decision(Action.LAUNCH, reason, nxt(reason), kind="restart")
+    if len(plan.members) > spec.max_nodes and n:
+        reason = f"planned: scale down to max_nodes={spec.max_nodes} (world size {plan.worker_num} -> " \
+                 f"{n * spec.workers_per_node})"
+        return Decision(Action.LAUNCH, reason, nxt(reason), kind="scale_down")
     if draining:
         if not n:
             return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {_short(spec, len(pool))}")
         reason = "; ".join(filter(None, [f"planned: drain of {', '.join(draining)}", idle_note(spec, pool[n:], n)]))
-        return Decision(Action.LAUNCH, reason, nxt(reason))
+        return Decision(Action.LAUNCH, reason, nxt(reason), kind="drain")
     joined = tuple(x.node_id for x in pool if plan.member(x.node_id) is None)
     if not joined or n * spec.workers_per_node <= plan.worker_num:
         return Decision(Action.NOTHING, note=idle_note(spec, [x for x in pool if x.node_id in joined],
@@ -252,4 +276,4 @@ def _planned(spec: JobSpec, plan: Plan, current: list[GenerationReport], nodes: 
     added = [x.node_id for x in pool[:n] if plan.member(x.node_id) is None]
     reason = "; ".join(filter(None, [f"planned: scale up, {', '.join(added)} joined (world size {plan.worker_num} -> "
                                      f"{n * spec.workers_per_node})", idle_note(spec, pool[n:], n)]))
-    return Decision(Action.LAUNCH, reason, nxt(reason))
+    return Decision(Action.LAUNCH, reason, nxt(reason), kind="scale_up")

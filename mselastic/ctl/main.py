@@ -1,35 +1,44 @@
-"""elasticctl: the admin CLI. Talks gRPC to an elasticd's Control service.
+"""elasticctl: the admin CLI of an mselastic cluster. Talks gRPC to any elasticd.
 
 Examples::
 
-    elasticctl status                      # every job, the nodes and the leader
-    elasticctl status lenet -o json        # one job, machine-readable
-    elasticctl submit examples/lenet/job.toml
-    elasticctl stop lenet --grace-period-s 30
-    elasticctl drain node-b                # move running jobs off node-b, nothing lost
-    elasticctl uncordon node-b             # node-b may run generations again
+    elasticctl status                          # the leader, the nodes, every job
+    elasticctl nodes                           # nodes: slots, cordoned/draining, jobs on them
+    elasticctl jobs -o yaml                    # every job, machine-readable
+    elasticctl describe job lenet              # spec, members, generations, recent events
+    elasticctl events lenet                    # the timeline: generations, faults, detection and recovery
+    elasticctl logs lenet --rank 1 -f          # a rank's log, streamed from the node that runs it
+    elasticctl submit examples/lenet/job.toml  # validated here first: a bad field is named, nothing sent
+    elasticctl stop lenet                      # ranks checkpoint at the next step, then exit
+    elasticctl restart lenet                   # checkpoint at the next step, relaunch, resume there
+    elasticctl scale lenet --min 1 --max 4     # change the node range (world sizes must stay valid)
+    elasticctl drain n1                        # move jobs off n1, nothing lost; waits until done
+    elasticctl cordon n1 / uncordon n1         # no new generations on n1 / back in service
+    elasticctl watch lenet                     # live: step, samples/s, loss, generation, world size
+    elasticctl report lenet -o timeline.png    # picture of the run: step over time, faults, world size
 
-Any elasticd may be named by --endpoint: changes are forwarded to the leader,
-and right after a cluster starts they wait (up to --timeout-s) for one to be elected.
+Connection (named like etcdctl's): --endpoints a:7070,b:7070 (any elasticd; the first that
+answers is used and changes are forwarded to the leader), --cacert/--cert/--key for TLS;
+environment: ELASTICCTL_ENDPOINTS, ELASTICCTL_CACERT, ELASTICCTL_CERT, ELASTICCTL_KEY.
 
-Exit codes: 0 done; 1 refused by the cluster (unknown job, job exists, ...);
-2 bad arguments or a bad spec (nothing was sent); 3 no elasticd (or no leader) reachable.
+Exit codes: 0 done; 1 refused by the cluster (unknown job or node, job exists, wrong state),
+or, for watch, the job ended other than SUCCEEDED; 2 bad arguments or a bad spec (nothing
+was sent); 3 no elasticd (or no elected leader) reachable.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import grpc
 import tenacity
-from google.protobuf import json_format
 
 from mselastic.core.spec import SpecError, load_toml
+from mselastic.ctl import render
+from mselastic.tls import TlsError, TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -47,164 +56,334 @@ class _NoLeaderYet(Exception):
     pass
 
 
-def _call(endpoint: str, method: Callable[[pb_grpc.ControlStub], Any], timeout_s: float) -> Any:
-    """Call the Control service; while no leader is elected yet (a cluster just started), retry."""
-    try:
-        return tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s), wait=tenacity.wait_fixed(0.5),
-                                 retry=tenacity.retry_if_exception_type(_NoLeaderYet), reraise=True)(
-            _call_once, endpoint, method, timeout_s)
-    except _NoLeaderYet:
-        raise CtlError(f"no leader elected after {timeout_s:.0f}s; is etcd reachable from the daemons?",
-                       EXIT_UNREACHABLE) from None
+class Client:
+    """Calls to the Control service of the first elasticd that answers, following leader redirects."""
 
+    def __init__(self, endpoints: list[str], tls: TlsFiles, timeout_s: float) -> None:
+        self.endpoints = endpoints
+        self.tls = tls
+        self.timeout_s = timeout_s
 
-def _call_once(endpoint: str, method: Callable[[pb_grpc.ControlStub], Any], timeout_s: float) -> Any:
-    """One call, following one not-the-leader redirect."""
-    for _ in range(2):
-        with grpc.insecure_channel(endpoint) as ch:
+    def call(self, method: Callable[[pb_grpc.ControlStub], Any], timeout_s: float | None = None) -> Any:
+        """``method(stub)`` returns the bound RPC; while no leader is elected yet, retry."""
+        timeout = timeout_s or self.timeout_s
+        try:
+            return tenacity.Retrying(stop=tenacity.stop_after_delay(self.timeout_s), wait=tenacity.wait_fixed(0.5),
+                                     retry=tenacity.retry_if_exception_type(_NoLeaderYet), reraise=True)(
+                self._call_any, method, timeout)
+        except _NoLeaderYet:
+            raise CtlError(f"no leader elected after {self.timeout_s:.0f}s; is etcd reachable from the daemons?",
+                           EXIT_UNREACHABLE) from None
+
+    def _call_any(self, method: Callable[[pb_grpc.ControlStub], Any], timeout: float) -> Any:
+        last: CtlError | None = None
+        for endpoint in self.endpoints:
             try:
-                return method(pb_grpc.ControlStub(ch))(timeout=timeout_s)
+                return self._call_once(endpoint, method, timeout)
+            except CtlError as e:
+                if e.code != EXIT_UNREACHABLE:
+                    raise
+                last = e
+        assert last is not None
+        raise last
+
+    def _call_once(self, endpoint: str, method: Callable[[pb_grpc.ControlStub], Any], timeout: float) -> Any:
+        for _ in range(2):
+            with self.tls.channel(endpoint) as ch:
+                try:
+                    return method(pb_grpc.ControlStub(ch))(timeout=timeout)
+                except grpc.RpcError as e:
+                    code, details = e.code(), e.details() or ""
+                    if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(NOT_LEADER_PREFIX):
+                        nxt = details[len(NOT_LEADER_PREFIX):]
+                        if ":" not in nxt:
+                            raise _NoLeaderYet()
+                        if nxt != endpoint:
+                            endpoint = nxt
+                            continue
+                    raise _error(code, details, endpoint) from None
+        raise CtlError("no leader answered; retry in a few seconds", EXIT_UNREACHABLE)
+
+    def agent_logs(self, address: str, request: pb.LogsRequest) -> Any:
+        """Stream a rank's log from the agent at ``address`` (yields LogChunks)."""
+        with self.tls.channel(address) as ch:
+            try:
+                yield from pb_grpc.AgentStub(ch).Logs(request, timeout=None if request.follow else self.timeout_s)
             except grpc.RpcError as e:
-                code, details = e.code(), e.details() or ""
-                if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(NOT_LEADER_PREFIX):
-                    nxt = details[len(NOT_LEADER_PREFIX):]
-                    if ":" not in nxt:
-                        raise _NoLeaderYet()
-                    if ":" in nxt and nxt != endpoint:
-                        endpoint = nxt
-                        continue
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise CtlError(f"cannot reach elasticd at {endpoint}: {details}; "
-                                   "check --endpoint or $ELASTICCTL_ENDPOINT", EXIT_UNREACHABLE) from None
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise CtlError(details, EXIT_USAGE) from None
-                raise CtlError(details, EXIT_REFUSED) from None
-    raise CtlError("no leader answered; retry in a few seconds", EXIT_UNREACHABLE)
+                raise _error(e.code(), e.details() or "", address) from None
 
 
-def _state(v: int) -> str:
-    return pb.JobState.Name(v).removeprefix("JOB_STATE_")
+def _error(code: grpc.StatusCode, details: str, endpoint: str) -> CtlError:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return CtlError(f"cannot reach elasticd at {endpoint}: {details.splitlines()[0] if details else code.name}; "
+                        "check --endpoints (or $ELASTICCTL_ENDPOINTS) and the TLS flags", EXIT_UNREACHABLE)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return CtlError(details, EXIT_USAGE)
+    return CtlError(details, EXIT_REFUSED)
 
 
-def _ago(t: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (and exit code 2)."""
 
-
-def print_status(res: pb.StatusResponse, out: Any) -> None:
-    print(f"LEADER  {res.leader or '(none)'}", file=out)
-    def node(n: pb.NodeInfo) -> str:
-        return f"{n.node_id}({n.slots}{', draining' if n.draining else ', cordoned' if n.cordoned else ''})"
-
-    print(f"NODES   {', '.join(node(n) for n in res.nodes) or '(none)'}", file=out)
-    if not res.jobs:
-        print("JOBS    (none)", file=out)
-        return
-    print(f"{'JOB':<16}{'STATE':<12}{'GEN':>4}{'WORLD':>6}{'RESTARTS':>9}{'STEP':>12}  NODES", file=out)
-    for j in res.jobs:
-        step = f"{max(j.step, 0)}/{j.total_steps}"
-        nodes = ",".join(m.node_id for m in j.members) or "-"
-        print(f"{j.job:<16}{_state(j.state):<12}{j.generation:>4}{j.world_size:>6}{j.restart_count:>9}{step:>12}  {nodes}",
-              file=out)
-        if j.message:
-            print(f"  message: {j.message}", file=out)
-        if j.note:
-            print(f"  note: {j.note}", file=out)
-        for q in j.quarantined:
-            print(f"  quarantined: {q.node_id} ({q.failures} failures), {max(0.0, q.until - time.time()):.0f}s "
-                  "of cooldown left", file=out)
-        if j.HasField("last_failure"):
-            f = j.last_failure
-            rec = f"{f.recover_s:.2f}s" if f.recover_s else "pending"
-            who = f"rank {f.rank} on {f.node_id}" if f.rank >= 0 else f.node_id
-            print(f"  last failure: generation {f.generation}, {who}: {f.reason}; detected {_ago(f.detected_at)}, "
-                  f"recovered in {rec}", file=out)
+    def error(self, message: str) -> NoReturn:
+        raise CtlError(f"{message}; see {self.prog} --help", EXIT_USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elasticctl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default=os.environ.get("ELASTICCTL_ENDPOINT", "127.0.0.1:7070"),
-                   help="any elasticd's host:port (env ELASTICCTL_ENDPOINT; default %(default)s)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="per-call deadline (default %(default)s)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = sub.add_parser("status", help="jobs, nodes and the leader", description="Example: elasticctl status lenet")
+    env = os.environ.get
+    p = _Parser(prog="elasticctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoints", "--endpoint", dest="endpoints",
+                   default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or "127.0.0.1:7070",
+                   help="comma-separated elasticd host:port (env ELASTICCTL_ENDPOINTS; default %(default)s)")
+    p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")
+    p.add_argument("--cert", default=env("ELASTICCTL_CERT", ""), help="client certificate (PEM), with --key")
+    p.add_argument("--key", default=env("ELASTICCTL_KEY", ""), help="client key (PEM), with --cert")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="per-call deadline in seconds (default %(default)s)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def cmd(name: str, help: str, example: str, output: bool = True) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help, description=f"{help[0].upper()}{help[1:]}.\n\nExample: {example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if output:
+            s.add_argument("-o", "--output", choices=render.FORMATS, default="table", help="output format")
+        return s
+
+    s = cmd("status", "the leader, the nodes and every job (or one)", "elasticctl status lenet -o json")
     s.add_argument("job", nargs="?", default="")
-    s.add_argument("-o", "--output", choices=["table", "json"], default="table")
-    s = sub.add_parser("submit", help="submit a job spec (TOML)",
-                       description="Example: elasticctl submit job.toml. The spec is validated before sending.")
+    cmd("nodes", "registered nodes: slots, cordoned or draining, jobs running there", "elasticctl nodes")
+    cmd("jobs", "every job: state, generation, world size, step, loss", "elasticctl jobs -o yaml")
+    s = cmd("describe", "one job in detail: spec, members, generations, recent events", "elasticctl describe job lenet")
+    s.add_argument("kind", choices=["job"])
+    s.add_argument("job")
+    s = cmd("events", "a job's timeline: generations, faults, detection and recovery times",
+            "elasticctl events lenet --progress")
+    s.add_argument("job")
+    s.add_argument("--progress", action="store_true", help="also the periodic step records")
+    s = cmd("logs", "a rank's log, streamed from the node that runs (or ran) it", "elasticctl logs lenet --rank 1 -f",
+            output=False)
+    s.add_argument("job")
+    s.add_argument("--rank", type=int, required=True)
+    s.add_argument("--generation", type=int, default=0, help="an earlier generation (default: the current one)")
+    s.add_argument("-f", "--follow", action="store_true", help="keep streaming until the generation ends")
+    s.add_argument("--tail-bytes", type=int, default=0, help="start this many bytes before the end")
+    s = cmd("submit", "submit a job spec (TOML), validated here first", "elasticctl submit job.toml")
     s.add_argument("spec")
-    s = sub.add_parser("stop", help="stop a job (workers checkpoint, then exit)",
-                       description="Example: elasticctl stop lenet --grace-period-s 30")
+    s = cmd("stop", "stop a job: ranks checkpoint at the next step, then exit", "elasticctl stop lenet")
     s.add_argument("job")
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
-    s = sub.add_parser("cordon", help="no new generations on a node (running ones go on)",
-                       description="Example: elasticctl cordon node-b --reason 'disk replacement'")
+    s = cmd("restart", "relaunch a running job: checkpoint at the next step, resume there", "elasticctl restart lenet")
+    s.add_argument("job")
+    s = cmd("scale", "change a job's node range (relaunches when the current size leaves it)",
+            "elasticctl scale lenet --min 1 --max 4")
+    s.add_argument("job")
+    s.add_argument("--min", type=int, default=0, help="new min_nodes (default: unchanged)")
+    s.add_argument("--max", type=int, default=0, help="new max_nodes (default: unchanged)")
+    s = cmd("cordon", "no new generations on a node (running ones go on)", "elasticctl cordon n1 --reason disk")
     s.add_argument("node")
     s.add_argument("--reason", default="")
-    s = sub.add_parser("drain", help="cordon a node and move its running jobs off it (planned, nothing lost)",
-                       description="Example: elasticctl drain node-b. Each job on the node is relaunched without it: "
-                                   "its ranks checkpoint at the next step and the next generation resumes there. "
-                                   "Waits until no job runs on the node (--wait-s; 0: do not wait).")
+    s = cmd("drain", "cordon a node and move its running jobs off it (planned, nothing lost); waits",
+            "elasticctl drain n1 --wait-s 600")
     s.add_argument("node")
     s.add_argument("--reason", default="")
-    s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain (default %(default)s)")
-    s = sub.add_parser("uncordon", help="let a node run generations again (a running job may scale up to it)",
-                       description="Example: elasticctl uncordon node-b")
+    s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain; 0: do not wait")
+    s = cmd("uncordon", "let a node run generations again (a running job may scale up to it)", "elasticctl uncordon n1")
     s.add_argument("node")
+    s = cmd("watch", "a live view of a job until it ends (lines when not a terminal)", "elasticctl watch lenet",
+            output=False)
+    s.add_argument("job")
+    s.add_argument("--interval-s", type=float, default=1.0, help="refresh period (default %(default)s)")
+    s = cmd("report", "draw a job's run: step over wall time, generations, faults, world size (PNG)",
+            "elasticctl report lenet -o timeline.png", output=False)
+    s.add_argument("job")
+    s.add_argument("-o", "--output", required=True, help="the PNG file to write")
     return p
 
 
-def _cordon(args: argparse.Namespace, cordon: bool, drain: bool) -> None:
-    req = pb.CordonRequest(node_id=args.node, cordon=cordon, drain=drain, reason=getattr(args, "reason", ""))
-    _call(args.endpoint, lambda c: lambda **kw: c.Cordon(req, **kw), args.timeout_s)
-
-
-def _wait_drained(args: argparse.Namespace, out: Any) -> None:
-    """Until no unfinished job has the node in its current generation, and nothing runs there."""
-    def jobs_on_node() -> list[pb.JobStatus]:
-        res = _call(args.endpoint, lambda c: lambda **kw: c.Status(pb.StatusRequest(), **kw), args.timeout_s)
-        running = {j for n in res.nodes if n.node_id == args.node for j in n.running_jobs}
-        return [j for j in res.jobs if j.job in running or (_state(j.state) in ("PENDING", "RUNNING", "RESTARTING")
-                                                            and any(m.node_id == args.node for m in j.members))]
-
-    try:
-        tenacity.Retrying(stop=tenacity.stop_after_delay(args.wait_s), wait=tenacity.wait_fixed(1.0),
-                          retry=tenacity.retry_if_result(bool))(jobs_on_node)
-    except tenacity.RetryError as e:
-        left = e.last_attempt.result()
-        why = "; ".join(f"{j.job}: {j.note or j.message}" for j in left)
-        raise CtlError(f"node {args.node} still runs {', '.join(j.job for j in left)} after {args.wait_s:.0f}s "
-                       f"({why}); it stays cordoned and draining", EXIT_REFUSED) from None
+def _grace(v: float) -> float:
+    if v < 0:
+        raise CtlError("--grace-period-s must be >= 0", EXIT_USAGE)
+    return v
 
 
 def run(argv: list[str] | None, out: Any = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "status":
-        res = _call(args.endpoint, lambda c: lambda **kw: c.Status(pb.StatusRequest(job=args.job), **kw), args.timeout_s)
-        if args.output == "json":
-            print(json.dumps(json_format.MessageToDict(res, preserving_proto_field_name=True), indent=2), file=out)
-        else:
-            print_status(res, out)
-    elif args.command == "submit":
-        try:
-            spec = load_toml(args.spec)
-        except SpecError as e:
-            raise CtlError(f"{args.spec}: {e}", EXIT_USAGE) from None
-        res = _call(args.endpoint, lambda c: lambda **kw: c.Submit(pb.SubmitRequest(spec_json=spec.to_json()), **kw),
-                    args.timeout_s)
-        print(f"job {res.job} submitted", file=out)
-    elif args.command == "stop":
-        if args.grace_period_s < 0:
-            raise CtlError("--grace-period-s must be >= 0", EXIT_USAGE)
-        res = _call(args.endpoint, lambda c: lambda **kw: c.StopJob(
-            pb.StopJobRequest(job=args.job, grace_period_s=args.grace_period_s), **kw), args.timeout_s + 60)
-        print(f"job {args.job} {_state(res.state)}", file=out)
-    elif args.command in ("cordon", "drain", "uncordon"):
-        _cordon(args, cordon=args.command != "uncordon", drain=args.command == "drain")
-        if args.command == "drain" and args.wait_s > 0:
-            _wait_drained(args, out)
-        print(f"node {args.node} {args.command}ed", file=out)
+    endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
+    if not endpoints or any(":" not in e for e in endpoints):
+        raise CtlError(f"--endpoints {args.endpoints!r} must be host:port[,host:port...]", EXIT_USAGE)
+    if bool(args.cert) != bool(args.key):
+        raise CtlError("--cert and --key go together", EXIT_USAGE)
+    for flag in ("cacert", "cert", "key"):
+        if getattr(args, flag) and not os.path.isfile(getattr(args, flag)):
+            raise CtlError(f"--{flag} {getattr(args, flag)!r} is not a readable file", EXIT_USAGE)
+    if args.timeout_s <= 0:
+        raise CtlError("--timeout-s must be > 0", EXIT_USAGE)
+    c = Client(endpoints, TlsFiles(args.cacert, args.cert, args.key), args.timeout_s)
+    handler = COMMANDS[args.command]
+    return handler(c, args, out)
+
+
+def _status(c: Client, job: str = "") -> pb.StatusResponse:
+    return c.call(lambda s: lambda **kw: s.Status(pb.StatusRequest(job=job), **kw))
+
+
+def cmd_status(c: Client, a: argparse.Namespace, out: Any) -> int:
+    res = _status(c, a.job)
+    render.emit(out, a.output, res, lambda: render.status_table(res))
     return EXIT_OK
+
+
+def cmd_nodes(c: Client, a: argparse.Namespace, out: Any) -> int:
+    res = _status(c)
+    render.emit(out, a.output, {"nodes": [render.as_dict(n) for n in res.nodes], "leader": res.leader},
+                lambda: render.nodes_table(res))
+    return EXIT_OK
+
+
+def cmd_jobs(c: Client, a: argparse.Namespace, out: Any) -> int:
+    res = _status(c)
+    render.emit(out, a.output, {"jobs": [render.as_dict(j) for j in res.jobs]}, lambda: render.jobs_table(list(res.jobs)))
+    return EXIT_OK
+
+
+def _events(c: Client, job: str) -> list[pb.Event]:
+    return list(c.call(lambda s: lambda **kw: s.Events(pb.EventsRequest(job=job), **kw)).events)
+
+
+def cmd_describe(c: Client, a: argparse.Namespace, out: Any) -> int:
+    res = c.call(lambda s: lambda **kw: s.Describe(pb.DescribeRequest(job=a.job), **kw))
+    events = _events(c, a.job)
+    render.emit(out, a.output, res, lambda: render.describe_table(res, events))
+    return EXIT_OK
+
+
+def cmd_events(c: Client, a: argparse.Namespace, out: Any) -> int:
+    events = [e for e in _events(c, a.job) if a.progress or e.kind != "progress"]
+    render.emit(out, a.output, {"events": [render.as_dict(e) for e in events]}, lambda: render.events_table(events))
+    return EXIT_OK
+
+
+def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
+    if a.rank < 0 or a.generation < 0 or a.tail_bytes < 0:
+        raise CtlError("--rank, --generation and --tail-bytes must be >= 0", EXIT_USAGE)
+    res = c.call(lambda s: lambda **kw: s.Describe(pb.DescribeRequest(job=a.job), **kw))
+    plans = {p.generation: p for p in res.plans}
+    gen = a.generation or res.status.generation
+    if gen not in plans:
+        raise CtlError(f"job {a.job} has no generation {gen} (it has {', '.join(map(str, plans)) or 'none'})",
+                       EXIT_REFUSED)
+    plan, first = plans[gen], 0
+    for m in plan.members:
+        if first <= a.rank < first + m.local_workers:
+            break
+        first += m.local_workers
+    else:
+        raise CtlError(f"generation {gen} of {a.job} has ranks 0..{plan.worker_num - 1}, not {a.rank}", EXIT_REFUSED)
+    request = pb.LogsRequest(job=a.job, rank=a.rank, generation=gen, follow=a.follow, tail_bytes=a.tail_bytes)
+    stream = getattr(out, "buffer", None)
+    try:
+        for chunk in c.agent_logs(m.agent_address, request):
+            if stream is not None:
+                stream.write(chunk.data)
+                stream.flush()
+            else:
+                out.write(chunk.data.decode(errors="replace"))
+    except CtlError as e:
+        raise CtlError(f"node {m.node_id}: {e}", e.code) from None
+    return EXIT_OK
+
+
+def cmd_submit(c: Client, a: argparse.Namespace, out: Any) -> int:
+    try:
+        spec = load_toml(a.spec)
+    except SpecError as e:
+        raise CtlError(f"{a.spec}: {e}", EXIT_USAGE) from None
+    res = c.call(lambda s: lambda **kw: s.Submit(pb.SubmitRequest(spec_json=spec.to_json()), **kw))
+    render.emit(out, a.output, {"job": res.job, "submitted": True}, lambda: f"job {res.job} submitted")
+    return EXIT_OK
+
+
+def cmd_stop(c: Client, a: argparse.Namespace, out: Any) -> int:
+    req = pb.StopJobRequest(job=a.job, grace_period_s=_grace(a.grace_period_s))
+    res = c.call(lambda s: lambda **kw: s.StopJob(req, **kw), timeout_s=c.timeout_s + 60)
+    render.emit(out, a.output, {"job": a.job, "state": render.state(res.state)},
+                lambda: f"job {a.job} {render.state(res.state)}")
+    return EXIT_OK
+
+
+def cmd_restart(c: Client, a: argparse.Namespace, out: Any) -> int:
+    res = c.call(lambda s: lambda **kw: s.Restart(pb.RestartRequest(job=a.job), **kw))
+    render.emit(out, a.output, {"job": a.job, "generation": res.generation},
+                lambda: f"job {a.job} restarting as generation {res.generation} (checkpoint at the next step)")
+    return EXIT_OK
+
+
+def cmd_scale(c: Client, a: argparse.Namespace, out: Any) -> int:
+    if a.min < 0 or a.max < 0 or not (a.min or a.max):
+        raise CtlError("give --min and/or --max, positive", EXIT_USAGE)
+    res = c.call(lambda s: lambda **kw: s.Scale(pb.ScaleRequest(job=a.job, min_nodes=a.min, max_nodes=a.max), **kw))
+    render.emit(out, a.output, {"job": a.job, "min_nodes": res.min_nodes, "max_nodes": res.max_nodes},
+                lambda: f"job {a.job} scaled to {res.min_nodes}..{res.max_nodes} nodes")
+    return EXIT_OK
+
+
+def cmd_cordon(c: Client, a: argparse.Namespace, out: Any) -> int:
+    cordon, drain = a.command != "uncordon", a.command == "drain"
+    req = pb.CordonRequest(node_id=a.node, cordon=cordon, drain=drain, reason=getattr(a, "reason", ""))
+    c.call(lambda s: lambda **kw: s.Cordon(req, **kw))
+    if drain and a.wait_s > 0:
+        _wait_drained(c, a)
+    render.emit(out, a.output, {"node": a.node, "cordoned": cordon, "draining": drain},
+                lambda: f"node {a.node} {a.command}ed")
+    return EXIT_OK
+
+
+def _wait_drained(c: Client, a: argparse.Namespace) -> None:
+    """Until no unfinished job has the node in its current generation, and nothing runs there."""
+    def jobs_on_node() -> list[pb.JobStatus]:
+        res = _status(c)
+        running = {j for n in res.nodes if n.node_id == a.node for j in n.running_jobs}
+        return [j for j in res.jobs if j.job in running or (render.state(j.state) in ("PENDING", "RUNNING", "RESTARTING")
+                                                            and any(m.node_id == a.node for m in j.members))]
+
+    try:
+        tenacity.Retrying(stop=tenacity.stop_after_delay(a.wait_s), wait=tenacity.wait_fixed(1.0),
+                          retry=tenacity.retry_if_result(bool))(jobs_on_node)
+    except tenacity.RetryError as e:
+        left = e.last_attempt.result()
+        why = "; ".join(f"{j.job}: {j.note or j.message}" for j in left)
+        raise CtlError(f"node {a.node} still runs {', '.join(j.job for j in left)} after {a.wait_s:.0f}s "
+                       f"({why}); it stays cordoned and draining", EXIT_REFUSED) from None
+
+
+def cmd_watch(c: Client, a: argparse.Namespace, out: Any) -> int:
+    from mselastic.ctl.watch import watch
+
+    if a.interval_s <= 0:
+        raise CtlError("--interval-s must be > 0", EXIT_USAGE)
+    final = watch(lambda: _status(c, a.job), a.job, a.interval_s, out)
+    return EXIT_OK if final == "SUCCEEDED" else EXIT_REFUSED
+
+
+def cmd_report(c: Client, a: argparse.Namespace, out: Any) -> int:
+    from mselastic.ctl.report import draw
+
+    if not a.output.lower().endswith(".png"):
+        raise CtlError(f"-o {a.output!r}: the report is a PNG; name the file *.png", EXIT_USAGE)
+    res = c.call(lambda s: lambda **kw: s.Describe(pb.DescribeRequest(job=a.job), **kw))
+    events = _events(c, a.job)
+    try:
+        draw(res, events, a.output)
+    except OSError as e:
+        raise CtlError(f"cannot write {a.output}: {e.strerror}", EXIT_USAGE) from None
+    print(f"wrote {a.output}", file=out)
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Any], int]] = {
+    "status": cmd_status, "nodes": cmd_nodes, "jobs": cmd_jobs, "describe": cmd_describe, "events": cmd_events,
+    "logs": cmd_logs, "submit": cmd_submit, "stop": cmd_stop, "restart": cmd_restart, "scale": cmd_scale,
+    "cordon": cmd_cordon, "drain": cmd_cordon, "uncordon": cmd_cordon, "watch": cmd_watch, "report": cmd_report,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     except CtlError as e:
         print(f"elasticctl: {e}", file=sys.stderr)
         return e.code
+    except TlsError as e:
+        print(f"elasticctl: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,16 +7,18 @@ FAILED_PRECONDITION and the leader's address, which elasticctl follows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import grpc
 
 from mselastic.agent.wire import abort, job_state_to_pb, plan_to_pb
-from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord
+from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
 from mselastic.daemon.coordinator import Coordinator, Fenced
+from mselastic.store.lease import Term
 from mselastic.store.etcd import Store, TemporaryError
 from mselastic.store.keys import BadName
 from mselastic.store.views import JobView, read_cluster
@@ -32,7 +34,10 @@ def job_to_pb(view: JobView) -> pb.JobStatus:
     st = view.status
     msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
                        restart_count=st.restart_count, step=view.step, message=st.message or view.spec_error,
-                       total_steps=view.spec.total_steps if view.spec else 0, note=st.note)
+                       total_steps=view.spec.total_steps if view.spec else 0, note=st.note, loss=view.loss)
+    if view.spec is not None:
+        msg.min_nodes, msg.max_nodes = view.spec.min_nodes, view.spec.max_nodes
+        msg.global_batch_size = view.spec.global_batch_size
     if view.plan is not None:
         msg.world_size = view.plan.worker_num
         msg.members.extend(plan_to_pb(view.plan).members)
@@ -154,3 +159,103 @@ class ControlService(pb_grpc.ControlServicer):
                  extra=dict(node=request.node_id))
         self.coordinator.wake()
         return pb.CordonResponse(node_id=request.node_id, cordoned=request.cordon, draining=request.drain)
+
+    async def _job(self, job: str, context: grpc.aio.ServicerContext) -> JobView:
+        try:
+            cluster = await read_cluster(self.store, job)
+        except BadName as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        view = cluster.jobs.get(job)
+        if view is None:
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {job!r} (see elasticctl jobs)")
+        return view
+
+    async def Events(self, request: pb.EventsRequest, context: grpc.aio.ServicerContext) -> pb.EventsResponse:
+        await self._job(request.job, context)
+        try:
+            _, kvs = await self.store.get_prefix(self.store.keys.events(request.job))
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        events: list[pb.Event] = []
+        for kv in kvs:
+            try:
+                ev = Event.from_json(kv.value)
+            except MalformedRecord as err:
+                log.error("skipping malformed event %s: %s", kv.key, err, extra=dict(job=request.job))
+                continue
+            events.append(pb.Event(at=ev.at, kind=ev.kind, generation=ev.generation, message=ev.message,
+                                   node_id=ev.node_id, rank=ev.rank, detected_at=ev.detected_at, step=ev.step,
+                                   world_size=ev.world_size, loss=ev.loss))
+        events.sort(key=lambda e: e.at)
+        return pb.EventsResponse(events=events)
+
+    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
+        view = await self._job(request.job, context)
+        try:
+            _, kvs = await self.store.get_prefix(self.store.keys.plans(request.job))
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        plans = []
+        for kv in kvs:
+            try:
+                plans.append(Plan.from_json(kv.value))
+            except MalformedRecord as err:
+                log.error("skipping malformed plan %s: %s", kv.key, err, extra=dict(job=request.job))
+        return pb.DescribeResponse(status=job_to_pb(view), spec_json=view.spec.to_json() if view.spec else "",
+                                   plans=[plan_to_pb(p) for p in sorted(plans, key=lambda p: p.generation)])
+
+    async def _term(self, context: grpc.aio.ServicerContext) -> Term:
+        term = self.coordinator.term
+        if term is None:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+        return term
+
+    async def Restart(self, request: pb.RestartRequest, context: grpc.aio.ServicerContext) -> pb.RestartResponse:
+        """A planned relaunch of a running job: checkpoint at the next step, resume there."""
+        await self._require_leader(context)
+        view = await self._job(request.job, context)
+        if view.status.state is not JobState.RUNNING or view.plan is None:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"job {request.job} is {view.status.state.value}; only a RUNNING job can be restarted")
+        assert view.plan is not None
+        status = dataclasses.replace(view.status, restart_requested=view.plan.generation, updated_at=time.time())
+        try:
+            await self.coordinator.write_status(await self._term(context), view.name, status, Event(
+                at=time.time(), kind="restart", generation=view.plan.generation, message="restart requested by operator"))
+        except Fenced:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+        self.coordinator.wake()
+        return pb.RestartResponse(generation=view.plan.generation + 1)
+
+    async def Scale(self, request: pb.ScaleRequest, context: grpc.aio.ServicerContext) -> pb.ScaleResponse:
+        """Change the job's node range; the spec is checked as at submit (valid world sizes)."""
+        await self._require_leader(context)
+        view = await self._job(request.job, context)
+        if view.spec is None or view.status.state.terminal:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"job {request.job} is {view.status.state.value}; nothing to scale")
+        assert view.spec is not None
+        data = view.spec.to_dict()
+        data["min_nodes"] = request.min_nodes or view.spec.min_nodes
+        data["max_nodes"] = request.max_nodes or view.spec.max_nodes
+        try:
+            spec = JobSpec.from_dict(data)
+        except SpecError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        k, tx = self.store.keys, self.store.tx
+        term = await self._term(context)
+        event = Event(at=time.time(), kind="scaled", generation=view.status.generation,
+                      message=f"node range {view.spec.min_nodes}..{view.spec.max_nodes} -> "
+                              f"{spec.min_nodes}..{spec.max_nodes} by operator")
+        spec_key = k.spec(view.name).encode()
+        kv = await self.store.get(k.spec(view.name))
+        ok = await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
+                                   tx.mod(spec_key) == (kv.mod_revision if kv else 0)], [
+            tx.put(spec_key, spec.to_json().encode()),
+            tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())])
+        if not ok:
+            await abort(context, grpc.StatusCode.ABORTED, "the job changed meanwhile; retry")
+        self.coordinator.wake()
+        return pb.ScaleResponse(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes)

@@ -19,6 +19,7 @@ import time
 
 import grpc
 
+from mselastic import metrics
 from mselastic.agent.wire import plan_to_pb
 from mselastic.core.model import Event, FailureRecord, JobStatus, LeaderRecord, Plan
 from mselastic.core.planner import Action, Decision, PortRange, decide
@@ -26,6 +27,7 @@ from mselastic.core.states import JobState, check_job_transition
 from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
 from mselastic.store.lease import Election, Term
 from mselastic.store.views import JobView, read_cluster
+from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -46,18 +48,22 @@ class CoordinatorConfig:
     #: A member that has not reported on the current generation is pushed again after this long.
     repush_after_s: float = 3.0
     ports: PortRange = PortRange()
+    tls: TlsFiles = TlsFiles()
+    #: Record each running job's step in its events this often (0: never).
+    progress_interval_s: float = 10.0
 
 
 class Agents:
     """gRPC channels to the node agents, one per address."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, tls: TlsFiles = TlsFiles()) -> None:
         self.timeout_s = timeout_s
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> pb_grpc.AgentStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS.items()))
+            self._channels[address] = self.tls.aio_channel(address, options=list(CHANNEL_OPTIONS.items()))
         return pb_grpc.AgentStub(self._channels[address])
 
     async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> None:
@@ -72,6 +78,7 @@ class Agents:
                     log.warning("launch refused by %s: %s", node_id, res.message,
                                 extra=dict(job=plan.job, generation=plan.generation, node=node_id))
             except grpc.aio.AioRpcError as e:
+                metrics.GRPC_ERRORS.labels("Launch").inc()
                 log.warning("launch push to %s failed: %s", node_id, e.details(),
                             extra=dict(job=plan.job, generation=plan.generation, node=node_id))
 
@@ -86,6 +93,7 @@ class Agents:
                 res = await self.stub(address).Stop(msg, timeout=grace_s + self.timeout_s)
                 return node_id, list(res.leftover_pids)
             except grpc.aio.AioRpcError as e:
+                metrics.GRPC_ERRORS.labels("Stop").inc()
                 log.warning("stop on %s failed: %s", node_id, e.details(), extra=dict(job=job, node=node_id))
                 return node_id, []
 
@@ -101,7 +109,9 @@ class Coordinator:
     def __init__(self, store: Store, cfg: CoordinatorConfig) -> None:
         self.store = store
         self.cfg = cfg
-        self.agents = Agents(cfg.push_timeout_s)
+        self.agents = Agents(cfg.push_timeout_s, cfg.tls)
+        self._progress: dict[str, tuple[float, int]] = {}  # job -> (time, step) of the last progress event
+        self._rate: dict[str, tuple[float, int]] = {}  # job -> (time, step) the step rate is measured from
         self.term: Term | None = None
         self.leading = asyncio.Event()
         self._pushed: dict[tuple[str, int, str], float] = {}
@@ -119,10 +129,12 @@ class Coordinator:
                     break
                 self.term = term
                 self.leading.set()
+                metrics.LEADER.set(1)
                 log.info("leading (fencing token %d)", term.create_revision, extra=dict(node=self.cfg.node_id))
                 try:
                     await self._lead(term, stop)
                 finally:
+                    metrics.LEADER.set(0)
                     self.leading.clear()
                     self.term = None
                     await election.resign(term)
@@ -140,8 +152,10 @@ class Coordinator:
                     log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
                     return
                 except TemporaryError as e:
+                    metrics.ETCD_ERRORS.labels("unavailable").inc()
                     log.warning("reconcile pass skipped, etcd unavailable: %s", e)
                 except PermanentError as e:
+                    metrics.ETCD_ERRORS.labels("permanent").inc()
                     log.error("reconcile pass failed: %s", e)
                 await self._sleep(stop, term)
         finally:
@@ -197,7 +211,33 @@ class Coordinator:
         else:
             await self._note_recovery(term, view)
             await self._note(term, view, d)
+            await self._note_progress(term, view)
             await self._repush(view)
+
+    async def _note_progress(self, term: Term, view: JobView) -> None:
+        """Job gauges on every pass; a ``progress`` event every ``progress_interval_s`` (for reports)."""
+        plan, step = view.plan, view.step
+        if plan is None or view.status.state.terminal or step < 0:
+            return
+        now = time.time()
+        metrics.STEP.labels(view.name).set(step)
+        metrics.WORLD_SIZE.labels(view.name).set(plan.worker_num)
+        metrics.GENERATION.labels(view.name).set(plan.generation)
+        since, from_step = self._rate.get(view.name, (0.0, -1))
+        if step < from_step or now - since > 30:
+            self._rate[view.name] = (now, step)
+        elif now - since >= 3 and step > from_step:
+            metrics.STEP_RATE.labels(view.name).set((step - from_step) / (now - since))
+            self._rate[view.name] = (now, step)
+        last_at, last_step = self._progress.get(view.name, (0.0, -1))
+        if self.cfg.progress_interval_s and step != last_step and now - last_at >= self.cfg.progress_interval_s:
+            self._progress[view.name] = (now, step)
+            k, tx = self.store.keys, self.store.tx
+            event = Event(at=now, kind="progress", generation=plan.generation, message=f"step {step}", step=step,
+                          world_size=plan.worker_num, loss=view.loss)
+            if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
+                                        [tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())]):
+                raise Fenced()
 
     async def _note(self, term: Term, view: JobView, d: Decision) -> None:
         """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
@@ -244,6 +284,9 @@ class Coordinator:
             return
         log.info("committed generation %d: %s", d.plan.generation, d.reason,
                  extra=dict(job=view.name, generation=d.plan.generation))
+        metrics.GENERATIONS.labels(view.name).inc()
+        if view.plan is not None:
+            metrics.RESTARTS.labels(view.name, d.kind).inc()
         # Planned: every rank of the running generation is asked (SIGTERM) to checkpoint at the next
         # step; the ranks agree on that step, so the members being dropped and the ones relaunched
         # are told at the same time. After a fault there is nothing to save: kill at once.
@@ -287,6 +330,7 @@ class Coordinator:
         if not firsts or not f.detected_at:
             return
         recovered = dataclasses.replace(f, recover_s=round(min(firsts) - f.detected_at, 3))
+        metrics.RECOVERY.labels(view.name).observe(recovered.recover_s)
         resumed = max((r.resumed_step for r in reports), default=-1)
         notes = sorted({r.resume_note for r in reports if r.resume_note})
         await self._set_status(term, view, view.status.state, view.status.message, failure=recovered,
@@ -330,7 +374,8 @@ class Coordinator:
                          last_failure=failure, updated_at=time.time(), waiting_since=waiting_since,
                          node_failures=dict(failures), quarantined_until=dict(quarantine),
                          failures_counted_through=counted, note=note[0], scale_up_nodes=note[1],
-                         scale_up_since=note[2], resumed_through=old.resumed_through)
+                         scale_up_since=note[2], resumed_through=old.resumed_through,
+                         restart_requested=old.restart_requested)
 
     async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
                           failure: FailureRecord | None = None, event: Event | None = None,

@@ -9,6 +9,15 @@ Example (a node of a cluster with an existing etcd)::
     elasticd --node-id gpu-07 --etcd-endpoint 10.0.0.2:2379 --listen 0.0.0.0:7070 \\
              --advertise-host 10.0.0.7 --slots 8
 
+Settings come from, in rising order of precedence: defaults, the config file
+(/etc/mselastic/elasticd.toml, or --config / $ELASTICD_CONFIG; keys as the flags with
+'_' for '-', see systemd/elasticd.toml), ELASTICD_<KEY> environment variables, flags.
+A bad value is refused at start with one line naming the key and where it came from
+(exit 2).
+
+Under systemd (Type=notify): READY=1 once registered, WATCHDOG=1 every half
+WatchdogSec, STOPPING=1 on the way out. Metrics for Prometheus on --metrics-listen.
+
 SIGTERM or SIGINT: local workers are asked to checkpoint (SIGTERM, grace
 period), then killed; the node's registration is revoked; exit 0.
 """
@@ -23,31 +32,41 @@ import os
 import signal
 import socket
 import sys
+import tomllib
 
 import grpc
 
 from mselastic.agent.node import AgentConfig, NodeAgent
 from mselastic.agent.service import AgentService
 from mselastic.core.planner import PortRange
-from mselastic.daemon import logs
+from mselastic import metrics
+from mselastic.daemon import logs, systemd
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
 from mselastic.store.embedded import EmbeddedEtcd
 from mselastic.store.etcd import Store
 from mselastic.store.keys import BadName, Keys, check_id
+from mselastic.tls import TlsError, TlsFiles
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
 log = logging.getLogger("elasticd")
 
 
+DEFAULT_CONFIG = "/etc/mselastic/elasticd.toml"
+ENV_PREFIX = "ELASTICD_"
+
+
 class SettingsError(ValueError):
-    pass
+    """A bad setting: the message names the key and where its value came from."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    #: This node's id (etcd key name): letters, digits, '.', '_', '-'.
-    node_id: str
+    """Every key of the config file (``/etc/mselastic/elasticd.toml``), environment variable
+    (``ELASTICD_<KEY>``) and flag (``--<key>``); later ones win in that order."""
+
+    #: This node's id (etcd key name): letters, digits, '.', '_', '-'. Default: the host name.
+    node_id: str = ""
     #: etcd client endpoint host:port, or several comma-separated (the members of a cluster);
     #: with embedded_etcd_dir, the single address the embedded member listens on.
     etcd_endpoint: str = "127.0.0.1:2379"
@@ -56,6 +75,7 @@ class Settings:
     #: host:port the gRPC services (Agent, Control) listen on.
     listen: str = "127.0.0.1:7070"
     #: Address other nodes reach this one at; msrun's master_addr when this is node_rank 0.
+    #: Default: the listen host, or the host name when listening on all addresses.
     advertise_host: str = ""
     #: Workers this node can run; 0 makes it a coordinator-only node.
     slots: int = 1
@@ -72,63 +92,171 @@ class Settings:
     #: First master port and how many to choose from (outside msrun's 8118-16309).
     master_port_start: int = 20000
     master_port_span: int = 5000
+    #: The leader records each running job's step in its event log this often (for
+    #: `elasticctl report`); 0: never.
+    progress_interval_s: float = 10.0
+    #: host:port of the Prometheus metrics endpoint (/metrics); empty: none.
+    metrics_listen: str = "127.0.0.1:9464"
+    #: TLS for the gRPC port: this node's certificate and key (PEM); both or neither.
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: CA that signed the peers' and clients' certificates; with tls_cert, clients must present one.
+    tls_cacert: str = ""
     #: "text" or "json".
     log_format: str = "text"
 
     def validate(self) -> "Settings":
         try:
             check_id("node id", self.node_id)
+        except BadName as e:
+            raise _bad("node_id", str(e)) from None
+        try:
             Keys(self.namespace)
+        except BadName as e:
+            raise _bad("namespace", str(e)) from None
+        try:
             PortRange(self.master_port_start, self.master_port_span)
-        except (BadName, ValueError) as e:
-            raise SettingsError(str(e)) from None
-        for name, value in [("etcd_endpoint", e) for e in self.etcd_endpoint.split(",")] + [("listen", self.listen)]:
+        except ValueError as e:
+            raise _bad("master_port_start", str(e)) from None
+        for key, value in [("etcd_endpoint", e) for e in self.etcd_endpoint.split(",")] + [
+                ("listen", self.listen)] + ([("metrics_listen", self.metrics_listen)] if self.metrics_listen else []):
             host, _, port = value.strip().rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-                raise SettingsError(f"--{name.replace('_', '-')} {value!r} must be host:port")
+                raise _bad(key, f"{value!r} must be host:port")
         if self.embedded_etcd_dir and "," in self.etcd_endpoint:
-            raise SettingsError("--embedded-etcd-dir runs one member: give --etcd-endpoint a single host:port")
+            raise _bad("embedded_etcd_dir", "runs one member: give etcd_endpoint a single host:port")
         if self.slots < 0:
-            raise SettingsError(f"--slots must be >= 0 (got {self.slots})")
+            raise _bad("slots", f"must be >= 0 (got {self.slots})")
         if self.lease_ttl_s < 2:
-            raise SettingsError(f"--lease-ttl-s must be >= 2 (got {self.lease_ttl_s})")
-        for name in ("reconcile_interval_s", "shutdown_grace_s"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"--{name.replace('_', '-')} must be > 0")
+            raise _bad("lease_ttl_s", f"must be >= 2 (got {self.lease_ttl_s})")
+        for key in ("reconcile_interval_s", "shutdown_grace_s"):
+            if getattr(self, key) <= 0:
+                raise _bad(key, f"must be > 0 (got {getattr(self, key)})")
+        if self.progress_interval_s < 0:
+            raise _bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
         if self.log_format not in ("text", "json"):
-            raise SettingsError(f"--log-format must be text or json (got {self.log_format!r})")
+            raise _bad("log_format", f"must be text or json (got {self.log_format!r})")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise _bad("tls_cert" if not self.tls_cert else "tls_key", "tls_cert and tls_key go together")
+        for key in ("tls_cert", "tls_key", "tls_cacert"):
+            if getattr(self, key) and not os.path.isfile(getattr(self, key)):
+                raise _bad(key, f"{getattr(self, key)!r} is not a readable file")
         return self
 
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(cacert=self.tls_cacert, cert=self.tls_cert, key=self.tls_key)
 
-def parse_args(argv: list[str] | None = None) -> Settings:
-    d = Settings(node_id="x")
+
+def _bad(key: str, message: str) -> SettingsError:
+    return SettingsError(f"{key}: {message}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(key: str, value: object, source: str) -> object:
+    """A config or environment value as the key's type (environment values are strings)."""
+    kind = str(FIELDS[key].type)
+    ok = True
+    if kind == "str":
+        ok = isinstance(value, str)
+    elif isinstance(value, bool):
+        ok = False
+    elif isinstance(value, str):
+        try:
+            value = int(value) if kind == "int" else float(value)
+        except ValueError:
+            ok = False
+    elif kind == "int":
+        ok = isinstance(value, int)
+    else:
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value  # type: ignore[arg-type]
+    if not ok:
+        word = {"int": "an integer", "float": "a number", "str": "a string"}[kind]
+        raise SettingsError(f"{key} (from {source}): must be {word} (got {value!r})")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
     p = argparse.ArgumentParser(prog="elasticd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--node-id", default=socket.gethostname().split(".")[0], help="this node's id (default: hostname)")
-    p.add_argument("--etcd-endpoint", default=d.etcd_endpoint, help="etcd host:port, or a comma-separated list of the cluster's members (default %(default)s)")
-    p.add_argument("--embedded-etcd-dir", default="", help="run a single-member etcd on loopback, data in DIR")
-    p.add_argument("--listen", default=d.listen, help="gRPC host:port for Agent and Control (default %(default)s)")
-    p.add_argument("--advertise-host", default="", help="address peers use for this node (default: the listen host)")
-    p.add_argument("--slots", type=int, default=d.slots, help="workers this node can run; 0: coordinate only (default %(default)s)")
-    p.add_argument("--work-dir", default=d.work_dir, help="logs of each generation go here (default %(default)s)")
-    p.add_argument("--namespace", default=d.namespace, help="etcd key prefix (default %(default)s)")
-    p.add_argument("--lease-ttl-s", type=int, default=d.lease_ttl_s,
-                   help="node and leader lease TTL in seconds (default %(default)s)")
-    p.add_argument("--reconcile-interval-s", type=float, default=d.reconcile_interval_s,
-                   help="leader reconcile period in seconds (default %(default)s)")
-    p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
-                   help="checkpoint grace for local workers on shutdown (default %(default)s)")
-    p.add_argument("--master-port-start", type=int, default=d.master_port_start)
-    p.add_argument("--master-port-span", type=int, default=d.master_port_span)
-    p.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    a = p.parse_args(argv)
-    host = a.listen.rpartition(":")[0]
-    advertise = a.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
-    return Settings(node_id=a.node_id, etcd_endpoint=a.etcd_endpoint, embedded_etcd_dir=a.embedded_etcd_dir,
-                    listen=a.listen, advertise_host=advertise, slots=a.slots, work_dir=os.path.abspath(a.work_dir),
-                    namespace=a.namespace, lease_ttl_s=a.lease_ttl_s, reconcile_interval_s=a.reconcile_interval_s,
-                    shutdown_grace_s=a.shutdown_grace_s, master_port_start=a.master_port_start,
-                    master_port_span=a.master_port_span, log_format=a.log_format).validate()
+    p.add_argument("--config", default=None,
+                   help=f"config file (TOML; env ELASTICD_CONFIG; default {DEFAULT_CONFIG}, skipped when absent)")
+    helps = {
+        "node_id": "this node's id (default: the host name)",
+        "etcd_endpoint": "etcd host:port, or a comma-separated list of the cluster's members",
+        "embedded_etcd_dir": "run a single-member etcd on loopback, data in DIR",
+        "listen": "gRPC host:port for Agent and Control",
+        "advertise_host": "address peers use for this node (default: the listen host)",
+        "slots": "workers this node can run; 0: coordinate only",
+        "work_dir": "logs of each generation go here",
+        "namespace": "etcd key prefix",
+        "lease_ttl_s": "node and leader lease TTL in seconds",
+        "reconcile_interval_s": "leader reconcile period in seconds",
+        "shutdown_grace_s": "checkpoint grace for local workers on shutdown",
+        "master_port_start": "first master port msrun may get",
+        "master_port_span": "how many master ports to choose from",
+        "progress_interval_s": "record each job's step this often, for `elasticctl report`; 0: never",
+        "metrics_listen": "Prometheus /metrics host:port; empty: none",
+        "tls_cert": "this node's TLS certificate (PEM)",
+        "tls_key": "this node's TLS key (PEM)",
+        "tls_cacert": "CA of the peers' and clients' certificates (PEM)",
+        "log_format": "text or json",
+    }
+    for key, f in FIELDS.items():
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        default = getattr(d, key)
+        p.add_argument("--" + key.replace("_", "-"), type=kind, default=None, dest=key,
+                       help=f"{helps[key]} (env {ENV_PREFIX}{key.upper()}; default {default!r})")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Settings from, in rising order: defaults, the config file, ELASTICD_* variables, flags."""
+    env = os.environ if environ is None else environ
+    a = build_parser().parse_args(argv)
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    path = a.config or env.get(ENV_PREFIX + "CONFIG") or DEFAULT_CONFIG
+    if path != DEFAULT_CONFIG or os.path.exists(path):
+        for key, value in _read_config(path).items():
+            values[key], sources[key] = _coerce(key, value, path), path
+    for key in FIELDS:
+        name = ENV_PREFIX + key.upper()
+        if name in env:
+            values[key], sources[key] = _coerce(key, env[name], "$" + name), "$" + name
+    for key in FIELDS:
+        if getattr(a, key) is not None:
+            values[key], sources[key] = getattr(a, key), "--" + key.replace("_", "-")
+    if not values.get("node_id"):
+        values["node_id"] = socket.gethostname().split(".")[0]
+    try:
+        s = Settings(**values)  # type: ignore[arg-type]
+        host = s.listen.rpartition(":")[0]
+        advertise = s.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
+        return dataclasses.replace(s, advertise_host=advertise, work_dir=os.path.abspath(s.work_dir)).validate()
+    except SettingsError as e:
+        key = str(e).split(":", 1)[0]
+        if key in sources and "(from " not in str(e):
+            raise SettingsError(f"{key} (from {sources[key]}):{str(e).split(':', 1)[1]}") from None
+        raise
+
+
+def _read_config(path: str) -> dict[str, object]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise SettingsError(f"config {path}: cannot read it ({e.strerror}); give --config a readable file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config {path}: not valid TOML ({e})") from None
+    for key in data:
+        if key not in FIELDS:
+            raise SettingsError(f"{key} (from {path}): unknown key; known keys are {', '.join(FIELDS)}")
+    return data
 
 
 async def serve(s: Settings) -> None:
@@ -138,17 +266,28 @@ async def serve(s: Settings) -> None:
         etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2])).start()
         endpoint = etcd.endpoint
         log.info("embedded etcd on %s (data in %s)", endpoint, s.embedded_etcd_dir)
+    if s.metrics_listen:
+        try:
+            metrics.serve(s.metrics_listen)
+        except OSError as e:
+            raise SettingsError(f"metrics_listen: cannot listen on {s.metrics_listen}: {e.strerror}") from None
+        log.info("metrics on http://%s/metrics", s.metrics_listen)
     store = Store(endpoint, Keys(s.namespace))
     server = grpc.aio.server()
-    port = server.add_insecure_port(s.listen)
+    try:
+        port = (server.add_secure_port(s.listen, s.tls.server_credentials()) if s.tls_cert
+                else server.add_insecure_port(s.listen))
+    except (RuntimeError, TlsError) as e:
+        raise SettingsError(f"listen: cannot listen on {s.listen}: {e}") from None
     if port == 0:
-        raise SettingsError(f"cannot listen on {s.listen}")
+        raise SettingsError(f"listen: cannot listen on {s.listen}")
     address = f"{s.advertise_host}:{port}"
     agent = NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
-                                         slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s))
+                                         slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls))
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
-        reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span)))
+        reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),
+        tls=s.tls, progress_interval_s=s.progress_interval_s))
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     pb_grpc.add_ControlServicer_to_server(ControlService(store, coordinator), server)
     await server.start()
@@ -156,9 +295,15 @@ async def serve(s: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("elasticd %s serving on %s, etcd %s", s.node_id, address, endpoint)
-    tasks = [asyncio.create_task(agent.run(stop, lambda: log.info("registered; ready")), name="agent"),
-             asyncio.create_task(coordinator.run(stop), name="coordinator")]
+    log.info("elasticd %s serving on %s%s, etcd %s", s.node_id, address, " (TLS)" if s.tls_cert else "", endpoint)
+
+    def registered() -> None:
+        log.info("registered; ready")
+        systemd.ready(f"registered as {s.node_id}, serving on {address}")
+
+    tasks = [asyncio.create_task(agent.run(stop, registered), name="agent"),
+             asyncio.create_task(coordinator.run(stop), name="coordinator"),
+             asyncio.create_task(systemd.watchdog(stop), name="watchdog")]
     try:
         done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -166,6 +311,7 @@ async def serve(s: Settings) -> None:
                 raise t.exception()  # type: ignore[misc]
     finally:
         stop.set()
+        systemd.stopping()
         log.info("shutting down: stopping local workers (grace %.0fs)", s.shutdown_grace_s)
         await agent.stop_all(s.shutdown_grace_s)
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -7,10 +7,13 @@ All keys live under a namespace (default ``/mselastic``)::
     <ns>/cordons/<node_id>                    CordonRecord JSON (cordon / drain; survives re-registration)
     <ns>/jobs/<job>/spec                      JobSpec JSON
     <ns>/jobs/<job>/plan                      Plan JSON (fenced writes only)
-    <ns>/jobs/<job>/plans/<g:012d>            every committed plan, kept for the job's history
     <ns>/jobs/<job>/status                    JobStatus JSON (fenced writes only)
-    <ns>/jobs/<job>/events/<seq:012d>         Event JSON, the job's timeline
     <ns>/jobs/<job>/reports/<g:012d>/<node>   GenerationReport JSON, written by agents
+    <ns>/plans/<job>/<g:012d>                 every committed plan, kept for the job's history
+    <ns>/events/<job>/<seq:012d>              Event JSON, the job's timeline
+
+History and events grow with the job's life, so they live outside ``jobs/``: the
+reconcile pass reads ``jobs/`` whole on every pass and must stay small.
 
 Names are checked so that no id can reach into another's keys.
 """
@@ -73,7 +76,7 @@ class Keys:
         return self.job(job) + "plan"
 
     def plans(self, job: str) -> str:
-        return self.job(job) + "plans/"
+        return f"{self.namespace}/plans/{check_id('job name', job)}/"
 
     def plan_history(self, job: str, generation: int) -> str:
         return f"{self.plans(job)}{generation:012d}"
@@ -82,7 +85,7 @@ class Keys:
         return self.job(job) + "status"
 
     def events(self, job: str) -> str:
-        return self.job(job) + "events/"
+        return f"{self.namespace}/events/{check_id('job name', job)}/"
 
     def event(self, job: str, seq: int) -> str:
         return f"{self.events(job)}{seq:012d}"

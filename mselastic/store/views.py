@@ -41,6 +41,12 @@ class JobView:
     def step(self) -> int:
         return max((r.step for r in self.current_reports().values()), default=-1)
 
+    @property
+    def loss(self) -> float:
+        """The loss reported with the newest step (0 when none)."""
+        reps = [r for r in self.current_reports().values() if r.step >= 0]
+        return max(reps, key=lambda r: r.step).loss if reps else 0.0
+
 
 @dataclasses.dataclass
 class ClusterView:
@@ -102,8 +108,6 @@ def _apply(view: JobView, rest: str, kv: KV) -> None:
         view.plan, view.plan_kv = Plan.from_json(kv.value), kv
     elif rest == "status":
         view.status, view.status_kv = JobStatus.from_json(kv.value), kv
-    elif rest.startswith("plans/"):
-        pass  # history, read by whoever needs it (not by the reconcile pass)
     elif rest.startswith("reports/"):
         _, gen, node = rest.split("/", 2)
         rep = GenerationReport.from_json(kv.value)

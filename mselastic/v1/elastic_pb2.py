@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amselastic/v1/elastic.proto\x12\x0cmselastic.v1\"h\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\x15\n\rlocal_workers\x18\x03 \x01(\x05\x12\x15\n\ragent_address\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"\xc4\x01\n\x04Plan\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12%\n\x07members\x18\x03 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x12\n\nworker_num\x18\x04 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x0f\n\x07planned\x18\t \x01(\x08\"1\n\rLaunchRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.mselastic.v1.Plan\"3\n\x0eLaunchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\x0bStopRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x16\n\x0egrace_period_s\x18\x03 \x01(\x01\"%\n\x0cStopResponse\x12\x15\n\rleftover_pids\x18\x01 \x03(\x05\"\x14\n\x12\x41gentStatusRequest\"U\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x9a\x01\n\x0fLocalGeneration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12,\n\x05state\x18\x03 \x01(\x0e\x32\x1d.mselastic.v1.GenerationState\x12\'\n\x05ranks\x18\x04 \x03(\x0b\x32\x18.mselastic.v1.RankStatus\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"Z\n\x13\x41gentStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x32\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x1d.mselastic.v1.LocalGeneration\"t\n\x07\x46\x61ilure\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65tected_at\x18\x05 \x01(\x01\x12\x11\n\trecover_s\x18\x06 \x01(\x01\"\x9c\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0e\n\x06leader\x18\x05 \x01(\x08\x12\x10\n\x08\x63ordoned\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x14\n\x0crunning_jobs\x18\x08 \x03(\t\">\n\nQuarantine\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x02 \x01(\x05\x12\r\n\x05until\x18\x03 \x01(\x01\"\xc3\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.mselastic.v1.JobState\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12%\n\x07members\x18\x05 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x15\n\rrestart_count\x18\x06 \x01(\x05\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x08 \x01(\x03\x12+\n\x0clast_failure\x18\t \x01(\x0b\x32\x15.mselastic.v1.Failure\x12\x0f\n\x07message\x18\n \x01(\t\x12-\n\x0bquarantined\x18\x0b \x03(\x0b\x32\x18.mselastic.v1.Quarantine\x12\x0c\n\x04note\x18\x0c \x01(\t\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"n\n\x0eStatusResponse\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.mselastic.v1.JobStatus\x12%\n\x05nodes\x18\x02 \x03(\x0b\x32\x16.mselastic.v1.NodeInfo\x12\x0e\n\x06leader\x18\x03 \x01(\t\"\"\n\rSubmitRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\"\x1d\n\x0eSubmitResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\"5\n\x0eStopJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0egrace_period_s\x18\x02 \x01(\x01\"8\n\x0fStopJobResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.mselastic.v1.JobState\"O\n\rCordonRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ordon\x18\x02 \x01(\x08\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"E\n\x0e\x43ordonResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08*\xcb\x01\n\x0fGenerationState\x12 \n\x1cGENERATION_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19GENERATION_STATE_STARTING\x10\x01\x12\x1c\n\x18GENERATION_STATE_RUNNING\x10\x02\x12\x1e\n\x1aGENERATION_STATE_SUCCEEDED\x10\x03\x12\x1b\n\x17GENERATION_STATE_FAILED\x10\x04\x12\x1c\n\x18GENERATION_STATE_STOPPED\x10\x05*\xb3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RESTARTING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x15\n\x11JOB_STATE_STOPPED\x10\x06\x32\xda\x01\n\x05\x41gent\x12\x43\n\x06Launch\x12\x1b.mselastic.v1.LaunchRequest\x1a\x1c.mselastic.v1.LaunchResponse\x12=\n\x04Stop\x12\x19.mselastic.v1.StopRequest\x1a\x1a.mselastic.v1.StopResponse\x12M\n\x06Status\x12 .mselastic.v1.AgentStatusRequest\x1a!.mselastic.v1.AgentStatusResponse2\xa0\x02\n\x07\x43ontrol\x12\x43\n\x06Status\x12\x1b.mselastic.v1.StatusRequest\x1a\x1c.mselastic.v1.StatusResponse\x12\x43\n\x06Submit\x12\x1b.mselastic.v1.SubmitRequest\x1a\x1c.mselastic.v1.SubmitResponse\x12\x46\n\x07StopJob\x12\x1c.mselastic.v1.StopJobRequest\x1a\x1d.mselastic.v1.StopJobResponse\x12\x43\n\x06\x43ordon\x12\x1b.mselastic.v1.CordonRequest\x1a\x1c.mselastic.v1.CordonResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amselastic/v1/elastic.proto\x12\x0cmselastic.v1\"h\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\x15\n\rlocal_workers\x18\x03 \x01(\x05\x12\x15\n\ragent_address\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"\xc4\x01\n\x04Plan\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12%\n\x07members\x18\x03 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x12\n\nworker_num\x18\x04 \x01(\x05\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x0f\n\x07planned\x18\t \x01(\x08\"1\n\rLaunchRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.mselastic.v1.Plan\"3\n\x0eLaunchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"F\n\x0bStopRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x16\n\x0egrace_period_s\x18\x03 \x01(\x01\"%\n\x0cStopResponse\x12\x15\n\rleftover_pids\x18\x01 \x03(\x05\"\x14\n\x12\x41gentStatusRequest\"U\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x9a\x01\n\x0fLocalGeneration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12,\n\x05state\x18\x03 \x01(\x0e\x32\x1d.mselastic.v1.GenerationState\x12\'\n\x05ranks\x18\x04 \x03(\x0b\x32\x18.mselastic.v1.RankStatus\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"Z\n\x13\x41gentStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x32\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x1d.mselastic.v1.LocalGeneration\"`\n\x0bLogsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x12\x12\n\ntail_bytes\x18\x05 \x01(\x03\",\n\x08LogChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"t\n\x07\x46\x61ilure\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65tected_at\x18\x05 \x01(\x01\x12\x11\n\trecover_s\x18\x06 \x01(\x01\"\x9c\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0e\n\x06leader\x18\x05 \x01(\x08\x12\x10\n\x08\x63ordoned\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x14\n\x0crunning_jobs\x18\x08 \x03(\t\">\n\nQuarantine\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x02 \x01(\x05\x12\r\n\x05until\x18\x03 \x01(\x01\"\x92\x03\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.mselastic.v1.JobState\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12%\n\x07members\x18\x05 \x03(\x0b\x32\x14.mselastic.v1.Member\x12\x15\n\rrestart_count\x18\x06 \x01(\x05\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x08 \x01(\x03\x12+\n\x0clast_failure\x18\t \x01(\x0b\x32\x15.mselastic.v1.Failure\x12\x0f\n\x07message\x18\n \x01(\t\x12-\n\x0bquarantined\x18\x0b \x03(\x0b\x32\x18.mselastic.v1.Quarantine\x12\x0c\n\x04note\x18\x0c \x01(\t\x12\x0c\n\x04loss\x18\r \x01(\x01\x12\x11\n\tmin_nodes\x18\x0e \x01(\x05\x12\x11\n\tmax_nodes\x18\x0f \x01(\x05\x12\x19\n\x11global_batch_size\x18\x10 \x01(\x05\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"n\n\x0eStatusResponse\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.mselastic.v1.JobStatus\x12%\n\x05nodes\x18\x02 \x03(\x0b\x32\x16.mselastic.v1.NodeInfo\x12\x0e\n\x06leader\x18\x03 \x01(\t\"\"\n\rSubmitRequest\x12\x11\n\tspec_json\x18\x01 \x01(\t\"\x1d\n\x0eSubmitResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\"5\n\x0eStopJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0egrace_period_s\x18\x02 \x01(\x01\"8\n\x0fStopJobResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.mselastic.v1.JobState\"O\n\rCordonRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ordon\x18\x02 \x01(\x08\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"E\n\x0e\x43ordonResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"\xaa\x01\n\x05\x45vent\x12\n\n\x02\x61t\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65tected_at\x18\x07 \x01(\x01\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x12\n\nworld_size\x18\t \x01(\x05\x12\x0c\n\x04loss\x18\n \x01(\x01\"\x1c\n\rEventsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"5\n\x0e\x45ventsResponse\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.mselastic.v1.Event\"\x1e\n\x0f\x44\x65scribeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"q\n\x10\x44\x65scribeResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.mselastic.v1.JobStatus\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12!\n\x05plans\x18\x03 \x03(\x0b\x32\x12.mselastic.v1.Plan\"\x1d\n\x0eRestartRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"%\n\x0fRestartResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\"A\n\x0cScaleRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmin_nodes\x18\x02 \x01(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\"5\n\rScaleResponse\x12\x11\n\tmin_nodes\x18\x01 \x01(\x05\x12\x11\n\tmax_nodes\x18\x02 \x01(\x05*\xcb\x01\n\x0fGenerationState\x12 \n\x1cGENERATION_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19GENERATION_STATE_STARTING\x10\x01\x12\x1c\n\x18GENERATION_STATE_RUNNING\x10\x02\x12\x1e\n\x1aGENERATION_STATE_SUCCEEDED\x10\x03\x12\x1b\n\x17GENERATION_STATE_FAILED\x10\x04\x12\x1c\n\x18GENERATION_STATE_STOPPED\x10\x05*\xb3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RESTARTING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x15\n\x11JOB_STATE_STOPPED\x10\x06\x32\x97\x02\n\x05\x41gent\x12\x43\n\x06Launch\x12\x1b.mselastic.v1.LaunchRequest\x1a\x1c.mselastic.v1.LaunchResponse\x12=\n\x04Stop\x12\x19.mselastic.v1.StopRequest\x1a\x1a.mselastic.v1.StopResponse\x12M\n\x06Status\x12 .mselastic.v1.AgentStatusRequest\x1a!.mselastic.v1.AgentStatusResponse\x12;\n\x04Logs\x12\x19.mselastic.v1.LogsRequest\x1a\x16.mselastic.v1.LogChunk0\x01\x32\xba\x04\n\x07\x43ontrol\x12\x43\n\x06Status\x12\x1b.mselastic.v1.StatusRequest\x1a\x1c.mselastic.v1.StatusResponse\x12\x43\n\x06Submit\x12\x1b.mselastic.v1.SubmitRequest\x1a\x1c.mselastic.v1.SubmitResponse\x12\x46\n\x07StopJob\x12\x1c.mselastic.v1.StopJobRequest\x1a\x1d.mselastic.v1.StopJobResponse\x12\x43\n\x06\x43ordon\x12\x1b.mselastic.v1.CordonRequest\x1a\x1c.mselastic.v1.CordonResponse\x12\x43\n\x06\x45vents\x12\x1b.mselastic.v1.EventsRequest\x1a\x1c.mselastic.v1.EventsResponse\x12I\n\x08\x44\x65scribe\x12\x1d.mselastic.v1.DescribeRequest\x1a\x1e.mselastic.v1.DescribeResponse\x12\x46\n\x07Restart\x12\x1c.mselastic.v1.RestartRequest\x1a\x1d.mselastic.v1.RestartResponse\x12@\n\x05Scale\x12\x1a.mselastic.v1.ScaleRequest\x1a\x1b.mselastic.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mselastic.v1.elastic_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATIONSTATE']._serialized_start=2064
-  _globals['_GENERATIONSTATE']._serialized_end=2267
-  _globals['_JOBSTATE']._serialized_start=2270
-  _globals['_JOBSTATE']._serialized_end=2449
+  _globals['_GENERATIONSTATE']._serialized_start=2884
+  _globals['_GENERATIONSTATE']._serialized_end=3087
+  _globals['_JOBSTATE']._serialized_start=3090
+  _globals['_JOBSTATE']._serialized_end=3269
   _globals['_MEMBER']._serialized_start=44
   _globals['_MEMBER']._serialized_end=148
   _globals['_PLAN']._serialized_start=151
@@ -55,32 +55,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCALGENERATION']._serialized_end=828
   _globals['_AGENTSTATUSRESPONSE']._serialized_start=830
   _globals['_AGENTSTATUSRESPONSE']._serialized_end=920
-  _globals['_FAILURE']._serialized_start=922
-  _globals['_FAILURE']._serialized_end=1038
-  _globals['_NODEINFO']._serialized_start=1041
-  _globals['_NODEINFO']._serialized_end=1197
-  _globals['_QUARANTINE']._serialized_start=1199
-  _globals['_QUARANTINE']._serialized_end=1261
-  _globals['_JOBSTATUS']._serialized_start=1264
-  _globals['_JOBSTATUS']._serialized_end=1587
-  _globals['_STATUSREQUEST']._serialized_start=1589
-  _globals['_STATUSREQUEST']._serialized_end=1617
-  _globals['_STATUSRESPONSE']._serialized_start=1619
-  _globals['_STATUSRESPONSE']._serialized_end=1729
-  _globals['_SUBMITREQUEST']._serialized_start=1731
-  _globals['_SUBMITREQUEST']._serialized_end=1765
-  _globals['_SUBMITRESPONSE']._serialized_start=1767
-  _globals['_SUBMITRESPONSE']._serialized_end=1796
-  _globals['_STOPJOBREQUEST']._serialized_start=1798
-  _globals['_STOPJOBREQUEST']._serialized_end=1851
-  _globals['_STOPJOBRESPONSE']._serialized_start=1853
-  _globals['_STOPJOBRESPONSE']._serialized_end=1909
-  _globals['_CORDONREQUEST']._serialized_start=1911
-  _globals['_CORDONREQUEST']._serialized_end=1990
-  _globals['_CORDONRESPONSE']._serialized_start=1992
-  _globals['_CORDONRESPONSE']._serialized_end=2061
-  _globals['_AGENT']._serialized_start=2452
-  _globals['_AGENT']._serialized_end=2670
-  _globals['_CONTROL']._serialized_start=2673
-  _globals['_CONTROL']._serialized_end=2961
+  _globals['_LOGSREQUEST']._serialized_start=922
+  _globals['_LOGSREQUEST']._serialized_end=1018
+  _globals['_LOGCHUNK']._serialized_start=1020
+  _globals['_LOGCHUNK']._serialized_end=1064
+  _globals['_FAILURE']._serialized_start=1066
+  _globals['_FAILURE']._serialized_end=1182
+  _globals['_NODEINFO']._serialized_start=1185
+  _globals['_NODEINFO']._serialized_end=1341
+  _globals['_QUARANTINE']._serialized_start=1343
+  _globals['_QUARANTINE']._serialized_end=1405
+  _globals['_JOBSTATUS']._serialized_start=1408
+  _globals['_JOBSTATUS']._serialized_end=1810
+  _globals['_STATUSREQUEST']._serialized_start=1812
+  _globals['_STATUSREQUEST']._serialized_end=1840
+  _globals['_STATUSRESPONSE']._serialized_start=1842
+  _globals['_STATUSRESPONSE']._serialized_end=1952
+  _globals['_SUBMITREQUEST']._serialized_start=1954
+  _globals['_SUBMITREQUEST']._serialized_end=1988
+  _globals['_SUBMITRESPONSE']._serialized_start=1990
+  _globals['_SUBMITRESPONSE']._serialized_end=2019
+  _globals['_STOPJOBREQUEST']._serialized_start=2021
+  _globals['_STOPJOBREQUEST']._serialized_end=2074
+  _globals['_STOPJOBRESPONSE']._serialized_start=2076
+  _globals['_STOPJOBRESPONSE']._serialized_end=2132
+  _globals['_CORDONREQUEST']._serialized_start=2134
+  _globals['_CORDONREQUEST']._serialized_end=2213
+  _globals['_CORDONRESPONSE']._serialized_start=2215
+  _globals['_CORDONRESPONSE']._serialized_end=2284
+  _globals['_EVENT']._serialized_start=2287
+  _globals['_EVENT']._serialized_end=2457
+  _globals['_EVENTSREQUEST']._serialized_start=2459
+  _globals['_EVENTSREQUEST']._serialized_end=2487
+  _globals['_EVENTSRESPONSE']._serialized_start=2489
+  _globals['_EVENTSRESPONSE']._serialized_end=2542
+  _globals['_DESCRIBEREQUEST']._serialized_start=2544
+  _globals['_DESCRIBEREQUEST']._serialized_end=2574
+  _globals['_DESCRIBERESPONSE']._serialized_start=2576
+  _globals['_DESCRIBERESPONSE']._serialized_end=2689
+  _globals['_RESTARTREQUEST']._serialized_start=2691
+  _globals['_RESTARTREQUEST']._serialized_end=2720
+  _globals['_RESTARTRESPONSE']._serialized_start=2722
+  _globals['_RESTARTRESPONSE']._serialized_end=2759
+  _globals['_SCALEREQUEST']._serialized_start=2761
+  _globals['_SCALEREQUEST']._serialized_end=2826
+  _globals['_SCALERESPONSE']._serialized_start=2828
+  _globals['_SCALERESPONSE']._serialized_end=2881
+  _globals['_AGENT']._serialized_start=3272
+  _globals['_AGENT']._serialized_end=3551
+  _globals['_CONTROL']._serialized_start=3554
+  _globals['_CONTROL']._serialized_end=4124
 # @@protoc_insertion_point(module_scope)

@@ -145,6 +145,28 @@ class AgentStatusResponse(_message.Message):
     generations: _containers.RepeatedCompositeFieldContainer[LocalGeneration]
     def __init__(self, node_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[LocalGeneration, _Mapping]]] = ...) -> None: ...
 
+class LogsRequest(_message.Message):
+    __slots__ = ("job", "rank", "generation", "follow", "tail_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    generation: int
+    follow: bool
+    tail_bytes: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., follow: _Optional[bool] = ..., tail_bytes: _Optional[int] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("data", "generation")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    generation: int
+    def __init__(self, data: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class Failure(_message.Message):
     __slots__ = ("generation", "node_id", "rank", "reason", "detected_at", "recover_s")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -192,7 +214,7 @@ class Quarantine(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., failures: _Optional[int] = ..., until: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message", "quarantined", "note")
+    __slots__ = ("job", "state", "generation", "world_size", "members", "restart_count", "step", "total_steps", "last_failure", "message", "quarantined", "note", "loss", "min_nodes", "max_nodes", "global_batch_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +227,10 @@ class JobStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     generation: int
@@ -217,7 +243,11 @@ class JobStatus(_message.Message):
     message: str
     quarantined: _containers.RepeatedCompositeFieldContainer[Quarantine]
     note: str
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., note: _Optional[str] = ...) -> None: ...
+    loss: float
+    min_nodes: int
+    max_nodes: int
+    global_batch_size: int
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Quarantine, _Mapping]]] = ..., note: _Optional[str] = ..., loss: _Optional[float] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., global_batch_size: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job",)
@@ -282,3 +312,85 @@ class CordonResponse(_message.Message):
     cordoned: bool
     draining: bool
     def __init__(self, node_id: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("at", "kind", "generation", "message", "node_id", "rank", "detected_at", "step", "world_size", "loss")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    kind: str
+    generation: int
+    message: str
+    node_id: str
+    rank: int
+    detected_at: float
+    step: int
+    world_size: int
+    loss: float
+    def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., generation: _Optional[int] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., detected_at: _Optional[float] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class EventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("status", "spec_json", "plans")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    status: JobStatus
+    spec_json: str
+    plans: _containers.RepeatedCompositeFieldContainer[Plan]
+    def __init__(self, status: _Optional[_Union[JobStatus, _Mapping]] = ..., spec_json: _Optional[str] = ..., plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ...) -> None: ...
+
+class RestartRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class RestartResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("job", "min_nodes", "max_nodes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    min_nodes: int
+    max_nodes: int
+    def __init__(self, job: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("min_nodes", "max_nodes")
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    min_nodes: int
+    max_nodes: int
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...

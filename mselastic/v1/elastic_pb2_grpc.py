@@ -49,6 +49,11 @@ class AgentStub:
                 request_serializer=mselastic_dot_v1_dot_elastic__pb2.AgentStatusRequest.SerializeToString,
                 response_deserializer=mselastic_dot_v1_dot_elastic__pb2.AgentStatusResponse.FromString,
                 _registered_method=True)
+        self.Logs = channel.unary_stream(
+                '/mselastic.v1.Agent/Logs',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.LogsRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.LogChunk.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -72,6 +77,12 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Logs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=mselastic_dot_v1_dot_elastic__pb2.AgentStatusRequest.FromString,
                     response_serializer=mselastic_dot_v1_dot_elastic__pb2.AgentStatusResponse.SerializeToString,
+            ),
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.LogsRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.LogChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +198,33 @@ class Agent:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mselastic.v1.Agent/Logs',
+            mselastic_dot_v1_dot_elastic__pb2.LogsRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ControlStub:
     """Missing associated documentation comment in .proto file."""
@@ -212,6 +255,26 @@ class ControlStub:
                 request_serializer=mselastic_dot_v1_dot_elastic__pb2.CordonRequest.SerializeToString,
                 response_deserializer=mselastic_dot_v1_dot_elastic__pb2.CordonResponse.FromString,
                 _registered_method=True)
+        self.Events = channel.unary_unary(
+                '/mselastic.v1.Control/Events',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.EventsRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.EventsResponse.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/mselastic.v1.Control/Describe',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.DescribeResponse.FromString,
+                _registered_method=True)
+        self.Restart = channel.unary_unary(
+                '/mselastic.v1.Control/Restart',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.RestartRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.RestartResponse.FromString,
+                _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/mselastic.v1.Control/Scale',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -241,6 +304,30 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restart(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +350,26 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Cordon,
                     request_deserializer=mselastic_dot_v1_dot_elastic__pb2.CordonRequest.FromString,
                     response_serializer=mselastic_dot_v1_dot_elastic__pb2.CordonResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_unary_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.EventsRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.EventsResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.DescribeRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Restart': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restart,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.RestartRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.RestartResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.ScaleRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +480,114 @@ class Control:
             '/mselastic.v1.Control/Cordon',
             mselastic_dot_v1_dot_elastic__pb2.CordonRequest.SerializeToString,
             mselastic_dot_v1_dot_elastic__pb2.CordonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Control/Events',
+            mselastic_dot_v1_dot_elastic__pb2.EventsRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.EventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Control/Describe',
+            mselastic_dot_v1_dot_elastic__pb2.DescribeRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Control/Restart',
+            mselastic_dot_v1_dot_elastic__pb2.RestartRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.RestartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Control/Scale',
+            mselastic_dot_v1_dot_elastic__pb2.ScaleRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

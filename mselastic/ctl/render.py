@@ -1,0 +1,145 @@
+"""elasticctl output: every command's result as a table, JSON or YAML (``-o``).
+
+JSON and YAML are the protobuf messages as dictionaries (field names as in
+``proto/mselastic/v1/elastic.proto``); tables are for people.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+import yaml
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from mselastic.v1 import elastic_pb2 as pb
+
+FORMATS = ("table", "json", "yaml")
+
+
+def as_dict(msg: Message | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(msg, dict):
+        return msg
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def emit(out: Any, fmt: str, data: Message | dict[str, Any], table: Callable[[], str]) -> None:
+    if fmt == "json":
+        print(json.dumps(as_dict(data), indent=2), file=out)
+    elif fmt == "yaml":
+        print(yaml.safe_dump(as_dict(data), sort_keys=False).rstrip(), file=out)
+    else:
+        print(table(), file=out)
+
+
+def state(v: int) -> str:
+    return pb.JobState.Name(v).removeprefix("JOB_STATE_")
+
+
+def clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 100) % 100:02d}" if t else "-"
+
+
+def grid(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def node_state(n: pb.NodeInfo) -> str:
+    return "Draining" if n.draining else "Cordoned" if n.cordoned else "Ready"
+
+
+def nodes_table(res: pb.StatusResponse) -> str:
+    if not res.nodes:
+        return "No nodes registered."
+    return grid(["NODE", "ADDRESS", "SLOTS", "STATUS", "LEADER", "JOBS", "VERSION"],
+                [[n.node_id, n.agent_address, n.slots, node_state(n), "*" if n.leader else "",
+                  ",".join(n.running_jobs) or "-", n.version] for n in res.nodes])
+
+
+def jobs_table(jobs: list[pb.JobStatus]) -> str:
+    if not jobs:
+        return "No jobs."
+    return grid(["JOB", "STATE", "GEN", "WORLD", "STEP", "LOSS", "RESTARTS", "NODES"],
+                [[j.job, state(j.state), j.generation, j.world_size, f"{max(j.step, 0)}/{j.total_steps}",
+                  f"{j.loss:.4f}" if j.step > 0 else "-", j.restart_count,
+                  ",".join(m.node_id for m in j.members) or "-"] for j in jobs])
+
+
+def job_details(j: pb.JobStatus) -> list[str]:
+    lines = []
+    if j.message:
+        lines.append(f"  message: {j.message}")
+    if j.note:
+        lines.append(f"  note: {j.note}")
+    for q in j.quarantined:
+        lines.append(f"  quarantined: {q.node_id} ({q.failures} failures), "
+                     f"{max(0.0, q.until - time.time()):.0f}s of cooldown left")
+    if j.HasField("last_failure"):
+        f = j.last_failure
+        rec = f"{f.recover_s:.2f}s" if f.recover_s else "pending"
+        who = f"rank {f.rank} on {f.node_id}" if f.rank >= 0 else f.node_id
+        lines.append(f"  last failure: generation {f.generation}, {who}: {f.reason}; detected {clock(f.detected_at)}, "
+                     f"recovered in {rec}")
+    return lines
+
+
+def status_table(res: pb.StatusResponse) -> str:
+    def node(n: pb.NodeInfo) -> str:
+        return f"{n.node_id}({n.slots}{', draining' if n.draining else ', cordoned' if n.cordoned else ''})"
+
+    lines = [f"LEADER  {res.leader or '(none)'}", f"NODES   {', '.join(node(n) for n in res.nodes) or '(none)'}"]
+    if not res.jobs:
+        return "\n".join(lines + ["JOBS    (none)"])
+    lines.append(jobs_table(list(res.jobs)))
+    for j in res.jobs:
+        details = job_details(j)
+        if details:
+            lines += [f"{j.job}:"] + details
+    return "\n".join(lines)
+
+
+def describe_table(res: pb.DescribeResponse, events: list[pb.Event]) -> str:
+    j = res.status
+    spec = json.loads(res.spec_json) if res.spec_json else {}
+    lines = [f"Job:          {j.job}", f"State:        {state(j.state)}",
+             f"Generation:   {j.generation} (restarts {j.restart_count})",
+             f"World size:   {j.world_size} (nodes {j.min_nodes}..{j.max_nodes}, global batch {j.global_batch_size})",
+             f"Step:         {max(j.step, 0)}/{j.total_steps}" + (f", loss {j.loss:.4f}" if j.step > 0 else ""),
+             f"Script:       {spec.get('script', '-')} {' '.join(spec.get('args', []))}",
+             f"Checkpoints:  {spec.get('checkpoint_dir', '-')} every {spec.get('checkpoint_interval_steps', '-')} "
+             f"steps, keep {spec.get('keep_checkpoints', '-')}"]
+    lines += job_details(j)
+    if j.members:
+        lines += ["Members:"] + ["  " + row for row in grid(
+            ["NODE", "NODE_RANK", "RANKS", "ADDRESS"],
+            [[m.node_id, m.node_rank, _ranks(list(j.members), m), m.agent_address] for m in j.members]).splitlines()]
+    if res.plans:
+        lines += ["Generations:"] + ["  " + row for row in grid(
+            ["GEN", "WORLD", "PORT", "PLANNED", "NODES", "REASON"],
+            [[p.generation, p.worker_num, p.master_port, "yes" if p.planned else "", ",".join(m.node_id for m in p.members),
+              p.reason] for p in res.plans]).splitlines()]
+    shown = [e for e in events if e.kind != "progress"][-10:]
+    if shown:
+        lines += ["Recent events:"] + ["  " + row for row in events_table(shown).splitlines()]
+    return "\n".join(lines)
+
+
+def _ranks(members: list[pb.Member], m: pb.Member) -> str:
+    first = sum(x.local_workers for x in members[: list(members).index(m)])
+    return f"{first}..{first + m.local_workers - 1}" if m.local_workers > 1 else str(first)
+
+
+def events_table(events: list[pb.Event]) -> str:
+    if not events:
+        return "No events."
+    rows = []
+    for e in events:
+        detail = e.message
+        if e.detected_at:
+            detail += f" [detected {clock(e.detected_at)}, relaunched +{e.at - e.detected_at:.2f}s]"
+        rows.append([clock(e.at), e.generation or "-", e.kind, detail])
+    return grid(["TIME", "GEN", "KIND", "WHAT"], rows)

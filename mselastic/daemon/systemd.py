@@ -1,0 +1,68 @@
+"""systemd's notify protocol (``Type=notify``), through libsystemd's sd_notify (cysystemd).
+
+READY=1 once the node is registered in etcd, WATCHDOG=1 from the event loop every half
+``WatchdogSec`` (so a wedged loop gets the daemon restarted), STATUS= lines for
+``systemctl status``, STOPPING=1 on shutdown. Outside systemd (no ``$NOTIFY_SOCKET``)
+every call does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def _notify(*fields: str) -> None:
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return
+    from cysystemd.daemon import Notification, notify
+
+    kinds = {"READY": Notification.READY, "WATCHDOG": Notification.WATCHDOG, "STOPPING": Notification.STOPPING,
+             "STATUS": Notification.STATUS}
+    for f in fields:
+        key, _, value = f.partition("=")
+        try:
+            if key == "STATUS":
+                notify(kinds[key], value)
+            else:
+                notify(kinds[key])
+        except Exception as e:  # noqa: BLE001 - a notify failure must never stop the daemon
+            log.warning("sd_notify %s failed: %s", key, e)
+
+
+def ready(status: str) -> None:
+    _notify("READY=1", f"STATUS={status}")
+
+
+def status(text: str) -> None:
+    _notify(f"STATUS={text}")
+
+
+def stopping() -> None:
+    _notify("STOPPING=1", "STATUS=stopping: local workers checkpoint, then exit")
+
+
+def watchdog_interval_s() -> float:
+    """Half the watchdog timeout systemd set for this process, or 0 when there is none."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    pid = os.environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or (pid and pid != str(os.getpid())):
+        return 0.0
+    return int(usec) / 2e6
+
+
+async def watchdog(stop: asyncio.Event) -> None:
+    """Ping the watchdog from the event loop until ``stop``."""
+    interval = watchdog_interval_s()
+    if not interval:
+        await stop.wait()
+        return
+    while not stop.is_set():
+        _notify("WATCHDOG=1")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except asyncio.TimeoutError:
+            pass
