@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster clean
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster systemd-tools clean
 
 venv: $(STAMP)
 
@@ -39,11 +39,16 @@ $(DATA)/.done: $(STAMP) examples/lenet/make_data.py
 demo: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/demo.py --data $(DATA)
 
-test: $(STAMP) data
+test: $(STAMP) data systemd-tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 
+# systemd-analyze checks the unit in the tests: Debian's systemd package, installed when missing.
+systemd-tools:
+	@command -v systemd-analyze >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
+
 # Skip the slow end-to-end tests (CI always runs everything via `make test`).
-test-fast: $(STAMP) data
+test-fast: $(STAMP) data systemd-tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP) data

@@ -46,7 +46,8 @@ def run(etcd_server: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> 
     etcd = Etcd(etcd_server.endpoint, f"/t-{uuid.uuid4().hex[:10]}")
     metrics = f"127.0.0.1:{free_port()}"
     try:
-        endpoint = start_node(procs, etcd, etcd.keys.namespace, os.path.join(tmp, "work"), "--metrics-listen", metrics)
+        endpoint = start_node(procs, etcd, etcd.keys.namespace, os.path.join(tmp, "work"), "--metrics-listen", metrics,
+                              "--log-format", "json")
         spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
                           TOTAL, env={"MSELASTIC_FAULT": "sigkill:rank=1:generation=1:step=20"},
                           args=["--data", DATA_DIR,
@@ -208,6 +209,15 @@ def test_unreachable_endpoints_exit_3_and_a_live_one_in_the_list_is_used(run: Ru
     r = subprocess.run([os.path.join(VENV_BIN, "elasticctl"), "jobs"], capture_output=True, text=True, env=env,
                        timeout=60)
     assert r.returncode == 0 and JOB in r.stdout
+
+
+def test_daemon_logs_are_json_naming_job_generation_node_and_rank(run: Run) -> None:
+    with open(os.path.join(run.tmp, "elasticd-n0.log")) as f:
+        lines = [json.loads(line) for line in f if line.startswith("{")]
+    assert lines and all({"ts", "level", "job", "generation", "node", "rank", "msg"} <= set(r) for r in lines)
+    failed = [r for r in lines if "failed" in r["msg"] and r["rank"] == 1]
+    assert failed and failed[0]["job"] == JOB and failed[0]["generation"] == 1 and failed[0]["node"] == "n0"
+    assert any(r["job"] == JOB and r["generation"] == 3 for r in lines)
 
 
 def test_every_command_has_help_with_an_example() -> None:

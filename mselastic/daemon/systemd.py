@@ -34,7 +34,7 @@ def _notify(*fields: str) -> None:
 
 
 def ready(status: str) -> None:
-    _notify("READY=1", f"STATUS={status}")
+    _notify(f"STATUS={status}", "READY=1")
 
 
 def status(text: str) -> None:
