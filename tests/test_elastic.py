@@ -179,3 +179,24 @@ def test_lone_sigterm_resumes_exactly_and_bit_identically(procs: Processes, etcd
     assert ours.keys() == theirs.keys()
     for k in theirs:
         assert np.array_equal(ours[k], theirs[k]), f"{k} differs after a resume at the same world size"
+
+
+def test_stop_checkpoints_at_the_next_step(procs: Processes, etcd: Etcd, namespace: str,
+                                           tmp_path: os.PathLike[str]) -> None:
+    """elasticctl stop: the ranks checkpoint at the step they agree on and exit 75; that is the
+    newest checkpoint, so a later resume loses nothing."""
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    ckpt = os.path.join(tmp, "ckpt")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), ckpt, 300)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("step 12", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 180, 0.05)
+    r = elasticctl("stop", JOB, endpoint=endpoint)
+    assert r.returncode == 0 and "STOPPED" in r.stdout, r.stderr
+    rep = wait_for("generation 1 stopped", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 30)
+    assert rep.state is GenerationState.STOPPED and rep.exit_step >= 12 and "code 75" in rep.reason, rep
+    with open(os.path.join(ckpt, "latest.json")) as f:
+        with open(os.path.join(ckpt, json.load(f)["manifest"])) as m:
+            assert json.load(m)["step"] == rep.exit_step
+    status = etcd.status(JOB)
+    assert status is not None and status.state is JobState.STOPPED

@@ -82,6 +82,9 @@ def test_metrics_show_the_restart_and_the_recovery_latency(run: Run) -> None:
 
 
 def test_restart_is_planned_and_watch_redraws_in_a_terminal(run: Run) -> None:
+    # Rank 0's log of generation 2, followed live from its agent until the restart ends that generation.
+    follow = subprocess.Popen([os.path.join(VENV_BIN, "elasticctl"), "--endpoints", run.endpoint, "logs", JOB,
+                               "--rank", "0", "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     r = run.ctl("restart", JOB, "-o", "json")
     assert r.returncode == 0 and json.loads(r.stdout) == {"job": JOB, "generation": 3}, r.stdout + r.stderr
     child = pexpect.spawn(os.path.join(VENV_BIN, "elasticctl"), ["--endpoints", run.endpoint, "watch", JOB,
@@ -98,6 +101,11 @@ def test_restart_is_planned_and_watch_redraws_in_a_terminal(run: Run) -> None:
     assert "SUCCEEDED" in screen and f"{TOTAL}/{TOTAL}" in screen
     plan = run.etcd.plan(JOB)
     assert plan is not None and plan.generation == 3 and plan.planned and plan.restart_count == 1
+    try:
+        followed, err = follow.communicate(timeout=60)
+    finally:
+        follow.kill()
+    assert follow.returncode == 0 and "checkpointed at step" in followed and "RESULT" not in followed, err
     rep = run.etcd.report(JOB, 3, "n0")
     rep2 = run.etcd.report(JOB, 2, "n0")
     assert rep is not None and rep2 is not None and rep.resumed_step == rep2.exit_step > 0  # nothing recomputed
