@@ -179,9 +179,14 @@ class ElasticContext:
     def planned_exit(self, step: int) -> NoReturn:
         """After checkpointing on an agreed stop: wait for the checkpoint, leave with the planned-exit code.
 
-        msrun kills the other workers once one exits non-zero, so no rank leaves before
-        rank 0's checkpoint is committed (the barrier)."""
+        msrun SIGKILLs the other workers as soon as one exits non-zero, so the ranks leave
+        together: a barrier (rank 0's checkpoint is committed by then), then ``os._exit``
+        at once — MindSpore's own teardown at interpreter exit takes long enough for msrun
+        to kill a slower rank, and there is nothing left to save."""
         self.barrier()
         self.beat("planned_exit", step)
         log.warning("rank %d: checkpointed at step %d on request; exiting", self.rank, step)
-        sys.exit(contract.PLANNED_EXIT_CODE)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(contract.PLANNED_EXIT_CODE)
