@@ -33,7 +33,10 @@ from mselastic.core import contract  # noqa: E402
 from mselastic.core.contract import Beat  # noqa: E402
 from mselastic.core.model import Event, GenerationReport  # noqa: E402
 from mselastic.store.embedded import free_port  # noqa: E402
+from mselastic.store.keys import Keys  # noqa: E402
 from mselastic.core.states import GenerationState  # noqa: E402
+
+KEYS = Keys()  # the default namespace the bench's elasticd uses
 
 
 def plain_msrun_cold_start(data: str, work: str) -> float:
@@ -80,12 +83,12 @@ def elastic_recovery(data: str, work: str, kill_at_step: int) -> dict[str, float
         killed = time.time()
 
         def report(g: int) -> GenerationReport | None:
-            raw = node.etcd_get(f"/mselastic/jobs/bench/reports/{g:012d}/{node.node_id}")
+            raw = node.etcd_get(KEYS.report("bench", g, node.node_id))
             return GenerationReport.from_json(raw) if raw else None
 
         failed = wait_for("failure report", lambda: (r := report(1)) and r.state is GenerationState.FAILED and r, 10)
         second = wait_for("first step of generation 2", lambda: (r := report(2)) and r.first_step_at and r, 120, 0.1)
-        events = [Event.from_json(v) for v in node.etcd_values("/mselastic/jobs/bench/events/")]
+        events = [Event.from_json(v) for v in node.etcd_values(KEYS.events("bench"))]
         committed = next(e.at for e in events if e.kind == "generation" and e.generation == 2)
         return {"detect_s": failed.detected_at - killed, "teardown_s": failed.stopped_at - failed.detected_at,
                 "plan_s": committed - failed.stopped_at, "relaunch_to_first_step_s": second.first_step_at - committed,

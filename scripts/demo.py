@@ -24,9 +24,11 @@ from localnode import REPO, LocalNode, say, wait_for, write_lenet_spec
 
 from mselastic.core.model import GenerationReport, JobStatus, Plan
 from mselastic.core.states import GenerationState
+from mselastic.store.keys import Keys
 from mselastic.v1 import elastic_pb2 as pb
 
 JOB = "lenet"
+KEYS = Keys()  # the default namespace the demo's elasticd uses
 TERMINAL = {pb.JobState.Value(n) for n in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_STOPPED")}
 
 
@@ -44,7 +46,7 @@ def follow(node: LocalNode, until: int, every: int) -> pb.JobStatus:
 
 
 def report(node: LocalNode, generation: int) -> GenerationReport | None:
-    raw = node.etcd_get(f"/mselastic/jobs/{JOB}/reports/{generation:012d}/{node.node_id}")
+    raw = node.etcd_get(KEYS.report(JOB, generation, node.node_id))
     return GenerationReport.from_json(raw) if raw else None
 
 
@@ -68,7 +70,7 @@ def run(node: LocalNode, args: argparse.Namespace) -> int:
     detect_s = failed.detected_at - killed_at
     say(f"agent detected it after {detect_s:.2f}s ({failed.reason}); every process of generation {generation} "
         f"gone {failed.stopped_at - failed.detected_at:.2f}s later, at step {failed.step}")
-    plan = wait_for("the next generation", lambda: (raw := node.etcd_get(f"/mselastic/jobs/{JOB}/plan"))
+    plan = wait_for("the next generation", lambda: (raw := node.etcd_get(KEYS.plan(JOB)))
                     and (p := Plan.from_json(raw)).generation > generation and p, 30)
     say(f"coordinator committed generation {plan.generation} (master port {plan.master_port}, "
         f"restart {plan.restart_count})")
@@ -82,7 +84,7 @@ def run(node: LocalNode, args: argparse.Namespace) -> int:
     if job.state != pb.JobState.Value("JOB_STATE_SUCCEEDED"):
         say(f"job ended {pb.JobState.Name(job.state)}: {job.message}")
         return 1
-    status = JobStatus.from_json(node.etcd_get(f"/mselastic/jobs/{JOB}/status") or b"")
+    status = JobStatus.from_json(node.etcd_get(KEYS.status(JOB)) or b"")
     with open(os.path.join(out_dir, f"result_g{job.generation}.json")) as f:
         result = json.load(f)
     recover_s = status.last_failure.recover_s if status.last_failure else 0.0

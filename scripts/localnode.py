@@ -71,7 +71,8 @@ class LocalNode:
     def start(self) -> "LocalNode":
         with open(os.path.join(self.work, "elasticd.log"), "wb") as log:
             self.daemon = subprocess.Popen(
-                [os.path.join(BIN, "elasticd"), "--node-id", self.node_id,
+                [os.path.join(BIN, "elasticd"), "--config", os.devnull, "--namespace", "/mselastic",
+                 "--metrics-listen", f"127.0.0.1:{free_port()}", "--node-id", self.node_id,
                  "--embedded-etcd-dir", os.path.join(self.work, "etcd"), "--etcd-endpoint", self.etcd_endpoint,
                  "--listen", self.endpoint, "--slots", "2", "--work-dir", os.path.join(self.work, "node"),
                  "--lease-ttl-s", "5"],
