@@ -24,10 +24,12 @@ pytestmark = pytest.mark.slow
 JOB = "lenet"
 N_TRAIN, GLOBAL_BATCH = 1497, 32
 STEPS_PER_EPOCH = N_TRAIN // GLOBAL_BATCH  # 46
-#: Largest difference allowed between the final parameters of a run whose world size changed four
-#: times and an uninterrupted one: float32 gradients averaged over another number of ranks round
-#: differently. Measured 4.5e-8 over 100 steps of momentum SGD (parameters are of order 0.1).
-WORLD_CHANGE_ATOL = 1e-5
+#: Largest difference allowed between the final parameters (largest about 0.4) of a run whose world
+#: size changed five times and an uninterrupted one. Sums in another order round differently in
+#: float32, and once LeNet leaves its initial plateau training amplifies that: two uninterrupted
+#: plain-msrun runs that differ only in micro-batching (2 ranks x 16 vs 2 ranks x 2 x 8) end 6.8e-5
+#: apart after 120 steps (2e-8 after 30 or 70); the elastic run ends 6.8e-5 from the baseline too.
+WORLD_CHANGE_ATOL = 1e-3
 
 
 def committed_samples(out_dir: str) -> dict[int, tuple[int, int, list[int]]]:
@@ -67,11 +69,12 @@ def check_exactly_once(committed: dict[int, tuple[int, int, list[int]]], total_s
 
 def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
         cluster: Cluster, procs: Processes) -> None:
-    """2 -> 1 (drain) -> 2 (uncordon: scale-up) -> 1 (node killed) -> 2 (node back: scale-up).
+    """2 -> 1 (drain) -> 2 (uncordon: scale-up) -> 1 (node killed) -> 2 (node back: scale-up)
+    -> 1 (elasticctl scale --max 1).
 
     With micro_batch_sizes = [8] the global batch of 32 is 2 x 8 per rank (2 accumulation steps)
     on two ranks and 4 x 8 on one; the uninterrupted baseline runs 16 per rank in one pass."""
-    total = 100
+    total = 120
     cluster.up(2)
     cluster.start_nodes(0, 1)
     out = os.path.join(cluster.tmp, "out")
@@ -128,20 +131,29 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     cluster.inject(ClusterFault.JOIN, 1)
     plan(5, ["n0", "n1"])
 
+    # 5 -> 6: the operator narrows the range; a planned scale-down at the agreed step.
+    gen5 = wait_for("generation 5 resumed", lambda: (r := etcd.report(JOB, 5, "n0")) and r.first_step_at and r, 60, 0.1)
+    at_step(5, "n0", gen5.resumed_step + 3)
+    r = elasticctl("scale", JOB, "--max", "1", endpoint=cluster.endpoint(0))
+    assert r.returncode == 0 and "1..1 nodes" in r.stdout, r.stderr
+    p6 = plan(6, ["n0"])
+    assert p6.planned and "scale down to max_nodes=1" in p6.reason
+
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     plans = check_history(etcd, JOB, total)
-    assert [p.worker_num for p in plans] == [2, 1, 2, 1, 2]
+    assert [p.worker_num for p in plans] == [2, 1, 2, 1, 2, 1]
+    assert [p.restart_count for p in plans] == [0, 0, 0, 1, 1, 1]  # only the node loss counts as a restart
 
     committed = committed_samples(out)
     check_exactly_once(committed, total)
     worlds = [committed[s][1] for s in range(1, STEPS_PER_EPOCH + 1)]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, "epoch 0 did not change world size twice"
     gens = [committed[s][0] for s in range(1, total + 1)]
-    assert gens == sorted(gens) and set(gens) == {1, 2, 3, 4, 5}
+    assert gens == sorted(gens) and set(gens) == {1, 2, 3, 4, 5, 6}
 
     # Same parameters as an uninterrupted run with the same global batch, within float tolerance.
-    with open(os.path.join(out, "result_g5.json")) as f:
+    with open(os.path.join(out, "result_g6.json")) as f:
         result = json.load(f)
     assert result["final_step"] == total and result["global_step"] == total  # the LR schedule's step came along
     ref_dir = os.path.join(cluster.tmp, "reference")
@@ -151,6 +163,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     print(f"world-size changes vs uninterrupted: max |dparam| = {diff:.3g}; loss {result['loss']:.4f} vs "
           f"{ref['loss']:.4f}; accuracy {result['accuracy']:.3f} vs {ref['accuracy']:.3f}")
     assert diff < WORLD_CHANGE_ATOL
+    assert abs(result["accuracy"] - ref["accuracy"]) <= 0.02
 
 
 def test_lone_sigterm_resumes_exactly_and_bit_identically(procs: Processes, etcd: Etcd, namespace: str,
