@@ -239,15 +239,17 @@ def _keep_order(plan: Plan, alive: list[NodeRecord]) -> list[NodeRecord]:
 
 def _planned(spec: JobSpec, plan: Plan, current: list[GenerationReport], nodes: list[NodeRecord],
              alive: list[NodeRecord], ports: PortRange, salt: int, now: float, st: JobStatus) -> Decision:
-    """A healthy running generation: drain members marked for it, or scale up to joined nodes
-    once none has joined for ``scale_up_settle_s``. Both are planned relaunches: the ranks
-    checkpoint on SIGTERM and the next generation resumes at that step; neither counts as
-    a restart."""
+    """A healthy running generation: restart it on request, scale it down to ``max_nodes``,
+    drain members marked for it, or scale up to joined nodes once none has joined for
+    ``scale_up_settle_s``. All are planned relaunches: the ranks checkpoint on SIGTERM and
+    the next generation resumes at that step; none counts as a restart."""
     draining = sorted(n.node_id for n in nodes if n.draining and plan.member(n.node_id) is not None)
     pool = _keep_order(plan, alive)
     n = spec.node_count(len(pool))
-    nxt = lambda reason: make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count, reason,  # noqa: E731
-                                   plan.master_port, ports, salt, planned=True)
+
+    def nxt(reason: str) -> Plan:
+        return make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count, reason, plan.master_port, ports,
+                         salt, planned=True)
     if st.restart_requested >= plan.generation:
         if not n:
             return Decision(Action.NOTHING, note=f"restart waits: {_short(spec, len(pool))}")

@@ -1,8 +1,9 @@
 """The Control gRPC service elasticctl talks to.
 
-Status is answered by any elasticd (it reads etcd). Submit, StopJob and Cordon
-change state and are answered by the leader only; any other elasticd refuses with
-FAILED_PRECONDITION and the leader's address, which elasticctl follows.
+Status, Events and Describe are answered by any elasticd (they read etcd). Submit,
+StopJob, Cordon, Restart and Scale change state and are answered by the leader only;
+any other elasticd refuses with FAILED_PRECONDITION and the leader's address, which
+elasticctl follows.
 """
 
 from __future__ import annotations
