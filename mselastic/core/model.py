@@ -114,6 +114,15 @@ class Plan:
     def member(self, node_id: str) -> Member | None:
         return next((m for m in self.members if m.node_id == node_id), None)
 
+    def member_of_rank(self, rank: int) -> Member | None:
+        """The member that runs global ``rank`` (None when the plan has no such rank)."""
+        first = 0
+        for m in self.members:
+            if first <= rank < first + m.local_workers:
+                return m
+            first += m.local_workers
+        return None
+
     def first_rank(self, node_id: str) -> int:
         """Global rank of the node's first worker (ranks are contiguous per node)."""
         total = 0

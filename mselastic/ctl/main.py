@@ -36,6 +36,7 @@ from typing import Any, Callable, NoReturn
 import grpc
 import tenacity
 
+from mselastic.agent.wire import plan_from_pb
 from mselastic.core.spec import SpecError, load_toml
 from mselastic.ctl import render
 from mselastic.tls import TlsError, TlsFiles
@@ -266,18 +267,15 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
     if a.rank < 0 or a.generation < 0 or a.tail_bytes < 0:
         raise CtlError("--rank, --generation and --tail-bytes must be >= 0", EXIT_USAGE)
     res = c.call(lambda s: lambda **kw: s.Describe(pb.DescribeRequest(job=a.job), **kw))
-    plans = {p.generation: p for p in res.plans}
+    plans = {p.generation: plan_from_pb(p) for p in res.plans}
     gen = a.generation or res.status.generation
     if gen not in plans:
         raise CtlError(f"job {a.job} has no generation {gen} (it has {', '.join(map(str, plans)) or 'none'})",
                        EXIT_REFUSED)
-    plan, first = plans[gen], 0
-    for m in plan.members:
-        if first <= a.rank < first + m.local_workers:
-            break
-        first += m.local_workers
-    else:
-        raise CtlError(f"generation {gen} of {a.job} has ranks 0..{plan.worker_num - 1}, not {a.rank}", EXIT_REFUSED)
+    m = plans[gen].member_of_rank(a.rank)
+    if m is None:
+        raise CtlError(f"generation {gen} of {a.job} has ranks 0..{plans[gen].worker_num - 1}, not {a.rank}",
+                       EXIT_REFUSED)
     request = pb.LogsRequest(job=a.job, rank=a.rank, generation=gen, follow=a.follow, tail_bytes=a.tail_bytes)
     stream = getattr(out, "buffer", None)
     try:

@@ -116,7 +116,7 @@ def describe_table(res: pb.DescribeResponse, events: list[pb.Event]) -> str:
     if j.members:
         lines += ["Members:"] + ["  " + row for row in grid(
             ["NODE", "NODE_RANK", "RANKS", "ADDRESS"],
-            [[m.node_id, m.node_rank, _ranks(list(j.members), m), m.agent_address] for m in j.members]).splitlines()]
+            [[m.node_id, m.node_rank, _ranks(j, m), m.agent_address] for m in j.members]).splitlines()]
     if res.plans:
         lines += ["Generations:"] + ["  " + row for row in grid(
             ["GEN", "WORLD", "PORT", "PLANNED", "NODES", "REASON"],
@@ -128,8 +128,8 @@ def describe_table(res: pb.DescribeResponse, events: list[pb.Event]) -> str:
     return "\n".join(lines)
 
 
-def _ranks(members: list[pb.Member], m: pb.Member) -> str:
-    first = sum(x.local_workers for x in members[: list(members).index(m)])
+def _ranks(j: pb.JobStatus, m: pb.Member) -> str:
+    first = sum(x.local_workers for x in j.members[: list(j.members).index(m)])
     return f"{first}..{first + m.local_workers - 1}" if m.local_workers > 1 else str(first)
 
 
