@@ -87,8 +87,8 @@ def test_rank_fault_is_recovered_from_the_last_checkpoint(fault: Fault, cluster:
     assert ("recovered", 2) in kinds and kinds[-1] == ("succeeded", 2)
 
 
-def test_hang_detection_time_and_escalation(cluster: Cluster, digits: str) -> None:
-    """A SIGSTOPped rank is noticed after hang_timeout_s, then SIGCONT -> SIGTERM -> SIGKILL."""
+def test_hang_detection_time_and_teardown(cluster: Cluster, digits: str) -> None:
+    """A SIGSTOPped rank is noticed after hang_timeout_s and the generation is killed at once."""
     start(cluster, f"sigstop:rank=1:generation=1:step={FAULT_STEP}", max_restarts=0)
     etcd = cluster.etcd
     assert etcd is not None
@@ -98,8 +98,8 @@ def test_hang_detection_time_and_escalation(cluster: Cluster, digits: str) -> No
     failed = wait_for("the hang to be detected", lambda: (r := etcd.report(JOB, 1, "n1"))
                       and r.state is GenerationState.FAILED and r, HANG_TIMEOUT_S + 10, 0.05)
     assert HANG_TIMEOUT_S - 1.5 <= failed.detected_at - hung_from <= HANG_TIMEOUT_S + 2
-    # The escalation ends within its short grace (3 s) plus the kill.
-    assert failed.stopped_at - failed.detected_at <= 3 + 2
+    # Killed at once (the SIGSTOPped rank too): everything is gone within the kill's poll.
+    assert failed.stopped_at - failed.detected_at <= 2
     # max_restarts = 0: the job fails cleanly, says why, and nothing is left on any node.
     status = wait_for("job to fail", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 30, 0.2)
     assert status.state is JobState.FAILED and "restarts exhausted" in status.message

@@ -35,8 +35,6 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, check_generation_transition
 
 log = logging.getLogger(__name__)
-#: Grace between SIGTERM and SIGKILL when tearing down a generation with a hung rank.
-HANG_GRACE_S = 3.0
 
 
 def _port_free(port: int) -> bool:
@@ -172,6 +170,7 @@ class Generation:
                 left.append(self._msrun.pid)
         self.stopped_at = self.stopped_at or time.time()
         if not self.state.terminal:
+            self._drain_beats()
             self.exit_step = self._exit_step()
             self._set(GenerationState.STOPPED, reason=self._exit_reason(asked=grace_s > 0)
                       if self.exit_step >= 0 else "stopped on request")
@@ -220,6 +219,12 @@ class Generation:
     def _exit_reason(self, asked: bool) -> str:
         why = "on request" if asked else "on a SIGTERM not sent by the agent"
         return f"ranks checkpointed at step {self.exit_step} {why} and {self._exit_codes()}"
+
+    def _drain_beats(self) -> None:
+        """Read heartbeats still queued: a rank's planned-exit beat can arrive just before it is gone,
+        and no await may have let the socket's reader run since."""
+        if self._sock is not None:
+            self._read_beats()
 
     def _exit_step(self) -> int:
         """The step every local rank checkpointed at before its planned exit; -1 if they did not all."""
@@ -289,10 +294,11 @@ class Generation:
                     await self._stopped_unasked()
                     return
                 if fault is not None:
-                    rank, reason, hung = fault
-                    # A dead rank broke the collective: kill at once. A hung one may resume on SIGCONT
-                    # and checkpoint on SIGTERM: escalate with a short grace.
-                    await self._fail(rank, reason, min(self.spec.stop_grace_period_s, HANG_GRACE_S) if hung else 0)
+                    # Dead or hung, the collective is broken: kill at once and resume from the last
+                    # committed checkpoint. (A SIGTERM to msrun's group here raced msrun's death,
+                    # which kills the workers: sometimes they saved, sometimes not.)
+                    rank, reason, _hung = fault
+                    await self._fail(rank, reason)
                     return
                 if self._msrun.returncode is not None:
                     await self._msrun_exited(self._msrun.returncode)
@@ -370,9 +376,10 @@ class Generation:
         """The ranks exited on a SIGTERM this agent did not send (an operator, another node's
         rank: they all agree on the step). Nothing is lost; the coordinator relaunches."""
         self.detected_at = time.time()
-        self.exit_step = self._exit_step()
         self._stopping = True
         await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))
+        self._drain_beats()
+        self.exit_step = self._exit_step()
         self.reason = self._exit_reason(asked=False)
         log.warning("%s", self.reason, extra=self._ctx)
         extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
