@@ -297,7 +297,7 @@ class Generation:
                     # Dead or hung, the collective is broken: kill at once and resume from the last
                     # committed checkpoint. (A SIGTERM to msrun's group here raced msrun's death,
                     # which kills the workers: sometimes they saved, sometimes not.)
-                    rank, reason, _hung = fault
+                    rank, reason = fault
                     await self._fail(rank, reason)
                     return
                 if self._msrun.returncode is not None:
@@ -337,8 +337,8 @@ class Generation:
             if d.role == "MS_WORKER" and is_script and d.rank in self.ranks and not self.ranks[d.rank].pid:
                 self.ranks[d.rank].pid, self.ranks[d.rank].create_time = d.pid, d.create_time
 
-    def _find_fault(self) -> tuple[int, str, bool] | None:
-        """(rank, reason, hung) of the rank that failed; None while all is well.
+    def _find_fault(self) -> tuple[int, str] | None:
+        """(rank, reason) of the rank that failed; None while all is well.
 
         msrun SIGKILLs the other workers about a second after one exits, so one poll
         may find several ranks gone: blame the one silent longest. Ranks that announced
@@ -351,21 +351,21 @@ class Generation:
                 if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
         if dead:
             first = min(dead, key=lambda r: r.last_beat)
-            return first.rank, f"exited before finishing (pid {first.pid})", False
+            return first.rank, f"exited before finishing (pid {first.pid})"
         if exited:
             # The ranks agreed on the step; the others' planned exits are at most a moment behind.
             pending = [rs for rs in self.ranks.values() if rs.exit_step < 0 and not rs.finished]
             if not pending or now - max(rs.last_beat for rs in exited) > self.spec.stop_grace_period_s:
                 first = exited[0]
-                return first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})", False
+                return first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})"
             return None
         for rs in self.ranks.values():
             if rs.finished:
                 continue
             if rs.last_beat and now - rs.last_beat > self.spec.hang_timeout_s:
-                return rs.rank, f"no heartbeat for {now - rs.last_beat:.1f}s (hang_timeout_s={self.spec.hang_timeout_s})", True
+                return rs.rank, f"no heartbeat for {now - rs.last_beat:.1f}s (hang_timeout_s={self.spec.hang_timeout_s})"
             if not rs.last_beat and now - self.started_mono > self.spec.startup_timeout_s:
-                return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}", True
+                return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}"
         return None
 
     def _exited_on_sigterm(self) -> bool:
