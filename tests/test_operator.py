@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import struct
 import subprocess
 import sys
@@ -83,10 +84,15 @@ def test_metrics_show_the_restart_and_the_recovery_latency(run: Run) -> None:
 
 def test_restart_is_planned_and_watch_redraws_in_a_terminal(run: Run) -> None:
     # Rank 0's log of generation 2, followed live from its agent until the restart ends that generation.
-    follow = subprocess.Popen([os.path.join(VENV_BIN, "elasticctl"), "--endpoints", run.endpoint, "logs", JOB,
-                               "--rank", "0", "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [os.path.join(VENV_BIN, "elasticctl"), "--endpoints", run.endpoint, "logs", JOB, "--rank", "0", "-f"]
+    follow = subprocess.Popen(logs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert select.select([follow.stdout], [], [], 60)[0], "logs -f printed nothing"  # attached to generation 2
+    assert follow.stdout is not None and follow.stdout.readline()
     r = run.ctl("restart", JOB, "-o", "json")
     assert r.returncode == 0 and json.loads(r.stdout) == {"job": JOB, "generation": 3}, r.stdout + r.stderr
+    # Generation 3 is planned but its ranks are (most likely) not started yet: -f waits for its log.
+    wait_for("generation 3 planned", lambda: (p := run.etcd.plan(JOB)) is not None and p.generation == 3, 60, 0.1)
+    follow3 = subprocess.Popen(logs + ["--generation", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     child = pexpect.spawn(os.path.join(VENV_BIN, "elasticctl"), ["--endpoints", run.endpoint, "watch", JOB,
                                                                  "--interval-s", "0.5"],
                           dimensions=(30, 110), env={**os.environ, "TERM": "xterm-256color"}, timeout=240)
@@ -106,6 +112,11 @@ def test_restart_is_planned_and_watch_redraws_in_a_terminal(run: Run) -> None:
     finally:
         follow.kill()
     assert follow.returncode == 0 and "checkpointed at step" in followed and "RESULT" not in followed, err
+    try:
+        followed3, err3 = follow3.communicate(timeout=60)
+    finally:
+        follow3.kill()
+    assert follow3.returncode == 0 and "RESULT" in followed3, err3  # followed from its start to the job's end
     rep = run.etcd.report(JOB, 3, "n0")
     rep2 = run.etcd.report(JOB, 2, "n0")
     assert rep is not None and rep2 is not None and rep.resumed_step == rep2.exit_step > 0  # nothing recomputed

@@ -9,6 +9,7 @@ import re
 from typing import AsyncIterator
 
 import grpc
+import tenacity
 
 from mselastic.agent.node import LaunchRefused, NodeAgent
 from mselastic.agent.wire import abort, generation_state_to_pb, plan_from_pb
@@ -18,6 +19,10 @@ from mselastic.store.etcd import TemporaryError
 from mselastic.store.keys import BadName, check_id
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+
+
+# How long ``logs -f`` of a generation waits for its log to appear (the leader has planned it; msrun is starting).
+LOG_WAIT_S = 60.0
 
 
 class AgentService(pb_grpc.AgentServicer):
@@ -68,6 +73,8 @@ class AgentService(pb_grpc.AgentServicer):
         else:
             found = sorted(glob.glob(os.path.join(root, "g*", name)))
             path = found[-1] if found else ""
+        if path and request.follow and request.generation and not os.path.exists(path):
+            await self._await_log(path, request.job, request.generation)
         if not path or not os.path.exists(path):
             await abort(context, grpc.StatusCode.NOT_FOUND,
                         f"no log of rank {request.rank} of job {request.job}"
@@ -85,6 +92,15 @@ class AgentService(pb_grpc.AgentServicer):
                 if not request.follow or not self._running(request.job, generation):
                     return
                 await asyncio.sleep(0.2)
+
+    async def _await_log(self, path: str, job: str, generation: int) -> None:
+        """Wait (up to LOG_WAIT_S) for the log of a generation that has not started here yet, or is starting."""
+        async def waiting() -> bool:
+            gen = self.agent.generations.get(job)
+            coming = gen is None or gen.plan.generation < generation or self._running(job, generation)
+            return coming and not os.path.exists(path)
+        await tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(LOG_WAIT_S), wait=tenacity.wait_fixed(0.2),
+                                     retry=tenacity.retry_if_result(bool), retry_error_callback=lambda _: True)(waiting)
 
     def _running(self, job: str, generation: int) -> bool:
         gen = self.agent.generations.get(job)
