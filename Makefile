@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster systemd-tools clean
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop systemd-tools clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,10 @@ bench: $(STAMP) data
 # Simulated 2- and 4-node clusters in network namespaces (needs root, like the test suite).
 bench-cluster: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/cluster_recovery.py --nodes 2 4
+
+# The per-step cost of the agreed stop (stop_check_interval_steps 1 and 10) against plain msrun.
+bench-stop: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/stop_check.py --data $(DATA) --runs 3
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

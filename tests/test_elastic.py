@@ -196,19 +196,21 @@ def test_lone_sigterm_resumes_exactly_and_bit_identically(procs: Processes, etcd
 
 def test_stop_checkpoints_at_the_next_step(procs: Processes, etcd: Etcd, namespace: str,
                                            tmp_path: os.PathLike[str]) -> None:
-    """elasticctl stop: the ranks checkpoint at the step they agree on and exit 75; that is the
-    newest checkpoint, so a later resume loses nothing."""
+    """elasticctl stop: the ranks checkpoint at the step they agree on (the next multiple of
+    stop_check_interval_steps) and exit 75; that is the newest checkpoint, so a later resume
+    loses nothing."""
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
     ckpt = os.path.join(tmp, "ckpt")
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), ckpt, 300)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), ckpt, 300,
+                      stop_check_interval_steps=7)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     wait_for("step 12", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 180, 0.05)
     r = elasticctl("stop", JOB, endpoint=endpoint)
     assert r.returncode == 0 and "STOPPED" in r.stdout, r.stderr
     rep = wait_for("generation 1 stopped", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 30)
     # Both ranks of the node exit 75 (none killed by msrun while leaving: they leave together).
-    assert rep.state is GenerationState.STOPPED and rep.exit_step >= 12, rep
+    assert rep.state is GenerationState.STOPPED and rep.exit_step >= 12 and rep.exit_step % 7 == 0, rep
     assert "code 75" in rep.reason and "-9" not in rep.reason, rep.reason
     with open(os.path.join(ckpt, "latest.json")) as f:
         with open(os.path.join(ckpt, json.load(f)["manifest"])) as m:

@@ -40,6 +40,7 @@ def test_good_spec_round_trips() -> None:
     ({"micro_batch_sizes": [4, 0]}, "micro_batch_sizes"),
     ({"micro_batch_sizes": 4}, "micro_batch_sizes"),
     ({"scale_up_settle_s": 0}, "scale_up_settle_s"),
+    ({"stop_check_interval_steps": 0}, "stop_check_interval_steps"),
     ({"min_nodes": 0}, "min_nodes"),
     ({"args": "--lr 0.1"}, "args"),
     ({"env": {"MSELASTIC_JOB": "x"}}, "env"),

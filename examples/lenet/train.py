@@ -127,7 +127,7 @@ def main() -> None:
                 record.flush()
             ctx.beat("step", step, loss)  # elastic
             time.sleep(args.step_sleep_s)
-            stop = ctx.should_stop()  # elastic: a SIGTERM on any rank stops all at this step
+            stop = ctx.should_stop(step)  # elastic: a SIGTERM on any rank stops all at this step
             if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
                 ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
                 if stop:

@@ -140,6 +140,7 @@ class Generation:
             contract.ENV_CHECKPOINT_DIR: self.spec.checkpoint_dir,
             contract.ENV_CHECKPOINT_INTERVAL: str(self.spec.checkpoint_interval_steps),
             contract.ENV_KEEP_CHECKPOINTS: str(self.spec.keep_checkpoints),
+            contract.ENV_STOP_CHECK_INTERVAL: str(self.spec.stop_check_interval_steps),
             contract.ENV_TOTAL_STEPS: str(self.spec.total_steps),
             contract.ENV_GLOBAL_BATCH: str(self.spec.global_batch_size),
             contract.ENV_MICRO_BATCHES: ",".join(map(str, self.spec.micro_batch_sizes)),

@@ -65,6 +65,9 @@ class JobSpec:
     checkpoint_interval_steps: int = 10
     #: Checkpoints kept; older ones are deleted after a newer one is committed.
     keep_checkpoints: int = 3
+    #: The ranks agree on a planned stop (one allreduce, a host sync) every this many steps; a
+    #: planned stop then takes up to this many steps, which stop_grace_period_s must cover.
+    stop_check_interval_steps: int = 1
     #: A rank with no heartbeat for this long is declared hung.
     hang_timeout_s: float = 60.0
     #: A rank that has not sent its first heartbeat after this long is declared hung.
@@ -135,7 +138,8 @@ class JobSpec:
             if not os.path.isabs(getattr(self, key)):
                 _fail(key, f"{getattr(self, key)!r} must be an absolute path")
         for key in ("workers_per_node", "min_nodes", "max_nodes", "total_steps", "global_batch_size",
-                    "checkpoint_interval_steps", "keep_checkpoints", "quarantine_after_failures"):
+                    "checkpoint_interval_steps", "keep_checkpoints", "stop_check_interval_steps",
+                    "quarantine_after_failures"):
             if getattr(self, key) <= 0:
                 _fail(key, f"must be a positive integer (got {getattr(self, key)})")
         if self.max_restarts < 0:

@@ -62,6 +62,8 @@ class ElasticContext:
     global_batch_size: int
     layout: BatchLayout
     heartbeat_address: str = ""
+    #: The ranks agree on a stop (one allreduce) at every step that is a multiple of this.
+    stop_check_interval_steps: int = 1
     #: Set by the SIGTERM handler (only there: the handler may run at any bytecode).
     stop_requested: bool = False
     fault: FaultPlan | None = None
@@ -98,6 +100,7 @@ class ElasticContext:
             total_steps=_env_int(contract.ENV_TOTAL_STEPS, total_steps),
             global_batch_size=gbs, layout=layout,
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
+            stop_check_interval_steps=max(1, _env_int(contract.ENV_STOP_CHECK_INTERVAL, 1)),
             fault=FaultPlan.from_env(),
         )
         if ctx.heartbeat_address:
@@ -153,9 +156,15 @@ class ElasticContext:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
-    def should_stop(self) -> bool:
-        """At a step boundary: did any rank get SIGTERM? Every rank gets the same answer (an
-        allreduce of the flag), so all checkpoint at the same step, wherever the signal landed."""
+    def should_stop(self, step: int) -> bool:
+        """At the boundary after ``step``: did any rank get SIGTERM? Every rank gets the same answer
+        (an allreduce of the flag), so all checkpoint at the same step, wherever the signal landed.
+
+        The ranks agree only at multiples of ``stop_check_interval_steps`` (each agreement is one
+        allreduce and a host sync); in between the answer is False on every rank, so a planned stop
+        waits up to that many steps."""
+        if step % self.stop_check_interval_steps:
+            return False
         if self.device_num > 1:
             # A SIGTERM that lands during the allreduce is seen at the next step boundary.
             return self._allreduce_sum(1.0 if self.stop_requested else 0.0) > 0

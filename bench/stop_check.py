@@ -1,0 +1,124 @@
+"""What the agreed stop costs per step, and what checking it less often buys, against plain msrun.
+
+The ranks agree on a planned stop with one allreduce (and a host sync) at every step that
+is a multiple of ``stop_check_interval_steps``. Each run is the LeNet job under plain
+``msrun`` (2 workers, no daemon), timed from the trainer's own heartbeats:
+
+* baseline: no stop check at all (the interval is set past the last step);
+* interval k (default 1 and 10): the time per step between steps ``--from-step`` and
+  ``--to-step``, then SIGTERM to rank 1 only, and how long until every rank has
+  checkpointed and is leaving with the planned-exit code (its ``planned_exit`` heartbeat):
+  the stop latency k trades for speed.
+
+Prints per-step milliseconds, the ratio to the baseline and the stop latency.
+``--runs N`` repeats each and prints the median.
+
+Usage: python bench/stop_check.py --data build/data/digits [--intervals 1 10] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+from localnode import BIN, TRAIN  # noqa: E402
+
+from mselastic.core import contract  # noqa: E402
+from mselastic.core.contract import Beat  # noqa: E402
+from mselastic.store.embedded import free_port  # noqa: E402
+
+
+def run(data: str, work: str, interval: int | None, from_step: int, to_step: int) -> dict[str, float]:
+    """One plain-msrun run; ``interval`` None: no stop check (the baseline)."""
+    total = to_step + 200
+    name = f"mselastic-bench-{os.getpid()}-{time.time_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(120)
+    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **{
+        contract.ENV_HEARTBEAT: name,
+        contract.ENV_CHECKPOINT_DIR: f"{work}/ckpt-{time.time_ns()}",
+        contract.ENV_TOTAL_STEPS: str(total),
+        contract.ENV_CHECKPOINT_INTERVAL: str(total),  # only the stop's checkpoint: the same I/O in every run
+        contract.ENV_STOP_CHECK_INTERVAL: str(interval or total + 1),
+    })
+    os.makedirs(work, exist_ok=True)
+    cmd = [os.path.join(BIN, "msrun"), "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
+           f"--log_dir={work}/logs", "--join=True", "--tail_worker_log=99999", TRAIN, "--data", data,
+           "--out", f"{work}/out"]
+    with open(f"{work}/msrun.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    at: dict[int, float] = {}
+    pids: dict[int, int] = {}
+    try:
+        while to_step not in at:
+            beat = Beat.decode(sock.recv(4096))
+            pids[beat.rank] = beat.pid
+            if beat.kind == "step" and beat.rank == 0:
+                at[beat.step] = beat.at
+        result = {"step_ms": (at[to_step] - at[from_step]) / (to_step - from_step) * 1000}
+        if interval is None:
+            return result
+        os.kill(pids[1], signal.SIGTERM)
+        asked = time.time()
+        exited: dict[int, Beat] = {}
+        while len(exited) < 2:
+            beat = Beat.decode(sock.recv(4096))
+            if beat.kind == "planned_exit":
+                exited[beat.rank] = beat
+        # msrun itself lingers ~30 s after its workers are gone; the agent does not wait for it.
+        result["stop_s"] = max(b.at for b in exited.values()) - asked
+        result["stop_steps"] = exited[0].step - to_step
+        return result
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            # SIGINT makes msrun stop its workers and scheduler; then make sure of its group.
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--intervals", type=int, nargs="+", default=[1, 10])
+    p.add_argument("--from-step", type=int, default=10, help="timing starts here (after warm-up)")
+    p.add_argument("--to-step", type=int, default=75, help="timing ends here; then the SIGTERM")
+    p.add_argument("--runs", type=int, default=1)
+    a = p.parse_args()
+    if min(a.intervals) < 1 or not 0 < a.from_step < a.to_step or a.runs < 1:
+        p.error("--intervals >= 1, 0 < --from-step < --to-step and --runs >= 1")
+    with tempfile.TemporaryDirectory(prefix="mselastic-bench-") as work:
+        results: dict[int | None, list[dict[str, float]]] = {k: [] for k in [None, *a.intervals]}
+        for i in range(a.runs):
+            for k in results:  # side by side: baseline and each interval in every round
+                results[k].append(run(a.data, os.path.join(work, f"r{i}-{k}"), k, a.from_step, a.to_step))
+
+    def median(k: int | None, key: str) -> float:
+        return statistics.median(r[key] for r in results[k])
+
+    base = median(None, "step_ms")
+    print(f"plain msrun, 2 ranks, steps {a.from_step}..{a.to_step}, median of {a.runs}:")
+    print(f"  no stop check      {base:7.1f} ms/step  ratio 1.00")
+    for k in a.intervals:
+        print(f"  check every {k:<4}   {median(k, 'step_ms'):7.1f} ms/step  ratio {median(k, 'step_ms') / base:.2f}"
+              f"   SIGTERM -> every rank checkpointed and leaving: {median(k, 'stop_s'):4.2f} s,"
+              f" {median(k, 'stop_steps'):.0f} steps later")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
