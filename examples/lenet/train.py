@@ -89,7 +89,10 @@ def main() -> None:
     ms.set_seed(SEED)
 
     net = LeNet5()
-    lr = nn.cosine_decay_lr(args.lr / 10, args.lr, ctx.total_steps, 1, ctx.total_steps)  # indexed by global_step
+    # A schedule computed from global_step, not a per-step list: the list would be saved with the
+    # optimizer and a resume with another total_steps (a job submitted again to train longer)
+    # could not load it.
+    lr = nn.CosineDecayLR(args.lr / 10, args.lr, ctx.total_steps)
     opt = nn.Momentum(net.trainable_params(), learning_rate=lr, momentum=0.9)
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     grad_fn = ms.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
