@@ -32,6 +32,12 @@ ETCD_ERRORS = Counter("mselastic_etcd_errors", "etcd calls that failed, by kind"
 GRPC_ERRORS = Counter("mselastic_grpc_errors", "gRPC calls to other elasticds that failed, by method", ["method"])
 
 
+def forget_job(job: str) -> None:
+    """Drop every series of a deleted job."""
+    for metric in (GENERATIONS, RESTARTS, RECOVERY, WORLD_SIZE, GENERATION, STEP, STEP_RATE):
+        metric.remove_by_labels({"job": job})
+
+
 def serve(listen: str) -> None:
     """Serve /metrics on ``host:port`` (a daemon thread of prometheus-client)."""
     host, _, port = listen.rpartition(":")

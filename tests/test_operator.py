@@ -25,6 +25,7 @@ import pexpect
 import pytest
 import yaml
 
+from mselastic.core.states import JobState
 from mselastic.store.embedded import EmbeddedEtcd, free_port
 from tests.harness import DATA_DIR, VENV_BIN, Etcd, Processes, elasticctl, lenet_spec, start_node, wait_for
 
@@ -237,6 +238,31 @@ def test_daemon_logs_are_json_naming_job_generation_node_and_rank(run: Run) -> N
     failed = [r for r in lines if "failed" in r["msg"] and r["rank"] == 1]
     assert failed and failed[0]["job"] == JOB and failed[0]["generation"] == 1 and failed[0]["node"] == "n0"
     assert any(r["job"] == JOB and r["generation"] == 3 for r in lines)
+
+
+def test_delete_frees_the_name_and_a_resubmission_resumes_from_the_checkpoints(run: Run) -> None:
+    """Last test on the run: it removes the job's records."""
+    r = run.ctl("delete", "nope")
+    assert r.returncode == 1 and "no job named 'nope'" in r.stderr
+    r = run.ctl("delete", JOB, "-o", "json")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"job": JOB, "deleted": True, "last_generation": 3}, r.stderr
+    k = run.etcd.keys
+    assert not run.etcd.prefix(k.job(JOB)) and not run.etcd.prefix(k.plans(JOB)) and not run.etcd.prefix(k.events(JOB))
+    assert run.ctl("describe", "job", JOB).returncode == 1 and JOB not in run.ctl("jobs").stdout
+    assert not [s for s in scrape(run.metrics) if f'job="{JOB}"' in s]  # its metrics are gone too
+    # The same name again, 10 more steps: generation 4 (agents refuse older ones), resumed at TOTAL.
+    spec = lenet_spec(os.path.join(run.tmp, "job2.toml"), JOB, os.path.join(run.tmp, "out"),
+                      os.path.join(run.tmp, "ckpt"), TOTAL + 10,
+                      args=["--data", DATA_DIR, "--out", os.path.join(run.tmp, "out"), "--step-sleep-s", "0.5"])
+    assert run.ctl("submit", spec).returncode == 0
+    wait_for("generation 4 training", lambda: (rep := run.etcd.report(JOB, 4, "n0")) and rep.step > TOTAL, 120, 0.2)
+    r = run.ctl("delete", JOB)
+    assert r.returncode == 1 and "is RUNNING; stop it first" in r.stderr and len(r.stderr.splitlines()) == 1
+    wait_for("the job to succeed", lambda: (s := run.etcd.status(JOB)) and s.state is JobState.SUCCEEDED, 120, 0.5)
+    rep = run.etcd.report(JOB, 4, "n0")
+    assert rep is not None and rep.resumed_step == TOTAL and rep.step == TOTAL + 10
+    plan = run.etcd.plan(JOB)
+    assert plan is not None and plan.generation == 4 and plan.restart_count == 0
 
 
 def test_every_command_has_help_with_an_example() -> None:

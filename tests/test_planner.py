@@ -245,3 +245,9 @@ def test_no_scale_up_before_every_rank_started_or_when_no_larger_size_is_valid()
     spec = dataclasses.replace(ELASTIC, global_batch_size=20)  # valid 1, 2, 4: running on 2, a third joins
     d = decide(spec, J.RUNNING, elastic_plan(0, 1), running(0, 1), [one(0), one(1), one(2)], now=100.0)
     assert d.action is Action.NOTHING and "n2 idle" in d.note and not d.scale_up_nodes
+
+
+def test_a_job_submitted_again_after_delete_continues_the_generation_numbers() -> None:
+    d = decide(SPEC, J.PENDING, None, {}, [node(0)], status=st(J.PENDING, generation=7))  # deleted after 7
+    assert d.action is Action.LAUNCH and d.plan is not None and d.plan.generation == 8 and d.kind == "initial"
+    assert decide(SPEC, J.PENDING, None, {}, [node(0)]).plan.generation == 1  # type: ignore[union-attr]

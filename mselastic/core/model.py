@@ -272,6 +272,22 @@ class CordonRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeletedJob:
+    """``deleted/<job>``: left by ``elasticctl delete``. Agents refuse a generation older than one
+    they ran, so a job submitted again under the name starts after ``generation``."""
+
+    generation: int
+    at: float
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "DeletedJob":
+        return _decode(cls, text)
+
+
+@dataclasses.dataclass(frozen=True)
 class LeaderRecord:
     """``leader``: which elasticd coordinates and where its Control service listens."""
 

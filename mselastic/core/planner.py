@@ -166,8 +166,9 @@ def decide(
         if not n:
             return wait(_short(spec, len(alive)))
         reason = "; ".join(filter(None, ["initial launch", idle_note(spec, alive[n:], n)]))
-        return Decision(Action.LAUNCH, reason, make_plan(spec, alive[:n], 1, 0, reason, None, ports, salt),
-                        kind="initial")
+        # 1, or after the last generation of a deleted job of the same name (status.generation).
+        first = make_plan(spec, alive[:n], st.generation + 1, 0, reason, None, ports, salt)
+        return Decision(Action.LAUNCH, reason, first, kind="initial")
 
     current = [r for r in reports.values() if r.generation == plan.generation]
     # STOPPED on a generation that is still the plan: its ranks exited on a SIGTERM nobody here sent.

@@ -11,6 +11,7 @@ Examples::
     elasticctl submit examples/lenet/job.toml  # validated here first: a bad field is named, nothing sent
     elasticctl stop lenet                      # ranks checkpoint at the next step, then exit
     elasticctl restart lenet                   # checkpoint at the next step, relaunch, resume there
+    elasticctl delete lenet                    # forget a finished job (checkpoints stay): the name is free
     elasticctl scale lenet --min 1 --max 4     # change the node range (world sizes must stay valid)
     elasticctl drain n1                        # move jobs off n1, nothing lost; waits until done
     elasticctl cordon n1 / uncordon n1         # no new generations on n1 / back in service
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
     s = cmd("restart", "relaunch a running job: checkpoint at the next step, resume there", "elasticctl restart lenet")
     s.add_argument("job")
+    s = cmd("delete", "forget a finished job's records (its checkpoints and logs stay); the name can be "
+            "submitted again and resumes from the checkpoint_dir", "elasticctl delete lenet")
+    s.add_argument("job")
     s = cmd("scale", "change a job's node range (relaunches when the current size leaves it)",
             "elasticctl scale lenet --min 1 --max 4")
     s.add_argument("job")
@@ -315,6 +319,13 @@ def cmd_restart(c: Client, a: argparse.Namespace, out: Any) -> int:
     return EXIT_OK
 
 
+def cmd_delete(c: Client, a: argparse.Namespace, out: Any) -> int:
+    res = c.call(lambda s: lambda **kw: s.DeleteJob(pb.DeleteJobRequest(job=a.job), **kw))
+    render.emit(out, a.output, {"job": a.job, "deleted": True, "last_generation": res.generation},
+                lambda: f"job {a.job} deleted (last generation {res.generation}; checkpoints and logs kept)")
+    return EXIT_OK
+
+
 def cmd_scale(c: Client, a: argparse.Namespace, out: Any) -> int:
     if a.min < 0 or a.max < 0 or not (a.min or a.max):
         raise CtlError("give --min and/or --max, positive", EXIT_USAGE)
@@ -380,6 +391,7 @@ def cmd_report(c: Client, a: argparse.Namespace, out: Any) -> int:
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Any], int]] = {
     "status": cmd_status, "nodes": cmd_nodes, "jobs": cmd_jobs, "describe": cmd_describe, "events": cmd_events,
     "logs": cmd_logs, "submit": cmd_submit, "stop": cmd_stop, "restart": cmd_restart, "scale": cmd_scale,
+    "delete": cmd_delete,
     "cordon": cmd_cordon, "drain": cmd_cordon, "uncordon": cmd_cordon, "watch": cmd_watch, "report": cmd_report,
 }
 

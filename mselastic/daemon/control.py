@@ -1,7 +1,7 @@
 """The Control gRPC service elasticctl talks to.
 
 Status, Events and Describe are answered by any elasticd (they read etcd). Submit,
-StopJob, Cordon, Restart and Scale change state and are answered by the leader only;
+StopJob, Cordon, Restart, Scale and DeleteJob change state and are answered by the leader only;
 any other elasticd refuses with FAILED_PRECONDITION and the leader's address, which
 elasticctl follows.
 """
@@ -13,9 +13,10 @@ import logging
 import time
 
 import grpc
+from aetcd.utils import prefix_range_end
 
 from mselastic.agent.wire import abort, job_state_to_pb, plan_to_pb
-from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
+from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
 from mselastic.daemon.coordinator import Coordinator, Fenced
@@ -88,10 +89,19 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._require_leader(context)
         k, tx = self.store.keys, self.store.tx
-        status = JobStatus(JobState.PENDING, message="submitted", updated_at=time.time())
-        event = Event(at=time.time(), kind="submitted", generation=0, message=f"job {spec.name} submitted")
         try:
-            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0], [
+            # A job deleted under this name: continue after its last generation (agents refuse older ones).
+            deleted = await self.store.get(k.deleted(spec.name))
+            floor = DeletedJob.from_json(deleted.value).generation if deleted else 0
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        except MalformedRecord as e:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"bad record at {k.deleted(spec.name)}: {e}")
+        status = JobStatus(JobState.PENDING, generation=floor, message="submitted", updated_at=time.time())
+        event = Event(at=time.time(), kind="submitted", generation=floor, message=f"job {spec.name} submitted")
+        try:
+            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0,
+                                       tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)], [
                 tx.put(k.spec(spec.name).encode(), spec.to_json().encode()),
                 tx.put(k.status(spec.name).encode(), status.to_json().encode()),
                 tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
@@ -212,6 +222,45 @@ class ControlService(pb_grpc.ControlServicer):
         if term is None:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
         return term
+
+    async def DeleteJob(self, request: pb.DeleteJobRequest,
+                        context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
+        """Remove a finished job's records; what it wrote (checkpoints, worker logs) stays."""
+        await self._require_leader(context)
+        try:
+            cluster = await read_cluster(self.store, request.job)
+        except BadName as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        view = cluster.jobs.get(request.job)
+        if view is None:
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+        assert view is not None
+        if not view.status.state.terminal:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"job {view.name} is {view.status.state.value}; stop it first (elasticctl stop {view.name})")
+        busy = sorted(n.node_id for n in cluster.nodes if view.running_on(n.node_id))
+        if busy:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"job {view.name} is still stopping on {', '.join(busy)}; retry in a moment")
+        k, tx = self.store.keys, self.store.tx
+        last = max(view.status.generation, view.plan.generation if view.plan else 0)
+        prefixes = [k.job(view.name), k.plans(view.name), k.events(view.name)]
+        try:
+            spec_kv = await self.store.get(k.spec(view.name))
+            ok = await self.store.txn(
+                [tx.create(k.leader.encode()) == (await self._term(context)).create_revision,
+                 tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0)],
+                [*(tx.delete(p.encode(), prefix_range_end(p.encode())) for p in prefixes),
+                 tx.put(k.deleted(view.name).encode(), DeletedJob(last, time.time()).to_json().encode())])
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        if not ok:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"job {view.name} changed meanwhile; retry")
+        self.coordinator.forget(view.name)
+        log.info("job %s deleted after generation %d", view.name, last, extra=dict(job=view.name, generation=last))
+        return pb.DeleteJobResponse(generation=last)
 
     async def Restart(self, request: pb.RestartRequest, context: grpc.aio.ServicerContext) -> pb.RestartResponse:
         """A planned relaunch of a running job: checkpoint at the next step, resume there."""

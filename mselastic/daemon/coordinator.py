@@ -310,6 +310,13 @@ class Coordinator:
             self._mark_pushed(plan, {m.node_id for m in missing})
             await self.agents.launch(plan, only={m.node_id for m in missing})
 
+    def forget(self, job: str) -> None:
+        """A deleted job: drop what this leader keeps about it, and its metrics."""
+        self._progress.pop(job, None)
+        self._rate.pop(job, None)
+        self._pushed = {k: v for k, v in self._pushed.items() if k[0] != job}
+        metrics.forget_job(job)
+
     def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:
         now = time.monotonic()
         for m in plan.members:

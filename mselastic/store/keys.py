@@ -11,6 +11,8 @@ All keys live under a namespace (default ``/mselastic``)::
     <ns>/jobs/<job>/reports/<g:012d>/<node>   GenerationReport JSON, written by agents
     <ns>/plans/<job>/<g:012d>                 every committed plan, kept for the job's history
     <ns>/events/<job>/<seq:012d>              Event JSON, the job's timeline
+    <ns>/deleted/<job>                        DeletedJob JSON: the last generation of a deleted job, so a
+                                              job submitted again under its name continues the numbering
 
 History and events grow with the job's life, so they live outside ``jobs/``: the
 reconcile pass reads ``jobs/`` whole on every pass and must stay small.
@@ -89,6 +91,9 @@ class Keys:
 
     def event(self, job: str, seq: int) -> str:
         return f"{self.events(job)}{seq:012d}"
+
+    def deleted(self, job: str) -> str:
+        return f"{self.namespace}/deleted/{check_id('job name', job)}"
 
     def reports(self, job: str, generation: int) -> str:
         return f"{self.job(job)}reports/{generation:012d}/"

@@ -365,6 +365,18 @@ class DescribeResponse(_message.Message):
     plans: _containers.RepeatedCompositeFieldContainer[Plan]
     def __init__(self, status: _Optional[_Union[JobStatus, _Mapping]] = ..., spec_json: _Optional[str] = ..., plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ...) -> None: ...
 
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
 class RestartRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

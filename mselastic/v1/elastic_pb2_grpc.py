@@ -275,6 +275,11 @@ class ControlStub:
                 request_serializer=mselastic_dot_v1_dot_elastic__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=mselastic_dot_v1_dot_elastic__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/mselastic.v1.Control/DeleteJob',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -328,6 +333,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +381,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=mselastic_dot_v1_dot_elastic__pb2.ScaleRequest.FromString,
                     response_serializer=mselastic_dot_v1_dot_elastic__pb2.ScaleResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.DeleteJobRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.DeleteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +604,33 @@ class Control:
             '/mselastic.v1.Control/Scale',
             mselastic_dot_v1_dot_elastic__pb2.ScaleRequest.SerializeToString,
             mselastic_dot_v1_dot_elastic__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Control/DeleteJob',
+            mselastic_dot_v1_dot_elastic__pb2.DeleteJobRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
