@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -9,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from mselastic.core.model import AGENT_RESTARTED
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster, ClusterFault
 from tests.harness import check_history, elasticctl, holds_for, lenet_spec, wait_for, worker_pids
@@ -69,7 +71,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
 def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=60)
+    submit(cluster, total_steps=60, scale_up_settle_s=600)  # n1's return below does not scale up
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
@@ -80,6 +82,13 @@ def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     assert time.monotonic() - killed < cluster.lease_ttl_s + 5
     assert [m.node_id for m in plan2.members] == ["n0"] and plan2.worker_num == 1
     assert "node(s) lost: n1" in plan2.reason or "failed" in plan2.reason
+    # n1 comes back: the report its killed elasticd left running is closed, so n1 is not shown busy.
+    assert (old := etcd.report(JOB, 1, "n1")) is not None and not old.state.terminal
+    cluster.start_nodes(1)
+    closed = wait_for("n1's old report closed", lambda: (r := etcd.report(JOB, 1, "n1")) and r.state.terminal and r, 10)
+    assert closed.state is GenerationState.FAILED and closed.reason == AGENT_RESTARTED
+    nodes = json.loads(elasticctl("nodes", "-o", "json", endpoint=cluster.endpoint(0)).stdout)["nodes"]
+    assert [n.get("running_jobs", []) for n in nodes if n["node_id"] == "n1"] == [[]], nodes
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     check_history(etcd, JOB, 60)

@@ -7,7 +7,7 @@ import pytest
 import dataclasses
 from typing import Any
 
-from mselastic.core.model import GenerationReport, JobStatus, NodeRecord, Plan
+from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, NodeRecord, Plan
 from mselastic.core.planner import RESERVED_PORTS, Action, PortRange, decide, make_plan, master_port
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState as G
@@ -251,3 +251,10 @@ def test_a_job_submitted_again_after_delete_continues_the_generation_numbers() -
     d = decide(SPEC, J.PENDING, None, {}, [node(0)], status=st(J.PENDING, generation=7))  # deleted after 7
     assert d.action is Action.LAUNCH and d.plan is not None and d.plan.generation == 8 and d.kind == "initial"
     assert decide(SPEC, J.PENDING, None, {}, [node(0)]).plan.generation == 1  # type: ignore[union-attr]
+
+
+def test_a_report_closed_by_a_restarted_elasticd_is_a_lost_node() -> None:
+    closed = dataclasses.replace(rep(1, G.FAILED), reason=AGENT_RESTARTED)
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": rep(0, G.RUNNING), "n1": closed}, [node(0), node(1)])
+    assert d.action is Action.LAUNCH and d.kind == "node_lost" and d.plan is not None and d.plan.generation == 2
+    assert d.reason.startswith(f"on node n1, {AGENT_RESTARTED}"), d.reason

@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Callable
 
 import grpc
 
 from mselastic import __version__
 from mselastic.agent.supervisor import Generation
-from mselastic.core.model import MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import AGENT_RESTARTED, GenerationReport, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
+from mselastic.core.states import GenerationState
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
 from mselastic.tls import TlsFiles
@@ -64,6 +66,7 @@ class NodeAgent:
     async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
         reporter = asyncio.create_task(self._report_loop(stop), name="reporter")
         try:
+            await self._close_stale_reports(stop)
             while not stop.is_set():
                 self._lease = KeptLease(self.store, self.cfg.lease_ttl_s)
                 await self._register(self._lease, stop)
@@ -80,6 +83,38 @@ class NodeAgent:
                 await self._lease.release()
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
+
+    async def _close_stale_reports(self, stop: asyncio.Event) -> None:
+        """Close what a previous elasticd of this node left open in etcd, before registering.
+
+        A starting elasticd runs nothing, and the workers of the one before it died with it.
+        Its reports that still say starting or running would show the node busy for ever
+        (``elasticctl drain`` would wait for ever), and when it came back within a lease TTL
+        the current generation would only be relaunched once the other ranks' hang timeout
+        fired: they are rewritten as FAILED (a lost node), unless changed meanwhile.
+        """
+        k, tx = self.store.keys, self.store.tx
+        async for attempt in self.store.retry.reconnecting(stop):
+            with attempt:
+                _, kvs = await self.store.get_prefix(k.jobs)
+                for kv in kvs:
+                    job_rest = k.parse_job_key(kv.key)
+                    if job_rest is None or not job_rest[1].startswith("reports/") \
+                            or job_rest[1].rsplit("/", 1)[-1] != self.cfg.node_id:
+                        continue
+                    try:
+                        rep = GenerationReport.from_json(kv.value)
+                    except MalformedRecord:
+                        continue
+                    if rep.state.terminal:
+                        continue
+                    now = time.time()
+                    closed = dataclasses.replace(rep, state=GenerationState.FAILED, reason=AGENT_RESTARTED,
+                                                 detected_at=now, stopped_at=now)
+                    if await self.store.txn([tx.mod(kv.key.encode()) == kv.mod_revision],
+                                            [tx.put(kv.key.encode(), closed.to_json().encode())]):
+                        log.warning("closed the report of generation %d left open by the previous elasticd",
+                                    rep.generation, extra=dict(self._ctx, job=rep.job, generation=rep.generation))
 
     async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
         """Return once the lease has expired (or on stop), fencing meanwhile if partitioned.

@@ -15,6 +15,9 @@ from mselastic.core.states import GenerationState, JobState
 
 T = TypeVar("T")
 
+#: Reason on the reports a restarted elasticd closes: the generations its predecessor ran.
+AGENT_RESTARTED = "elasticd restarted here; its workers ended with the previous one"
+
 
 class MalformedRecord(ValueError):
     """An etcd value that does not decode to the record it should hold."""

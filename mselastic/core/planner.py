@@ -34,7 +34,7 @@ import enum
 import zlib
 from typing import Iterable, Mapping
 
-from mselastic.core.model import GenerationReport, JobStatus, Member, NodeRecord, Plan
+from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, Member, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 
@@ -185,7 +185,7 @@ def decide(
 
     fault = failed[0] if failed else None
     if fault is not None:
-        if fault.state is GenerationState.STOPPED:
+        if fault.state is GenerationState.STOPPED or fault.reason == AGENT_RESTARTED:
             reason = f"on node {fault.node_id}, {fault.reason}"
         else:
             rank = f"rank {fault.failed_rank}" if fault.failed_rank >= 0 else "msrun"
@@ -217,7 +217,7 @@ def decide(
 
 
 def _kind(fault: GenerationReport | None) -> str:
-    if fault is None:
+    if fault is None or fault.reason == AGENT_RESTARTED:
         return "node_lost"
     if fault.state is GenerationState.STOPPED:
         return "sigterm"
