@@ -11,6 +11,7 @@ import numpy as np
 import psutil
 import pytest
 
+from mselastic.core.model import AGENT_RESTARTED
 from mselastic.core.states import GenerationState, JobState
 from tests.harness import Etcd, Processes, elasticctl, generation_processes, lenet_spec, start_node, wait_for, \
     worker_pids
@@ -99,9 +100,11 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     assert "SUCCEEDED" in table and "rank 1 on n0" in table and "recovered in" in table
 
 
-def test_sigkilled_elasticd_leaves_no_worker_behind(procs: Processes, etcd: Etcd, namespace: str,
-                                                    tmp_path: os.PathLike[str], digits: str) -> None:
-    """The parent-death chain: elasticd -> msrun -> workers (and scheduler) die together."""
+def test_sigkilled_elasticd_leaves_no_worker_behind_and_its_successor_relaunches(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+    """The parent-death chain: elasticd -> msrun -> workers (and scheduler) die together. An elasticd
+    started again on the node (as systemd would) closes the generation its predecessor left
+    running, and the job goes on from its checkpoint — not stuck RUNNING with nothing running."""
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
@@ -112,3 +115,14 @@ def test_sigkilled_elasticd_leaves_no_worker_behind(procs: Processes, etcd: Etcd
     assert len(worker_pids(procs, 1)) == 2 and alive
     os.kill(procs.started[0].pid, signal.SIGKILL)
     wait_for("every process of the generation to die with elasticd", lambda: not generation_processes(procs, 1), 10)
+    rep = etcd.report(JOB, 1, "n0")
+    assert rep is not None and rep.state is GenerationState.RUNNING  # what the dead elasticd left behind
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    rep = wait_for("generation 1 closed", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 10)
+    assert rep.state is GenerationState.FAILED and rep.reason == AGENT_RESTARTED
+    second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.step >= 1 and r, 120, 0.2)
+    plan = etcd.plan(JOB)
+    assert plan is not None and plan.generation == 2 and f"on node n0, {AGENT_RESTARTED}" in plan.reason
+    assert second.resumed_step >= 0 and len(worker_pids(procs, 2)) == 2
+    r = elasticctl("stop", JOB, endpoint=endpoint)
+    assert r.returncode == 0, r.stderr
