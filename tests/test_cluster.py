@@ -246,7 +246,7 @@ def test_restarts_exhausted_fails_with_nothing_left_anywhere(cluster: Cluster) -
 def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaunch(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0)
-    submit(cluster, total_steps=200)
+    submit(cluster, total_steps=100)
     etcd = cluster.etcd
     assert etcd is not None
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
@@ -262,6 +262,6 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.worker_num == 2
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 200)
-    resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 200}
+    check_history(etcd, JOB, 100)
+    resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 100}
     assert len(resumed) == 2 and len(set(resumed.values())) == 1 and min(resumed.values()) >= 10

@@ -22,7 +22,7 @@ from tests.harness import check_history, elasticctl, generation_processes, lenet
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
-TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 50, 25, 6
+TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 40, 25, 6
 RANK_FAULTS = [f for f in Fault if f is not Fault.CORRUPT_CHECKPOINT]
 
 
