@@ -14,9 +14,15 @@ from mselastic.store.keys import BadName, Keys
 def test_keys_layout_and_parsing() -> None:
     k = Keys("/ns")
     assert k.node("n0") == "/ns/nodes/n0"
-    assert k.report("job", 3, "n0") == "/ns/jobs/job/reports/000000000003/n0"
+    assert k.report("job", 3, "n0") == "/ns/reports/job/000000000003/n0"
+    assert k.parse_report_key(k.report("job", 3, "n0")) == ("job", 3, "n0")
+    assert k.parse_report_key(k.reports("job", 3)) is None and k.parse_report_key(k.plan("job")) is None
     assert k.parse_job_key(k.plan("job")) == ("job", "plan")
     assert k.parse_job_key(k.node("n0")) is None
+    # The range of generations 2..3 holds their reports and nothing of 1, 4 or 30 (zero-padded).
+    start, end = k.reports("job", 2), k.range_end(k.reports("job", 3))
+    inside = [g for g in (1, 2, 3, 4, 30) if start <= k.report("job", g, "n0") < end]
+    assert inside == [2, 3] and not start <= k.report("job2", 2, "n0") < end
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "../x", "-x", "x" * 64, "a b"])

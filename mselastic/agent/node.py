@@ -96,11 +96,10 @@ class NodeAgent:
         k, tx = self.store.keys, self.store.tx
         async for attempt in self.store.retry.reconnecting(stop):
             with attempt:
-                _, kvs = await self.store.get_prefix(k.jobs)
+                _, kvs = await self.store.get_prefix(k.all_reports)
                 for kv in kvs:
-                    job_rest = k.parse_job_key(kv.key)
-                    if job_rest is None or not job_rest[1].startswith("reports/") \
-                            or job_rest[1].rsplit("/", 1)[-1] != self.cfg.node_id:
+                    parsed = k.parse_report_key(kv.key)
+                    if parsed is None or parsed[2] != self.cfg.node_id:
                         continue
                     try:
                         rep = GenerationReport.from_json(kv.value)

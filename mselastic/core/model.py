@@ -138,7 +138,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationReport:
-    """What an agent saw of one generation on its node (``jobs/<job>/reports/<g>/<node>``)."""
+    """What an agent saw of one generation on its node (``reports/<job>/<g>/<node>``)."""
 
     job: str
     generation: int

@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.add_argument("--rank", type=int, required=True)
     s.add_argument("--generation", type=int, default=0, help="an earlier generation (default: the current one)")
-    s.add_argument("-f", "--follow", action="store_true", help="keep streaming until the generation ends (waits up to 60 s for a generation still starting)")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="keep streaming until the generation ends (waits up to 60 s for a generation still starting)")
     s.add_argument("--tail-bytes", type=int, default=0, help="start this many bytes before the end")
     s = cmd("submit", "submit a job spec (TOML), validated here first", "elasticctl submit job.toml")
     s.add_argument("spec")

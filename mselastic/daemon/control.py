@@ -13,7 +13,6 @@ import logging
 import time
 
 import grpc
-from aetcd.utils import prefix_range_end
 
 from mselastic.agent.wire import abort, job_state_to_pb, plan_to_pb
 from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
@@ -100,8 +99,8 @@ class ControlService(pb_grpc.ControlServicer):
         status = JobStatus(JobState.PENDING, generation=floor, message="submitted", updated_at=time.time())
         event = Event(at=time.time(), kind="submitted", generation=floor, message=f"job {spec.name} submitted")
         try:
-            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0,
-                                       tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)], [
+            unchanged = tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)
+            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged], [
                 tx.put(k.spec(spec.name).encode(), spec.to_json().encode()),
                 tx.put(k.status(spec.name).encode(), status.to_json().encode()),
                 tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
@@ -246,13 +245,13 @@ class ControlService(pb_grpc.ControlServicer):
                         f"job {view.name} is still stopping on {', '.join(busy)}; retry in a moment")
         k, tx = self.store.keys, self.store.tx
         last = max(view.status.generation, view.plan.generation if view.plan else 0)
-        prefixes = [k.job(view.name), k.plans(view.name), k.events(view.name)]
+        prefixes = [k.job(view.name), k.job_reports(view.name), k.plans(view.name), k.events(view.name)]
         try:
             spec_kv = await self.store.get(k.spec(view.name))
             ok = await self.store.txn(
                 [tx.create(k.leader.encode()) == (await self._term(context)).create_revision,
                  tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0)],
-                [*(tx.delete(p.encode(), prefix_range_end(p.encode())) for p in prefixes),
+                [*(tx.delete(p.encode(), k.range_end(p).encode()) for p in prefixes),
                  tx.put(k.deleted(view.name).encode(), DeletedJob(last, time.time()).to_json().encode())])
         except TemporaryError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")

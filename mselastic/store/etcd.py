@@ -147,6 +147,11 @@ class Store:
         res = await self.call(lambda: self.client.get_prefix(prefix.encode()))
         return res.header.revision, [_kv(kv) for kv in res]
 
+    async def get_range(self, start: str, end: str) -> list[KV]:
+        """Keys in ``[start, end)``."""
+        res = await self.call(lambda: self.client.get_range(start.encode(), end.encode()))
+        return [_kv(kv) for kv in res]
+
     # -- writes ------------------------------------------------------------
 
     async def put(self, key: str, value: str, lease: int | None = None) -> None:

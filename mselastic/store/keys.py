@@ -8,14 +8,15 @@ All keys live under a namespace (default ``/mselastic``)::
     <ns>/jobs/<job>/spec                      JobSpec JSON
     <ns>/jobs/<job>/plan                      Plan JSON (fenced writes only)
     <ns>/jobs/<job>/status                    JobStatus JSON (fenced writes only)
-    <ns>/jobs/<job>/reports/<g:012d>/<node>   GenerationReport JSON, written by agents
+    <ns>/reports/<job>/<g:012d>/<node>        GenerationReport JSON, written by agents
     <ns>/plans/<job>/<g:012d>                 every committed plan, kept for the job's history
     <ns>/events/<job>/<seq:012d>              Event JSON, the job's timeline
     <ns>/deleted/<job>                        DeletedJob JSON: the last generation of a deleted job, so a
                                               job submitted again under its name continues the numbering
 
-History and events grow with the job's life, so they live outside ``jobs/``: the
-reconcile pass reads ``jobs/`` whole on every pass and must stay small.
+Reports, history and events grow with the job's life, so they live outside ``jobs/``:
+the reconcile pass reads ``jobs/`` whole on every pass and must stay small; of the
+reports it reads only the current and the previous generation's.
 
 Names are checked so that no id can reach into another's keys.
 """
@@ -95,11 +96,30 @@ class Keys:
     def deleted(self, job: str) -> str:
         return f"{self.namespace}/deleted/{check_id('job name', job)}"
 
+    @property
+    def all_reports(self) -> str:
+        return f"{self.namespace}/reports/"
+
+    def job_reports(self, job: str) -> str:
+        return f"{self.all_reports}{check_id('job name', job)}/"
+
     def reports(self, job: str, generation: int) -> str:
-        return f"{self.job(job)}reports/{generation:012d}/"
+        return f"{self.job_reports(job)}{generation:012d}/"
 
     def report(self, job: str, generation: int, node_id: str) -> str:
         return self.reports(job, generation) + check_id("node id", node_id)
+
+    @staticmethod
+    def range_end(prefix: str) -> str:
+        """The first key after every key starting with ``prefix`` (keys are ASCII)."""
+        return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+    def parse_report_key(self, key: str) -> tuple[str, int, str] | None:
+        """``<ns>/reports/<job>/<g>/<node>`` -> (job, generation, node id); None for other keys."""
+        parts = key[len(self.all_reports):].split("/") if key.startswith(self.all_reports) else []
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[0] or not parts[2]:
+            return None
+        return parts[0], int(parts[1]), parts[2]
 
     def parse_job_key(self, key: str) -> tuple[str, str] | None:
         """``<ns>/jobs/<job>/<rest>`` -> (job, rest); None for other keys."""

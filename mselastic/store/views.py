@@ -27,14 +27,16 @@ class JobView:
     plan_kv: KV | None = None
     status: JobStatus = dataclasses.field(default_factory=lambda: JobStatus(JobState.PENDING))
     status_kv: KV | None = None
-    #: Reports of every generation, by generation then node id.
+    #: Reports of the current and the previous generation, by generation then node id.
     reports: dict[int, dict[str, GenerationReport]] = dataclasses.field(default_factory=dict)
 
     def current_reports(self) -> dict[str, GenerationReport]:
         return self.reports.get(self.plan.generation, {}) if self.plan else {}
 
     def running_on(self, node_id: str) -> bool:
-        """Some generation of this job still starts or runs on the node (by its last report)."""
+        """The current or the previous (maybe still stopping) generation of this job starts or runs
+        on the node, by its last report. Older ones cannot: a node that left them without a word
+        died with its elasticd, whose successor closed them."""
         return any(not reps[node_id].state.terminal for reps in self.reports.values() if node_id in reps)
 
     @property
@@ -98,7 +100,25 @@ async def read_cluster(store: Store, job: str = "") -> ClusterView:
             log.error("malformed value at %s: %s", kv.key, e, extra={"job": name})
             if rest == "spec":
                 view.spec_error = str(e)
-    return ClusterView(revision, nodes, {k: v for k, v in jobs.items() if v.spec or v.spec_error}, cordons, leader)
+    jobs = {k: v for k, v in jobs.items() if v.spec or v.spec_error}
+    for view in jobs.values():
+        if view.plan is not None:
+            await _read_reports(store, view, view.plan.generation)
+    return ClusterView(revision, nodes, jobs, cordons, leader)
+
+
+async def _read_reports(store: Store, view: JobView, generation: int) -> None:
+    """The reports of ``generation`` and the one before it (one range read)."""
+    keys = store.keys
+    start, end = keys.reports(view.name, max(generation - 1, 0)), keys.range_end(keys.reports(view.name, generation))
+    for kv in await store.get_range(start, end):
+        parsed = keys.parse_report_key(kv.key)
+        if parsed is None:
+            continue
+        try:
+            view.reports.setdefault(parsed[1], {})[parsed[2]] = GenerationReport.from_json(kv.value)
+        except (MalformedRecord, ValueError) as e:
+            log.error("malformed value at %s: %s", kv.key, e, extra={"job": view.name})
 
 
 def _apply(view: JobView, rest: str, kv: KV) -> None:
@@ -108,7 +128,3 @@ def _apply(view: JobView, rest: str, kv: KV) -> None:
         view.plan, view.plan_kv = Plan.from_json(kv.value), kv
     elif rest == "status":
         view.status, view.status_kv = JobStatus.from_json(kv.value), kv
-    elif rest.startswith("reports/"):
-        _, gen, node = rest.split("/", 2)
-        rep = GenerationReport.from_json(kv.value)
-        view.reports.setdefault(int(gen), {})[node] = rep
