@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop systemd-tools clean
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale systemd-tools clean
 
 venv: $(STAMP)
 
@@ -61,6 +61,10 @@ bench-cluster: $(STAMP) data
 # The per-step cost of the agreed stop (stop_check_interval_steps 1 and 10) against plain msrun.
 bench-stop: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/stop_check.py --data $(DATA) --runs 3
+
+# One reconcile pass of the leader at 10..4000 simulated nodes (records in a real etcd).
+bench-scale: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/coordinator_scale.py --nodes 10 100 1000 2000 4000
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

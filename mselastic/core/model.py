@@ -8,6 +8,7 @@ hand-edited etcd value is reported, never half-used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, TypeVar
 
@@ -114,8 +115,13 @@ class Plan:
     def from_json(cls, text: str | bytes) -> "Plan":
         return _decode(cls, text)
 
+    @functools.cached_property
+    def _by_node(self) -> dict[str, Member]:
+        return {m.node_id: m for m in self.members}
+
     def member(self, node_id: str) -> Member | None:
-        return next((m for m in self.members if m.node_id == node_id), None)
+        """O(1): the planner asks once per node, and a plan may have thousands of members."""
+        return self._by_node.get(node_id)
 
     def member_of_rank(self, rank: int) -> Member | None:
         """The member that runs global ``rank`` (None when the plan has no such rank)."""
