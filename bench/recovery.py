@@ -19,20 +19,16 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from localnode import BIN, REPO, TRAIN, LocalNode, wait_for, write_lenet_spec  # noqa: E402
+from localnode import REPO, LocalNode, plain_msrun, wait_for, write_lenet_spec  # noqa: E402
 
 from mselastic.core import contract  # noqa: E402
-from mselastic.core.contract import Beat  # noqa: E402
 from mselastic.core.model import Event, GenerationReport  # noqa: E402
-from mselastic.store.embedded import free_port  # noqa: E402
 from mselastic.store.keys import Keys  # noqa: E402
 from mselastic.core.states import GenerationState  # noqa: E402
 
@@ -41,34 +37,10 @@ KEYS = Keys()  # the default namespace the bench's elasticd uses
 
 def plain_msrun_cold_start(data: str, work: str) -> float:
     """Seconds from starting msrun to the first training step, with no daemon involved."""
-    name = f"mselastic-bench-{os.getpid()}-{time.time_ns()}"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind("\0" + name)
-    sock.settimeout(120)
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **{contract.ENV_HEARTBEAT: name})
-    os.makedirs(work, exist_ok=True)
-    cmd = [os.path.join(BIN, "msrun"), "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
-           f"--log_dir={work}/logs", "--join=True", "--tail_worker_log=99999", TRAIN, "--data", data,
-           "--out", f"{work}/out"]
-    env[contract.ENV_CHECKPOINT_DIR] = f"{work}/ckpt-{time.time_ns()}"
-    env[contract.ENV_TOTAL_STEPS] = "20"
-    with open(f"{work}/msrun.log", "ab") as log:
-        started = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        while True:
-            beat = Beat.decode(sock.recv(4096))
-            if beat.kind == "step":
-                return beat.at - started
-    finally:
-        sock.close()
-        # SIGINT makes msrun stop its workers and scheduler; then make sure of its group.
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with plain_msrun(data, work, {contract.ENV_TOTAL_STEPS: "20"}) as run:
+        while (beat := run.beat()).kind != "step":
+            pass
+        return beat.at - run.started
 
 
 def elastic_recovery(data: str, work: str, kill_at_step: int) -> dict[str, float]:

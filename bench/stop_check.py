@@ -21,47 +21,30 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from localnode import BIN, TRAIN  # noqa: E402
+from localnode import plain_msrun  # noqa: E402
 
 from mselastic.core import contract  # noqa: E402
 from mselastic.core.contract import Beat  # noqa: E402
-from mselastic.store.embedded import free_port  # noqa: E402
 
 
 def run(data: str, work: str, interval: int | None, from_step: int, to_step: int) -> dict[str, float]:
     """One plain-msrun run; ``interval`` None: no stop check (the baseline)."""
     total = to_step + 200
-    name = f"mselastic-bench-{os.getpid()}-{time.time_ns()}"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind("\0" + name)
-    sock.settimeout(120)
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **{
-        contract.ENV_HEARTBEAT: name,
-        contract.ENV_CHECKPOINT_DIR: f"{work}/ckpt-{time.time_ns()}",
-        contract.ENV_TOTAL_STEPS: str(total),
-        contract.ENV_CHECKPOINT_INTERVAL: str(total),  # only the stop's checkpoint: the same I/O in every run
-        contract.ENV_STOP_CHECK_INTERVAL: str(interval or total + 1),
-    })
-    os.makedirs(work, exist_ok=True)
-    cmd = [os.path.join(BIN, "msrun"), "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
-           f"--log_dir={work}/logs", "--join=True", "--tail_worker_log=99999", TRAIN, "--data", data,
-           "--out", f"{work}/out"]
-    with open(f"{work}/msrun.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    env = {contract.ENV_TOTAL_STEPS: str(total),
+           contract.ENV_CHECKPOINT_INTERVAL: str(total),  # only the stop's checkpoint: the same I/O in every run
+           contract.ENV_STOP_CHECK_INTERVAL: str(interval or total + 1)}
     at: dict[int, float] = {}
     pids: dict[int, int] = {}
-    try:
+    with plain_msrun(data, work, env) as job:
         while to_step not in at:
-            beat = Beat.decode(sock.recv(4096))
+            beat = job.beat()
             pids[beat.rank] = beat.pid
             if beat.kind == "step" and beat.rank == 0:
                 at[beat.step] = beat.at
@@ -72,23 +55,13 @@ def run(data: str, work: str, interval: int | None, from_step: int, to_step: int
         asked = time.time()
         exited: dict[int, Beat] = {}
         while len(exited) < 2:
-            beat = Beat.decode(sock.recv(4096))
+            beat = job.beat()
             if beat.kind == "planned_exit":
                 exited[beat.rank] = beat
         # msrun itself lingers ~30 s after its workers are gone; the agent does not wait for it.
         result["stop_s"] = max(b.at for b in exited.values()) - asked
         result["stop_steps"] = exited[0].step - to_step
         return result
-    finally:
-        sock.close()
-        if proc.poll() is None:
-            # SIGINT makes msrun stop its workers and scheduler; then make sure of its group.
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def main() -> int:

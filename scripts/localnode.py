@@ -7,19 +7,23 @@ checks that no marked process is left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 import psutil
 import tenacity
 
+from mselastic.core import contract
+from mselastic.core.contract import Beat
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -51,6 +55,49 @@ def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: st
                 f'workers_per_node = 2\ntotal_steps = {steps}\nglobal_batch_size = 32\n'
                 f'checkpoint_dir = "{ckpt_dir}"\ncheckpoint_interval_steps = 10\nmax_restarts = 3\n')
     return path
+
+
+class PlainMsrun:
+    """A running plain-msrun LeNet job (no daemon) whose ranks' heartbeats this process receives."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, started: float) -> None:
+        self.proc, self.sock, self.started = proc, sock, started
+
+    def beat(self) -> Beat:
+        """The next heartbeat of any rank (raises socket.timeout after 120 s without one)."""
+        return Beat.decode(self.sock.recv(4096))
+
+
+@contextlib.contextmanager
+def plain_msrun(data: str, work: str, env: dict[str, str]) -> Iterator[PlainMsrun]:
+    """LeNet under plain msrun, 2 workers, ``env`` added (the job's ``MSELASTIC_*`` settings);
+    stopped with its whole process group on the way out."""
+    name = f"mselastic-bench-{os.getpid()}-{time.time_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(120)
+    full_env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
+                    **{contract.ENV_HEARTBEAT: name, contract.ENV_CHECKPOINT_DIR: f"{work}/ckpt-{time.time_ns()}"})
+    full_env.update(env)
+    os.makedirs(work, exist_ok=True)
+    cmd = [os.path.join(BIN, "msrun"), "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
+           f"--log_dir={work}/logs", "--join=True", "--tail_worker_log=99999", TRAIN, "--data", data,
+           "--out", f"{work}/out"]
+    with open(f"{work}/msrun.log", "ab") as log:
+        started = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    try:
+        yield PlainMsrun(proc, sock, started)
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            # SIGINT makes msrun stop its workers and scheduler; then make sure of its group.
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 class LocalNode:
