@@ -22,7 +22,7 @@ from mselastic.daemon.coordinator import Coordinator, Fenced
 from mselastic.store.lease import Term
 from mselastic.store.etcd import Store, TemporaryError
 from mselastic.store.keys import BadName
-from mselastic.store.views import JobView, read_cluster
+from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -171,6 +171,10 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.CordonResponse(node_id=request.node_id, cordoned=request.cordon, draining=request.drain)
 
     async def _job(self, job: str, context: grpc.aio.ServicerContext) -> JobView:
+        return (await self._cluster_and_job(job, context))[1]
+
+    async def _cluster_and_job(self, job: str, context: grpc.aio.ServicerContext) -> tuple[ClusterView, JobView]:
+        """The cluster as read for ``job`` (nodes, leader, that job), or the call aborted."""
         try:
             cluster = await read_cluster(self.store, job)
         except BadName as e:
@@ -180,7 +184,8 @@ class ControlService(pb_grpc.ControlServicer):
         view = cluster.jobs.get(job)
         if view is None:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {job!r} (see elasticctl jobs)")
-        return view
+        assert view is not None
+        return cluster, view
 
     async def Events(self, request: pb.EventsRequest, context: grpc.aio.ServicerContext) -> pb.EventsResponse:
         await self._job(request.job, context)
@@ -226,16 +231,7 @@ class ControlService(pb_grpc.ControlServicer):
                         context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
         """Remove a finished job's records; what it wrote (checkpoints, worker logs) stays."""
         await self._require_leader(context)
-        try:
-            cluster = await read_cluster(self.store, request.job)
-        except BadName as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
-        view = cluster.jobs.get(request.job)
-        if view is None:
-            await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
-        assert view is not None
+        cluster, view = await self._cluster_and_job(request.job, context)
         if not view.status.state.terminal:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         f"job {view.name} is {view.status.state.value}; stop it first (elasticctl stop {view.name})")
