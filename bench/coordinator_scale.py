@@ -1,4 +1,4 @@
-"""What one reconcile pass of the leader costs as the cluster grows.
+"""What the leader's reconcile passes cost as the cluster grows.
 
 For N simulated nodes (their records in a real etcd; no processes), one job spread over
 all of them: spec, status, a committed plan of generation G, every node's report of G
@@ -11,7 +11,15 @@ that decides a relaunch after one node's rank failed.
 There is no msrun here: the baseline is the smallest cluster, and the question is
 whether the cost per node stays flat (linear growth) as N grows.
 
-Usage: python bench/coordinator_scale.py [--nodes 10 100 1000 2000] [--passes 10]
+Then the live leader (``--live-nodes``, default 4000): the real coordinator leading (an
+election won in the same etcd, its informer cache), while a separate writer process makes
+every node report its progress once a second (batched transactions, as many agents would).
+Printed for ``--live-seconds``: reconcile passes per second, the leader process's CPU, and
+keys read from etcd per pass against watch changes applied per pass (reads must follow what
+changed, not the cluster's size). Member addresses are 127.0.0.1 on a closed port: nothing
+is ever pushed anywhere else.
+
+Usage: python bench/coordinator_scale.py [--nodes 10 100 1000 2000] [--passes 10] [--live-nodes 4000]
 """
 
 from __future__ import annotations
@@ -20,17 +28,20 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
-from mselastic.core.model import GenerationReport, JobStatus, NodeRecord
+from mselastic.core.model import GenerationReport, JobStatus, LeaderRecord, NodeRecord
 from mselastic.core.planner import Action, PortRange, decide, make_plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import EmbeddedEtcd
 from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys
+from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
+from mselastic.store.lease import Election
 from mselastic.store.views import read_cluster
 
 JOB = "bench"
@@ -44,8 +55,8 @@ async def put_all(store: Store, items: list[tuple[str, str]], batch: int = 200) 
 
 async def populate(store: Store, n: int, old_generations: int) -> None:
     k = store.keys
-    nodes = [NodeRecord(node_id=f"n{i:05d}", agent_address=f"10.0.{i // 250}.{i % 250}:7070",
-                        host=f"10.0.{i // 250}.{i % 250}", slots=1, version="bench") for i in range(n)]
+    nodes = [NodeRecord(node_id=f"n{i:05d}", agent_address="127.0.0.1:9", host="127.0.0.1", slots=1,
+                        version="bench") for i in range(n)]
     spec = JobSpec(name=JOB, script="/s.py", checkpoint_dir="/c", workers_per_node=1, min_nodes=1, max_nodes=n,
                    global_batch_size=n)
     plan = make_plan(spec, nodes, G, 0, "bench", None, PortRange())
@@ -94,11 +105,66 @@ async def measure(endpoint: str, n: int, old_generations: int, passes: int) -> d
         await store.close()
 
 
+async def write_progress(endpoint: str, namespace: str, n: int, seconds: float, batch: int = 100) -> None:
+    """The simulated agents: every node's report of generation G gets a new step once a second."""
+    store = Store(endpoint, Keys(namespace))
+    k, tx = store.keys, store.tx
+    step, end = 1000, time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            second = time.monotonic()
+            step += 1
+            for i in range(0, n, batch):
+                ops = [tx.put(k.report(JOB, G, f"n{j:05d}").encode(), GenerationReport(
+                    job=JOB, generation=G, node_id=f"n{j:05d}", state=GenerationState.RUNNING, step=step,
+                    first_step_at=1.0).to_json().encode()) for j in range(i, min(n, i + batch))]
+                await store.txn([], ops)
+                # Spread the second's reports over the second.
+                await asyncio.sleep(max(0.0, second + (i + batch) / n - time.monotonic()))
+    finally:
+        await store.close()
+
+
+async def live(endpoint: str, n: int, seconds: float) -> dict[str, float]:
+    namespace = f"/live-{n}"
+    store = Store(endpoint, Keys(namespace))
+    stop = asyncio.Event()
+    writer = None
+    try:
+        await populate(store, n, 0)
+        term = await Election(store, LeaderRecord("bench", "127.0.0.1:9").to_json(), 30).campaign(stop)
+        assert term is not None
+        coord = Coordinator(store, CoordinatorConfig("bench", "127.0.0.1:9", 30, progress_interval_s=10,
+                                                     reconcile_interval_s=1.0))
+        lead = asyncio.create_task(coord._lead(term, stop))
+        writer = subprocess.Popen([sys.executable, __file__, "--writer", endpoint, namespace, str(n),
+                                   str(seconds + 5)])
+        await asyncio.sleep(3)  # the informer has listed; the writer is under way
+        assert coord.informer is not None and coord.informer.synced.is_set()
+        inf = coord.informer
+        p0, c0, r0, ch0, t0 = coord.passes, time.process_time(), store.keys_read, inf.changes, time.monotonic()
+        await asyncio.sleep(seconds)
+        passes, cpu = coord.passes - p0, time.process_time() - c0
+        reads, changes, wall = store.keys_read - r0, inf.changes - ch0, time.monotonic() - t0
+        stop.set()
+        await asyncio.wait_for(lead, 30)
+        await term.lease.release()
+        return {"passes_per_s": passes / wall, "cpu": cpu / wall, "reads_per_pass": reads / max(passes, 1),
+                "changes_per_pass": changes / max(passes, 1), "changes_per_s": changes / wall,
+                "pass_ms": cpu / max(passes, 1) * 1000, "lists": inf.lists}
+    finally:
+        if writer is not None:
+            writer.terminate()
+            writer.wait(timeout=30)
+        await store.close()
+
+
 async def run(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="mselastic-scale-") as tmp:
         etcd = EmbeddedEtcd(os.path.join(tmp, "etcd")).start()
         try:
             results = {n: await measure(etcd.endpoint, n, a.old_generations, a.passes) for n in a.nodes}
+            live_results = {n: await live(etcd.endpoint, n, a.live_seconds) for n in a.live_nodes}
         finally:
             etcd.stop()
     base_n = min(a.nodes)
@@ -111,14 +177,30 @@ async def run(a: argparse.Namespace) -> int:
         print(f"  {n:>6}  {r['pass_s'] * 1000:8.1f}  {r['pass_s'] / base:6.1f}  {r['pass_s'] / n * 1e6:8.0f}"
               f"  {r['fail_s'] * 1000:16.1f}")
     print(f"(ratio: against {base_n} nodes; linear growth keeps us/node flat)")
+    if live_results:
+        print(f"\nthe live leader (informer cache), every node reporting progress once a second, "
+              f"{a.live_seconds:g} s:")
+        print(f"  {'nodes':>6}  {'changes/s':>9}  {'passes/s':>8}  {'leader CPU':>10}  {'CPU ms/pass':>11}"
+              f"  {'keys read/pass':>14}  {'changes/pass':>12}  {'lists':>5}")
+        for n, r in live_results.items():
+            print(f"  {n:>6}  {r['changes_per_s']:9.0f}  {r['passes_per_s']:8.1f}  {r['cpu'] * 100:9.0f}%"
+                  f"  {r['pass_ms']:11.1f}  {r['reads_per_pass']:14.2f}  {r['changes_per_pass']:12.0f}"
+                  f"  {r['lists']:>5}")
+        print("(keys read/pass: what a pass reads from etcd; the cache is listed once and then follows the watch)")
     return 0
 
 
 def main() -> int:
+    if len(sys.argv) == 6 and sys.argv[1] == "--writer":  # the simulated agents, in their own process
+        endpoint, namespace, n, seconds = sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+        asyncio.run(write_progress(endpoint, namespace, n, seconds))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[10, 100, 1000, 2000])
     p.add_argument("--old-generations", type=int, default=5)
     p.add_argument("--passes", type=int, default=10)
+    p.add_argument("--live-nodes", type=int, nargs="*", default=[4000])
+    p.add_argument("--live-seconds", type=float, default=10.0)
     a = p.parse_args()
     if min(a.nodes) < 1 or a.old_generations < 0 or a.passes < 1 or a.old_generations > G - 2:
         p.error(f"--nodes >= 1, 0 <= --old-generations <= {G - 2}, --passes >= 1")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from mselastic.core.kinds import RelaunchReason
+
 #: Restart/relaunch reasons used as the ``reason`` label.
-REASONS = ("initial", "rank_failure", "hang", "msrun_failure", "node_lost", "sigterm", "drain", "scale_up",
-           "scale_down", "restart")
+REASONS = tuple(r.value for r in RelaunchReason)
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 GENERATIONS = Counter("mselastic_generations", "Generations committed by this elasticd as leader", ["job"])
@@ -30,11 +31,12 @@ STEP_RATE = Gauge("mselastic_step_rate", "Optimizer steps per second of the job,
 LEADER = Gauge("mselastic_leader", "1 while this elasticd is the leader")
 ETCD_ERRORS = Counter("mselastic_etcd_errors", "etcd calls that failed, by kind", ["kind"])
 GRPC_ERRORS = Counter("mselastic_grpc_errors", "gRPC calls to other elasticds that failed, by method", ["method"])
+JOB_ERRORS = Counter("mselastic_job_errors", "Reconcile passes of the job that raised (retried with backoff)", ["job"])
 
 
 def forget_job(job: str) -> None:
     """Drop every series of a deleted job."""
-    for metric in (GENERATIONS, RESTARTS, RECOVERY, WORLD_SIZE, GENERATION, STEP, STEP_RATE):
+    for metric in (GENERATIONS, RESTARTS, JOB_ERRORS, RECOVERY, WORLD_SIZE, GENERATION, STEP, STEP_RATE):
         metric.remove_by_labels({"job": job})
 
 

@@ -80,7 +80,7 @@ def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     wait_for("n1's lease to expire", lambda: etcd.get(etcd.keys.node("n1")) is None, cluster.lease_ttl_s + 1, 0.05)
     plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
     assert time.monotonic() - killed < cluster.lease_ttl_s + 5
-    assert [m.node_id for m in plan2.members] == ["n0"] and plan2.worker_num == 1
+    assert [m.node_id for m in plan2.members] == ["n0"] and plan2.world_size == 1
     assert "node(s) lost: n1" in plan2.reason or "failed" in plan2.reason
     # n1 comes back: the report its killed elasticd left running is closed, so n1 is not shown busy.
     assert (old := etcd.report(JOB, 1, "n1")) is not None and not old.state.terminal
@@ -259,7 +259,7 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     # The next relaunch (rank 0 killed) takes the newcomer in, appended after the survivor.
     os.kill(before[0], signal.SIGKILL)
     plan2 = wait_for("generation 2", lambda: (q := etcd.plan(JOB)) and q.generation == 2 and q, 30, 0.1)
-    assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.worker_num == 2
+    assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.world_size == 2
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     check_history(etcd, JOB, 100)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import pytest
 
@@ -72,3 +74,65 @@ def test_duplicate_submit_and_stop(endpoint: str, etcd: Etcd, tmp_path: os.PathL
     assert r.returncode == 0 and "STOPPED" in r.stdout
     status = etcd.status("big")
     assert status is not None and status.state.value == "STOPPED"
+
+
+def test_a_resubmission_already_past_total_steps_is_refused(endpoint: str, etcd: Etcd,
+                                                             tmp_path: os.PathLike[str]) -> None:
+    """After a 3000-step run, the same checkpoint_dir with total_steps = 300 would 'succeed' at once."""
+    tmp = str(tmp_path)
+    ckpt = os.path.join(tmp, "ckpt")
+    os.makedirs(ckpt)
+    with open(os.path.join(ckpt, "ckpt-00001487.json"), "w") as f:
+        json.dump({"step": 1487, "file": "ckpt-00001487.ckpt"}, f)
+    with open(os.path.join(ckpt, "latest.json"), "w") as f:
+        json.dump({"manifest": "ckpt-00001487.json"}, f)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "again", tmp, ckpt, total_steps=300, workers=4)
+    r = elasticctl("submit", spec, endpoint=endpoint)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "checkpoint at step 1487, at or past total_steps=300" in r.stderr and "--force" in r.stderr, r.stderr
+    assert etcd.status("again") is None  # nothing written
+    more = lenet_spec(os.path.join(tmp, "more.toml"), "again", tmp, ckpt, total_steps=3000, workers=4)
+    assert elasticctl("submit", more, endpoint=endpoint).returncode == 0  # more steps: a resume
+    assert elasticctl("stop", "again", endpoint=endpoint).returncode == 0
+    assert elasticctl("delete", "again", endpoint=endpoint).returncode == 0
+    r = elasticctl("submit", "--force", spec, endpoint=endpoint)
+    assert r.returncode == 0, r.stderr
+
+
+def test_json_and_yaml_have_numbers_and_every_field(endpoint: str, etcd: Etcd, tmp_path: os.PathLike[str]) -> None:
+    import yaml
+
+    tmp = str(tmp_path)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "big", tmp, tmp, total_steps=10, workers=4)  # stays PENDING
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    for fmt, parse in (("json", json.loads), ("yaml", yaml.safe_load)):
+        r = elasticctl("status", "-o", fmt, endpoint=endpoint)
+        assert r.returncode == 0, r.stderr
+        data = parse(r.stdout)
+        job, node = data["jobs"][0], data["nodes"][0]
+        assert job["generation"] == 0 and job["restart_count"] == 0 and job["total_steps"] == 10, job
+        assert job["step"] == -1 and job["members"] == [] and job["note"] == "", job
+        assert node["cordoned"] is False and node["draining"] is False and node["used_slots"] == 0, node
+        assert node["slots"] == 2 and node["running_jobs"] == [], node
+
+
+def test_exit_codes_tell_a_wrong_endpoint_from_etcd_down(procs: Processes, namespace: str,
+                                                         tmp_path: os.PathLike[str]) -> None:
+    from mselastic.store.embedded import EmbeddedEtcd
+
+    tmp = str(tmp_path)
+    server = EmbeddedEtcd(os.path.join(tmp, "etcd")).start()
+    try:
+        port = free_port()
+        procs.start("elasticd-n0", elasticd_cmd("n0", server.endpoint, port, os.path.join(tmp, "w"), namespace))
+        wait_for("n0 leading", lambda: Etcd(server.endpoint, namespace).leader() == "n0", 30)
+        # etcd's own port: a gRPC server, but not an elasticd.
+        r = elasticctl("jobs", endpoint=server.endpoint)
+        assert r.returncode == 4 and "is not an elasticd" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+        server.stop()
+        started = time.monotonic()
+        r = elasticctl("jobs", endpoint=f"127.0.0.1:{port}")
+        assert r.returncode == 5 and "answered but cannot reach etcd" in r.stderr, r.stderr
+        assert len(r.stderr.splitlines()) == 1 and time.monotonic() - started < 7, r.stderr
+    finally:
+        server.stop()

@@ -94,7 +94,7 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     r = elasticctl("status", JOB, "-o", "json", endpoint=endpoint)
     assert r.returncode == 0, r.stderr
     shown = json.loads(r.stdout)["jobs"][0]
-    assert shown["state"] == "JOB_STATE_SUCCEEDED" and shown["generation"] == "2"
+    assert shown["state"] == "JOB_STATE_SUCCEEDED" and shown["generation"] == 2
     assert shown["last_failure"]["rank"] == 1 and shown["last_failure"]["recover_s"] > 0
     table = elasticctl("status", endpoint=endpoint).stdout
     assert "SUCCEEDED" in table and "rank 1 on n0" in table and "recovered in" in table

@@ -142,7 +142,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     plans = check_history(etcd, JOB, total)
-    assert [p.worker_num for p in plans] == [2, 1, 2, 1, 2, 1]
+    assert [p.world_size for p in plans] == [2, 1, 2, 1, 2, 1]
     assert [p.restart_count for p in plans] == [0, 0, 0, 1, 1, 1]  # only the node loss counts as a restart
 
     committed = committed_samples(out)

@@ -142,7 +142,7 @@ def test_read_commands_in_every_format(run: Run, args: list[str]) -> None:
 
 def test_tables_say_what_happened(run: Run) -> None:
     nodes = run.ctl("nodes").stdout
-    assert re.search(r"n0\s+127\.0\.0\.1:\d+\s+2\s+Ready\s+\*", nodes), nodes
+    assert re.search(r"n0\s+127\.0\.0\.1:\d+\s+0/2\s+Ready\s+\*", nodes), nodes  # used/all slots
     jobs = run.ctl("jobs").stdout
     assert re.search(rf"{JOB}\s+SUCCEEDED\s+3\s+2\s+{TOTAL}/{TOTAL}", jobs), jobs
     described = run.ctl("describe", "job", JOB).stdout

@@ -10,6 +10,7 @@ from typing import Any
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, NodeRecord, Plan
 from mselastic.core.planner import RESERVED_PORTS, Action, PortRange, decide, make_plan, master_port
 from mselastic.core.spec import JobSpec
+from mselastic.core.states import FailureCause
 from mselastic.core.states import GenerationState as G
 from mselastic.core.states import JobState as J
 
@@ -77,7 +78,7 @@ def test_decide(state, plan, reports, nodes, action, members, generation):  # ty
         assert [m.node_id for m in d.plan.members] == members
         assert [m.node_rank for m in d.plan.members] == list(range(len(members)))
         assert d.plan.generation == generation
-        assert d.plan.worker_num == 2 * len(members)
+        assert d.plan.world_size == 2 * len(members)
         assert d.plan.master_addr == d.plan.members[0].host
         if plan is not None:
             assert d.plan.master_port != plan.master_port
@@ -184,7 +185,7 @@ def running(*ids: int, generation: int = 1) -> dict[str, GenerationReport]:
 def test_only_valid_world_sizes_are_formed_and_idle_nodes_are_named() -> None:
     spec = dataclasses.replace(ELASTIC, global_batch_size=24)  # valid: 1, 2, 3, 4
     d = decide(spec, J.PENDING, None, {}, [one(i) for i in range(5)])
-    assert d.plan is not None and d.plan.worker_num == 4 and "n4 idle: max_nodes=4" in d.reason
+    assert d.plan is not None and d.plan.world_size == 4 and "n4 idle: max_nodes=4" in d.reason
     spec = dataclasses.replace(ELASTIC, global_batch_size=20, max_nodes=4)  # valid: 1, 2, 4
     d = decide(spec, J.PENDING, None, {}, [one(i) for i in range(3)])
     assert d.plan is not None and [m.node_id for m in d.plan.members] == ["n0", "n1"]
@@ -199,7 +200,7 @@ def test_micro_batch_sizes_limit_the_world_sizes() -> None:
     spec = dataclasses.replace(ELASTIC, global_batch_size=32, micro_batch_sizes=(8,), min_nodes=1, max_nodes=8)
     assert spec.valid_world_sizes() == [1, 2, 4]
     d = decide(spec, J.PENDING, None, {}, [one(i) for i in range(7)])
-    assert d.plan is not None and d.plan.worker_num == 4
+    assert d.plan is not None and d.plan.world_size == 4
 
 
 def test_drain_is_a_planned_relaunch_without_the_node() -> None:
@@ -254,7 +255,73 @@ def test_a_job_submitted_again_after_delete_continues_the_generation_numbers() -
 
 
 def test_a_report_closed_by_a_restarted_elasticd_is_a_lost_node() -> None:
-    closed = dataclasses.replace(rep(1, G.FAILED), reason=AGENT_RESTARTED)
+    closed = dataclasses.replace(rep(1, G.FAILED), reason=AGENT_RESTARTED, cause=FailureCause.AGENT_RESTARTED)
     d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": rep(0, G.RUNNING), "n1": closed}, [node(0), node(1)])
     assert d.action is Action.LAUNCH and d.kind == "node_lost" and d.plan is not None and d.plan.generation == 2
     assert d.reason.startswith(f"on node n1, {AGENT_RESTARTED}"), d.reason
+
+
+def test_a_launch_the_spec_makes_impossible_fails_the_job_at_once_without_a_restart() -> None:
+    def bad(i: int) -> GenerationReport:
+        return dataclasses.replace(rep(i, G.FAILED), cause=FailureCause.LAUNCH_SPEC,
+                                   reason="checkpoint_dir /proc/x cannot be created: No such file or directory")
+    nodes = [node(0), node(1)]
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": bad(0), "n1": bad(1)}, nodes, now=10)
+    assert d.action is Action.FAIL and "checkpoint_dir /proc/x" in d.reason and d.kind == "launch_error"
+    assert d.node_failures is None and d.quarantined_until is None  # no node is blamed for the spec
+    # Until every member has said, wait; a member that started makes it that node's problem (a missing mount).
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n1": bad(1)}, nodes, now=10)
+    assert d.action is Action.NOTHING and "waiting for the other members" in d.note
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": rep(0, G.RUNNING), "n1": bad(1)}, nodes, now=10)
+    assert d.action is Action.LAUNCH and d.node_failures == {"n1": 1} and d.kind == "launch_error"
+
+
+def test_a_node_local_launch_error_is_a_counted_relaunch_blamed_on_the_node() -> None:
+    bad = dataclasses.replace(rep(1, G.FAILED), cause=FailureCause.LAUNCH_NODE, reason="msrun not found")
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n1": bad}, [node(0), node(1)], now=10)
+    assert d.action is Action.LAUNCH and d.plan is not None and d.plan.restart_count == 1
+    assert d.kind == "launch_error" and d.node_failures == {"n1": 1}
+
+
+def test_slots_held_by_other_jobs_are_not_used_and_the_wait_names_the_holder() -> None:
+    d = decide(SPEC, J.PENDING, None, {}, [node(0), node(1)], free_slots={"n0": 0, "n1": 1},
+               busy="slots held by job a on n0, n1")
+    assert d.action is Action.WAIT and d.reason.endswith("slots held by job a on n0, n1"), d.reason
+    d = decide(SPEC, J.PENDING, None, {}, [node(0), node(1)], free_slots={"n0": 0, "n1": 2})
+    assert d.action is Action.LAUNCH and d.plan is not None and [m.node_id for m in d.plan.members] == ["n1"]
+
+
+def test_a_join_that_only_has_slots_of_another_job_does_not_scale_up() -> None:
+    d = decide(dataclasses.replace(SPEC, scale_up_settle_s=1), J.RUNNING, plan_on(0), {"n0": rep(0, G.RUNNING)},
+               [node(0), node(1)], now=100, free_slots={"n0": 2, "n1": 0})
+    assert d.action is Action.NOTHING and not d.scale_up_nodes
+
+
+def test_the_steps_in_order_and_each_one_alone() -> None:
+    from mselastic.core import planner
+
+    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "launch_error", "relaunch_after_fault", "success",
+                                                   "restart", "scale_down", "drain", "scale_up"]
+
+    def situation(plan: Plan | None, reports: list[GenerationReport], nodes: list[NodeRecord],
+                  status: JobStatus | None = None) -> planner.Situation:
+        st_ = status or st()
+        return planner.Situation(SPEC, plan, st_, nodes, planner.eligible(nodes, SPEC), {}, reports, PortRange(), 0,
+                                 10.0, "")
+    healthy = situation(plan_on(0), [rep(0, G.RUNNING)], [node(0)])
+    assert [step.__name__ for step in planner.STEPS if step(healthy) is not None] == ["scale_up"]
+    assert planner.scale_up(healthy).action is Action.NOTHING
+    # Each step on the situation it is for, and only that one.
+    cases = {
+        "first_launch": situation(None, [], [node(0)]),
+        "launch_error": situation(plan_on(0), [dataclasses.replace(rep(0, G.FAILED), cause=FailureCause.LAUNCH_SPEC)],
+                                  [node(0)]),
+        "relaunch_after_fault": situation(plan_on(0, 1), [rep(1, G.FAILED)], [node(0), node(1)]),
+        "success": situation(plan_on(0), [rep(0, G.SUCCEEDED)], [node(0)]),
+        "restart": situation(plan_on(0), [rep(0, G.RUNNING)], [node(0)], st(restart_requested=1)),
+        "scale_down": situation(plan_on(0, 1, 2), [], [node(0), node(1), node(2)]),
+        "drain": situation(plan_on(0, 1), [], [node(0), dataclasses.replace(node(1), draining=True, cordoned=True)]),
+    }
+    for name, s in cases.items():
+        first = next(step for step in planner.STEPS if step(s) is not None)
+        assert first.__name__ == name, (name, first.__name__)

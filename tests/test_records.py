@@ -75,7 +75,7 @@ def test_ranks_are_contiguous_per_member() -> None:
     from mselastic.core.model import Member
 
     plan = Plan(job="j", generation=1, members=(Member("a", 0, 2, "a:1", "a"), Member("b", 1, 3, "b:1", "b")),
-                worker_num=5, master_addr="a", master_port=20001, restart_count=0, reason="t")
+                world_size=5, master_addr="a", master_port=20001, restart_count=0, reason="t")
     assert [plan.first_rank(n) for n in ("a", "b")] == [0, 2]
     owners = [m.node_id if (m := plan.member_of_rank(r)) else None for r in range(-1, 6)]
     assert owners == [None, "a", "a", "b", "b", "b", None]

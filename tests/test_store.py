@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 import time
+from typing import Callable
 
 import pytest
 
-from mselastic.core.model import Event, JobStatus
+from mselastic.core.model import Event, JobStatus, NodeRecord
+from mselastic.core.spec import JobSpec
 from mselastic.core.states import JobState
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig, Fenced
 from mselastic.store.embedded import EmbeddedEtcd, free_port
 from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys
+from mselastic.store.informer import Informer
 from mselastic.store.lease import Election
-from tests.harness import Etcd, Processes, elasticd_cmd, wait_for
+from mselastic.store.views import ClusterView, JobView
+from tests.harness import Etcd, Processes, elasticd_cmd, holds_for, wait_for
 
 TTL = 3
 
@@ -42,10 +48,20 @@ def test_exactly_one_leader_and_a_deposed_leader_cannot_commit(etcd_server: Embe
         coord_b = Coordinator(b, CoordinatorConfig("b", "x:2", TTL))
         status = JobStatus(JobState.RUNNING, 1)
         with pytest.raises(Fenced):
-            await coord_a.write_status(term_a, "job", status, Event(0, "t", 1, "from a"))
-        await coord_b.write_status(term_b, "job", status, Event(0, "t", 1, "from b"))
+            await coord_a.write_status(term_a, JobView("job"), status, Event(0, "t", 1, "from a"))
+        view = JobView("job")
+        assert await coord_b.write_status(term_b, view, status, Event(0, "t", 1, "from b"))
         stored = await b.get(b.keys.status("job"))
         assert stored is not None and JobStatus.from_json(stored.value) == status
+        assert view.status_kv is not None and view.status_kv.mod_revision == stored.mod_revision
+
+        # Compare-and-set on the status: a write decided on an older read is refused, not applied.
+        stopped = JobStatus(JobState.STOPPED, 1, message="stopped by operator")
+        assert await coord_b.write_status(term_b, view, stopped, None)
+        stale = JobView("job", status=status, status_kv=stored)
+        assert not await coord_b.write_status(term_b, stale, JobStatus(JobState.RUNNING, 2), None)
+        again = await b.get(b.keys.status("job"))
+        assert again is not None and JobStatus.from_json(again.value) == stopped
         await term_b.lease.release()
         for s in (a, b):
             await s.close()
@@ -65,6 +81,31 @@ def test_registration_disappears_within_ttl_after_sigkill(procs: Processes, etcd
     assert time.monotonic() - killed <= TTL + 1
 
 
+def test_a_second_elasticd_with_a_taken_node_id_refuses_and_leaves_the_first_alone(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    tmp, port = str(tmp_path), free_port()
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "a"), namespace,
+                                            lease_ttl_s=TTL))
+    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 20)
+
+    def registration() -> tuple[bytes, int] | None:
+        async def fn(s: Store) -> tuple[bytes, int] | None:
+            kv = await s.get(etcd.keys.node("n0"))
+            return (kv.value, kv.lease) if kv else None
+        return etcd._run(fn)  # type: ignore[no-any-return]
+    before = registration()
+    dup = procs.start("elasticd-dup", elasticd_cmd("n0", etcd.endpoint, free_port(), os.path.join(tmp, "b"),
+                                                   namespace, lease_ttl_s=TTL))
+    assert dup.wait(timeout=30) == 2
+    with open(os.path.join(procs.log_dir, "elasticd-dup.log")) as f:
+        out = f.read()
+    assert f"elasticd: node id n0 is already registered by a running elasticd at 127.0.0.1:{port}" in out, out
+    assert "Traceback" not in out and "registered; ready" not in out, out
+    # The first one keeps its registration (same lease, renewed) and the lead.
+    holds_for("n0's registration untouched", lambda: registration() == before and etcd.leader() == "n0", 2 * TTL)
+    assert procs.started[0].poll() is None
+
+
 def test_two_daemons_one_leader_and_failover(procs: Processes, etcd: Etcd, namespace: str,
                                              tmp_path: os.PathLike[str]) -> None:
     daemons = {n: procs.start(f"elasticd-{n}", elasticd_cmd(n, etcd.endpoint, free_port(),
@@ -82,3 +123,59 @@ def test_two_daemons_one_leader_and_failover(procs: Processes, etcd: Etcd, names
     other = "n1" if first == "n0" else "n0"
     wait_for(f"{other} to lead", lambda: etcd.leader() == other, TTL + 1, poll_s=0.05)
     assert time.monotonic() - killed <= TTL + 1
+
+
+def test_informer_lists_follows_the_watch_and_lists_again_when_it_breaks(tmp_path: os.PathLike[str]) -> None:
+    """The coordinator's cache against a real etcd: what a pass would read, without reading etcd."""
+    server = EmbeddedEtcd(os.path.join(str(tmp_path), "etcd")).start()
+
+    async def scenario() -> None:
+        store = Store(server.endpoint, Keys("/inf"))
+        k = store.keys
+        spec = JobSpec(name="j", script="/s.py", checkpoint_dir="/c")
+        node = NodeRecord(node_id="n0", agent_address="a:1", host="h", slots=2, version="t")
+        await store.put(k.node("n0"), node.to_json())
+        await store.put(k.spec("j"), spec.to_json())
+        await store.put(k.status("j"), JobStatus(JobState.PENDING).to_json())
+        changed = asyncio.Event()
+        informer = Informer(store, on_change=changed.set)
+        stop = asyncio.Event()
+        task = asyncio.create_task(informer.run(stop))
+        await asyncio.wait_for(informer.synced.wait(), 10)
+        view = informer.view()
+        assert [n.node_id for n in view.nodes] == ["n0"] and view.jobs["j"].status.state is JobState.PENDING
+
+        async def until(what: str, check: Callable[[ClusterView], bool]) -> ClusterView:
+            for _ in range(100):
+                v = informer.view()
+                if check(v):
+                    return v
+                changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), 0.1)
+            raise AssertionError(f"the cache never showed {what}")
+
+        await store.put(k.status("j"), JobStatus(JobState.STOPPED, message="x").to_json())
+        kv = await store.get(k.status("j"))
+        v = await until("the new status", lambda v: v.jobs["j"].status.state is JobState.STOPPED)
+        assert v.jobs["j"].status_kv is not None and kv is not None
+        assert v.jobs["j"].status_kv.mod_revision == kv.mod_revision  # what a compare-and-set needs
+        await store.delete(k.node("n0"))
+        await until("the node gone", lambda v: not v.nodes)
+        await store.put(k.event("j", 1), "{}")  # not cached: events are not a pass's business
+        assert informer.lists == 1
+
+        server.stop()  # the watch breaks; once etcd is back the cache is listed again
+        server.start()
+        await store.put(k.node("n1"), dataclasses.replace(node, node_id="n1").to_json())
+        await until("the node registered after the restart", lambda v: [n.node_id for n in v.nodes] == ["n1"])
+        assert informer.lists >= 2
+        stop.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await store.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()

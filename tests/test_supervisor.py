@@ -6,10 +6,12 @@ import asyncio
 import os
 import socket
 
-from mselastic.agent.supervisor import Generation
+import pytest
+
+from mselastic.agent.supervisor import Generation, LaunchError, preflight
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import GenerationState
+from mselastic.core.states import FailureCause, GenerationState
 
 
 def test_busy_master_port_fails_the_generation_without_starting_msrun(tmp_path: os.PathLike[str]) -> None:
@@ -19,9 +21,10 @@ def test_busy_master_port_fails_the_generation_without_starting_msrun(tmp_path: 
         holder.listen()
         port = holder.getsockname()[1]
         plan = Plan(job="j", generation=4, members=(Member("n0", 0, 2, "127.0.0.1:1", "127.0.0.1"),),
-                    worker_num=2, master_addr="127.0.0.1", master_port=port, restart_count=0, reason="t")
+                    world_size=2, master_addr="127.0.0.1", master_port=port, restart_count=0, reason="t")
         spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
                        workers_per_node=2)
+        open(spec.script, "w").close()
         changes: list[GenerationState] = []
 
         async def run() -> Generation:
@@ -32,6 +35,36 @@ def test_busy_master_port_fails_the_generation_without_starting_msrun(tmp_path: 
 
         gen = asyncio.run(run())
     assert gen.state is GenerationState.FAILED and changes[-1] is GenerationState.FAILED
-    assert f"master port {port} is in use" in gen.reason
+    assert f"master port {port} is in use" in gen.reason and gen.cause is FailureCause.LAUNCH_NODE
     assert gen._msrun is None  # msrun was never started
     assert gen.report().stopped_at > 0
+
+
+@pytest.mark.parametrize("what, expected, cause", [
+    ("missing script", "script {tmp}/nope.py does not exist", FailureCause.LAUNCH_SPEC),
+    ("script is a folder", "script {tmp} is a directory", FailureCause.LAUNCH_SPEC),
+    ("uncreatable checkpoint_dir", "checkpoint_dir /proc/nonexistent/ckpt cannot be created: No such file or directory",
+     FailureCause.LAUNCH_SPEC),
+    ("uncreatable log dir", "log directory /proc/x/logs cannot be created", FailureCause.LAUNCH_NODE),
+    ("no msrun", "msrun not found at {tmp}/bin/msrun", FailureCause.LAUNCH_NODE),
+])
+def test_preflight_names_the_path_and_whose_fault_it_is(tmp_path: os.PathLike[str], what: str, expected: str,
+                                                        cause: FailureCause) -> None:
+    tmp = str(tmp_path)
+    script = os.path.join(tmp, "train.py")
+    open(script, "w").close()
+    fields = dict(name="j", script=script, checkpoint_dir=os.path.join(tmp, "c"))
+    log_dir, msrun = os.path.join(tmp, "logs"), "/bin/true"
+    if what == "missing script":
+        fields["script"] = os.path.join(tmp, "nope.py")
+    elif what == "script is a folder":
+        fields["script"] = tmp
+    elif what == "uncreatable checkpoint_dir":
+        fields["checkpoint_dir"] = "/proc/nonexistent/ckpt"
+    elif what == "uncreatable log dir":
+        log_dir = "/proc/x/logs"
+    else:
+        msrun = os.path.join(tmp, "bin", "msrun")
+    with pytest.raises(LaunchError) as err:
+        preflight(JobSpec(**fields), log_dir, msrun)  # type: ignore[arg-type]
+    assert err.value.cause is cause and str(err.value).startswith(expected.format(tmp=tmp)), str(err.value)

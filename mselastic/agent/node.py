@@ -20,10 +20,10 @@ import grpc
 
 from mselastic import __version__
 from mselastic.agent.supervisor import Generation
-from mselastic.core.model import AGENT_RESTARTED, GenerationReport, MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import GenerationState
-from mselastic.store.etcd import PermanentError, Store, TemporaryError
+from mselastic.core.states import FailureCause, GenerationState
+from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
 from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
@@ -42,6 +42,10 @@ class AgentConfig:
     lease_ttl_s: int
     report_interval_s: float = 1.0
     tls: TlsFiles = TlsFiles()
+
+
+class NodeIdTaken(Exception):
+    """Another running elasticd is registered under this node id: this one must not start."""
 
 
 class LaunchRefused(Exception):
@@ -109,7 +113,7 @@ class NodeAgent:
                         continue
                     now = time.time()
                     closed = dataclasses.replace(rep, state=GenerationState.FAILED, reason=AGENT_RESTARTED,
-                                                 detected_at=now, stopped_at=now)
+                                                 cause=FailureCause.AGENT_RESTARTED, detected_at=now, stopped_at=now)
                     if await self.store.txn([tx.mod(kv.key.encode()) == kv.mod_revision],
                                             [tx.put(kv.key.encode(), closed.to_json().encode())]):
                         log.warning("closed the report of generation %d left open by the previous elasticd",
@@ -153,9 +157,19 @@ class NodeAgent:
                     if rec.node_id != self.cfg.node_id:
                         peers[rec.node_id] = rec.agent_address
                 self._peers = peers
+                await self._check_registered({kv.key for kv in kvs})
             except (TemporaryError, PermanentError):
                 pass
             await asyncio.sleep(self.cfg.lease_ttl_s)
+
+    async def _check_registered(self, keys: set[str]) -> None:
+        """Our key gone while our lease lives (deleted by hand, or by an elasticd that took our id):
+        register again under the same lease, and say so."""
+        lease, key = self._lease, self.store.keys.node(self.cfg.node_id)
+        if lease is None or not lease.id or lease.lost.is_set() or key in keys:
+            return
+        if await self.store.create(key, self._record().to_json(), lease=lease.id):
+            log.warning("this node's registration %s had disappeared; registered again", key, extra=self._ctx)
 
     async def _any_peer_answers(self) -> bool:
         probe_s = min(1.0, self.cfg.lease_ttl_s / 6)  # fence well within the TTL
@@ -169,15 +183,54 @@ class NodeAgent:
 
         return any(await asyncio.gather(*(probe(a) for a in self._peers.values())))
 
+    def _record(self) -> NodeRecord:
+        return NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
+                          slots=self.cfg.slots, version=__version__)
+
     async def _register(self, lease: KeptLease, stop: asyncio.Event) -> None:
-        record = NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
-                            slots=self.cfg.slots, version=__version__)
+        """Register the node id under our lease, if it is free (create-if-absent).
+
+        Taken by a running elasticd that answers as this node: :class:`NodeIdTaken` (two daemons
+        with one id would evict each other). Taken by our predecessor at this same address (it
+        died less than a TTL ago): its lease is revoked and the id registered anew. Taken by one
+        that does not answer: wait for its lease to expire."""
         key = self.store.keys.node(self.cfg.node_id)
         async for attempt in self.store.retry.reconnecting(stop):
             with attempt:
-                await lease.grant()
-                await self.store.put(key, record.to_json(), lease=lease.id)
+                if not lease.id or lease.lost.is_set():
+                    await lease.grant()
+                if not await self.store.create(key, self._record().to_json(), lease=lease.id):
+                    holder = await self.store.get(key)
+                    if holder is None or holder.lease != lease.id:
+                        await self._claim(holder)
         log.info("registered %s (lease %x, ttl %ss)", key, lease.id, lease.ttl_s, extra=self._ctx)
+
+    async def _claim(self, holder: KV | None) -> None:
+        """The node id is registered under another lease: refuse, take over or wait (raises)."""
+        if holder is None:
+            raise TemporaryError("the registration changed meanwhile")
+        try:
+            address = NodeRecord.from_json(holder.value).agent_address
+        except MalformedRecord:
+            address = ""
+        if address == self.cfg.agent_address:
+            log.warning("taking over the registration left by the previous elasticd at %s", address, extra=self._ctx)
+            await self.store.revoke(holder.lease)
+            raise TemporaryError("the previous registration was revoked; registering")
+        if address and await self._answers_as_this_node(address):
+            raise NodeIdTaken(f"node id {self.cfg.node_id} is already registered by a running elasticd at {address}; "
+                              f"give this one another --node-id (or stop that one first)")
+        log.warning("node id %s is held by an elasticd at %s that does not answer; waiting for its lease to expire",
+                    self.cfg.node_id, address or "(unreadable record)", extra=self._ctx)
+        raise TemporaryError("node id held by an unreachable elasticd")
+
+    async def _answers_as_this_node(self, address: str) -> bool:
+        async with self.cfg.tls.aio_channel(address) as ch:
+            try:
+                res = await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                return False
+        return bool(res.node_id == self.cfg.node_id)
 
     # -- commands ----------------------------------------------------------
 
@@ -197,6 +250,10 @@ class NodeAgent:
             spec_kv = await self.store.get(self.store.keys.spec(plan.job))
             if spec_kv is None:
                 raise LaunchRefused(f"job {plan.job} has no spec in etcd")
+            # A stop written after the plan was committed wins: its Stop may have reached us first.
+            status_kv = await self.store.get(self.store.keys.status(plan.job))
+            if status_kv is not None and (state := JobStatus.from_json(status_kv.value).state).terminal:
+                raise LaunchRefused(f"job {plan.job} is {state.value}")
             spec = JobSpec.from_json(spec_kv.value)
             if current is not None and not current.done.is_set():
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.

@@ -69,6 +69,16 @@ def alive(pid: int, create_time: float) -> bool:
         return False
 
 
+def stopped(pid: int, create_time: float) -> bool:
+    """True while that process is stopped (state T: SIGSTOP, a debugger): it runs no code, and the
+    ranks waiting for it in a collective hang with it."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == create_time and p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def exit_status(pid: int, create_time: float) -> int | None:
     """The exit code of a process that has exited but not been reaped yet (a zombie of another
     parent: msrun reaps its workers about once a second), from ``/proc/<pid>/stat``; None when

@@ -28,11 +28,11 @@ import psutil
 from mselastic import metrics
 from mselastic.agent import procs
 from mselastic.core import contract
-from mselastic.core.contract import Beat
+from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.pdeathsig import with_parent_death
 from mselastic.core.model import GenerationReport, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import GenerationState, check_generation_transition
+from mselastic.core.states import FailureCause, GenerationState, check_generation_transition
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,49 @@ class RankState:
     exit_step: int = -1
     #: Exit code seen before msrun reaped it (None: not seen).
     exit_code: int | None = None
+    #: Since when (monotonic) the rank is seen stopped (state T); 0 while it is not.
+    stopped_since: float = 0.0
+    #: Start-up phases reached (index into Beat.PHASES; a first step counts as past them all), and when.
+    phase: int = -1
+    phase_at: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+class LaunchError(Exception):
+    """A generation cannot start here; ``cause`` says whether the spec or the node is at fault."""
+
+    def __init__(self, cause: FailureCause, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def preflight(spec: JobSpec, log_dir: str, msrun: str) -> None:
+    """What msrun would otherwise fail on later, or never report: checked before anything starts.
+
+    The script and the checkpoint directory come from the spec (the same on every node, on shared
+    storage): not usable here means not usable at all, so the job fails with the path and the
+    error. The log directory and msrun belong to the node."""
+    def os_error(e: OSError) -> str:
+        return e.strerror or str(e)
+
+    if not os.path.isfile(spec.script):
+        why = "is a directory" if os.path.isdir(spec.script) else "does not exist"
+        raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} {why}")
+    if not os.access(spec.script, os.R_OK):
+        raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} is not readable")
+    try:
+        os.makedirs(spec.checkpoint_dir, exist_ok=True)
+    except OSError as e:
+        raise LaunchError(FailureCause.LAUNCH_SPEC,
+                          f"checkpoint_dir {spec.checkpoint_dir} cannot be created: {os_error(e)}") from None
+    if not os.access(spec.checkpoint_dir, os.W_OK | os.X_OK):
+        raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise LaunchError(FailureCause.LAUNCH_NODE, f"log directory {log_dir} cannot be created: {os_error(e)}") \
+            from None
+    if not os.access(msrun, os.X_OK):
+        raise LaunchError(FailureCause.LAUNCH_NODE, f"msrun not found at {msrun}")
 
 
 class Generation:
@@ -79,6 +122,7 @@ class Generation:
         self._seen: set[int] = set()  # msrun's children already classified
         self.failed_rank = -1
         self.reason = ""
+        self.cause = FailureCause.NONE
         self.detected_at = 0.0
         self.stopped_at = 0.0
         self.first_step_at = 0.0
@@ -98,29 +142,40 @@ class Generation:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Start msrun; a master port already in use on node_rank 0 fails the generation at once."""
-        os.makedirs(self.log_dir, exist_ok=True)
-        os.makedirs(self.spec.checkpoint_dir, exist_ok=True)
+        """Start msrun. Anything that keeps the generation from starting (see :func:`preflight`, a
+        master port in use on node_rank 0, msrun failing to spawn) fails it at once, with the reason."""
+        msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
+        try:
+            preflight(self.spec, self.log_dir, msrun)
+        except LaunchError as e:
+            await self._fail(-1, str(e), e.cause)
+            return
+        p = self.plan
+        if self.member.node_rank == 0 and not _port_free(p.master_port):
+            # A live scheduler of another job or generation there would capture our workers.
+            await self._fail(-1, f"master port {p.master_port} is in use on node {self.node_id}",
+                             FailureCause.LAUNCH_NODE)
+            return
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind("\0mselastic-hb-" + self.run_id)
         self._sock.setblocking(False)
         asyncio.get_running_loop().add_reader(self._sock.fileno(), self._read_beats)
-        p = self.plan
-        if self.member.node_rank == 0 and not _port_free(p.master_port):
-            # A live scheduler of another job or generation there would capture our workers.
-            await self._fail(-1, f"master port {p.master_port} is in use on node {self.node_id}")
-            return
-        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"),
-               f"--worker_num={p.worker_num}", f"--local_worker_num={self.member.local_workers}",
+        cmd = [msrun,
+               f"--worker_num={p.world_size}", f"--local_worker_num={self.member.local_workers}",
                f"--master_addr={p.master_addr}", f"--master_port={p.master_port}",
                f"--node_rank={self.member.node_rank}", f"--log_dir={self.log_dir}",
                "--join=True", "--tail_worker_log=99999",
                f"--cluster_time_out={int(self.spec.startup_timeout_s)}",
                self.spec.script, *self.spec.args]
-        with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:
-            self._msrun = await asyncio.create_subprocess_exec(
-                *with_parent_death(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                env=self._env(), cwd=os.path.dirname(self.spec.script), start_new_session=True)
+        try:
+            with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:
+                self._msrun = await asyncio.create_subprocess_exec(
+                    *with_parent_death(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    stderr=asyncio.subprocess.STDOUT, env=self._env(), cwd=os.path.dirname(self.spec.script),
+                    start_new_session=True)
+        except OSError as e:
+            await self._fail(-1, f"msrun could not be started: {e}", FailureCause.LAUNCH_NODE)
+            return
         self.started_mono = time.monotonic()
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
                  self._msrun.pid, p.master_addr, p.master_port, self.first_rank,
@@ -265,24 +320,52 @@ class Generation:
             log.warning("heartbeat from rank %d of generation %d ignored", beat.rank, beat.generation,
                         extra=self._ctx)
             return
+        if beat.kind == BeatKind.PHASE:  # start-up progress: not a heartbeat (init() may wait long for other nodes)
+            if beat.note in Beat.PHASES:
+                self._reached(rs, Beat.PHASES.index(beat.note))
+            return
+        self._reached(rs, len(Beat.PHASES))  # any other beat comes after the start-up phases
         rs.last_beat = time.monotonic()
         rs.step = max(rs.step, beat.step)
         rs.loss = beat.loss
-        if beat.kind == "start" and self.resumed_step < 0:
+        if beat.kind == BeatKind.START and self.resumed_step < 0:
             self.resumed_step = beat.resumed_step
             if beat.note:
                 self.resume_note = beat.note
                 log.warning("rank %d: %s", beat.rank, beat.note, extra={**self._ctx, "rank": beat.rank})
-        if beat.kind == "step" and not self.first_step_at:
+        if beat.kind == BeatKind.STEP and not self.first_step_at:
             self.first_step_at = time.time()
             if self.state is GenerationState.STARTING:
                 self._set(GenerationState.RUNNING)
                 return
-        if beat.kind == "finished":
+        if beat.kind == BeatKind.FINISHED:
             rs.finished = True
-        if beat.kind == "planned_exit":
+        if beat.kind == BeatKind.PLANNED_EXIT:
             rs.exit_step = beat.step
         self._on_change(self, False)
+
+    @staticmethod
+    def _reached(rs: RankState, phase: int) -> None:
+        now = time.monotonic()
+        for p in range(rs.phase + 1, phase + 1):
+            rs.phase_at.setdefault(p, now)
+        rs.phase = max(rs.phase, phase)
+
+    def _behind(self, now: float) -> tuple[RankState, RankState, float] | None:
+        """A local rank still short of a start-up phase (``Beat.PHASES``) that a local peer passed
+        longest ago: (the rank, the peer, seconds since the peer passed it). Only the phases count:
+        after ``init()`` the ranks load checkpoints and data at their own pace."""
+        worst = None
+        for rs in self.ranks.values():
+            if rs.phase + 1 >= len(Beat.PHASES):
+                continue
+            ahead = [(peer.phase_at[rs.phase + 1], peer) for peer in self.ranks.values()
+                     if peer.phase > rs.phase and rs.phase + 1 in peer.phase_at]
+            if ahead and not rs.finished:
+                since, peer = min(ahead, key=lambda a: (a[0], a[1].rank))
+                if worst is None or since < worst[2] or (since == worst[2] and rs.rank < worst[0].rank):
+                    worst = (rs, peer, since)
+        return None if worst is None else (worst[0], worst[1], now - worst[2])
 
     async def _watch(self) -> None:
         assert self._msrun is not None
@@ -298,8 +381,7 @@ class Generation:
                     # Dead or hung, the collective is broken: kill at once and resume from the last
                     # committed checkpoint. (A SIGTERM to msrun's group here raced msrun's death,
                     # which kills the workers: sometimes they saved, sometimes not.)
-                    rank, reason = fault
-                    await self._fail(rank, reason)
+                    await self._fail(*fault)
                     return
                 if self._msrun.returncode is not None:
                     await self._msrun_exited(self._msrun.returncode)
@@ -309,7 +391,7 @@ class Generation:
             raise
         except Exception:  # a bug here must not leave workers unwatched
             log.exception("supervisor failed; tearing the generation down", extra=self._ctx)
-            await self._fail(-1, "supervisor error")
+            await self._fail(-1, "supervisor error", FailureCause.SUPERVISOR_ERROR)
 
     def _discover(self) -> None:
         """Learn each local rank's pid from msrun's direct children.
@@ -338,36 +420,73 @@ class Generation:
             if d.role == "MS_WORKER" and is_script and d.rank in self.ranks and not self.ranks[d.rank].pid:
                 self.ranks[d.rank].pid, self.ranks[d.rank].create_time = d.pid, d.create_time
 
-    def _find_fault(self) -> tuple[int, str] | None:
-        """(rank, reason) of the rank that failed; None while all is well.
+    def _find_fault(self) -> tuple[int, str, FailureCause] | None:
+        """(rank, reason, cause) of the rank that failed; None while all is well.
 
         msrun SIGKILLs the other workers about a second after one exits, so one poll
-        may find several ranks gone: blame the one silent longest. Ranks that announced
-        a planned exit (they checkpointed on a SIGTERM) are not a fault unless another
-        rank died without one.
+        may find several ranks gone: blame the one silent longest (then the lowest rank).
+        Ranks that announced a planned exit (they checkpointed on a SIGTERM) are not a
+        fault unless another rank died without one. A rank stopped (state T) for
+        ``hang_timeout_s`` is hung, before its first step too, and is the one blamed:
+        its peers stop beating at about the same time, waiting for it in a collective.
         """
         now = time.monotonic()
         exited = [rs for rs in self.ranks.values() if rs.exit_step >= 0]
         dead = [rs for rs in self.ranks.values()
                 if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
         if dead:
-            first = min(dead, key=lambda r: r.last_beat)
-            return first.rank, f"exited before finishing (pid {first.pid})"
+            first = min(dead, key=lambda r: (r.last_beat, r.rank))
+            return first.rank, f"exited before finishing ({self._how_exited(first)})", FailureCause.RANK_EXITED
         if exited:
             # The ranks agreed on the step; the others' planned exits are at most a moment behind.
             pending = [rs for rs in self.ranks.values() if rs.exit_step < 0 and not rs.finished]
             if not pending or now - max(rs.last_beat for rs in exited) > self.spec.stop_grace_period_s:
                 first = exited[0]
-                return first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})"
+                return (first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})",
+                        FailureCause.SIGTERM)
             return None
         for rs in self.ranks.values():
-            if rs.finished:
-                continue
-            if rs.last_beat and now - rs.last_beat > self.spec.hang_timeout_s:
-                return rs.rank, f"no heartbeat for {now - rs.last_beat:.1f}s (hang_timeout_s={self.spec.hang_timeout_s})"
+            if rs.pid and procs.stopped(rs.pid, rs.create_time):
+                rs.stopped_since = rs.stopped_since or now
+            else:
+                rs.stopped_since = 0.0
+        stopped = [rs for rs in self.ranks.values() if rs.stopped_since and not rs.finished]
+        if stopped:
+            first = min(stopped, key=lambda r: (r.stopped_since, r.rank))
+            if now - first.stopped_since >= self.spec.hang_timeout_s:
+                return (first.rank, f"stopped (state T, pid {first.pid}) for {now - first.stopped_since:.1f}s "
+                                    f"(hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+            return None
+        behind = self._behind(now)
+        if behind is not None and behind[2] > self.spec.hang_timeout_s:
+            rs, peer, for_s = behind
+            where = Beat.PHASES[rs.phase] if rs.phase >= 0 else "start-up (before init())"
+            return (rs.rank, f"stuck in {where} for {for_s:.1f}s after rank {peer.rank} got past it "
+                             f"(hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+        silent = [rs for rs in self.ranks.values()
+                  if not rs.finished and rs.last_beat and now - rs.last_beat > self.spec.hang_timeout_s]
+        if silent:
+            first = min(silent, key=lambda r: (r.last_beat, r.rank))
+            return (first.rank, f"no heartbeat for {now - first.last_beat:.1f}s "
+                                f"(hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+        for rs in self.ranks.values():
             if not rs.last_beat and now - self.started_mono > self.spec.startup_timeout_s:
-                return rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s}"
+                return (rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s:g}",
+                        FailureCause.RANK_NEVER_STARTED)
         return None
+
+    @staticmethod
+    def _how_exited(rs: RankState) -> str:
+        """The exit code or signal of a rank, as far as it was seen."""
+        if rs.exit_code is None:
+            return f"pid {rs.pid}; exit status not seen, msrun reaped it first"
+        if rs.exit_code < 0:
+            try:
+                name = signal.Signals(-rs.exit_code).name
+            except ValueError:
+                name = f"signal {-rs.exit_code}"
+            return f"pid {rs.pid}, killed by {name}"
+        return f"pid {rs.pid}, exit code {rs.exit_code}"
 
     def _exited_on_sigterm(self) -> bool:
         """Every local rank checkpointed on a SIGTERM and has exited (or is exiting)."""
@@ -388,14 +507,15 @@ class Generation:
         if left:
             log.error("processes left after the ranks' exit: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
+        self.cause = FailureCause.SIGTERM
         self._set(GenerationState.STOPPED)
         self._close()
 
-    async def _fail(self, rank: int, reason: str, grace_s: float = 0) -> None:
+    async def _fail(self, rank: int, reason: str, cause: FailureCause, grace_s: float = 0) -> None:
         self.detected_at = time.time()
         if rank in self.ranks and self.ranks[rank].last_beat:
             metrics.DETECTION.observe(time.monotonic() - self.ranks[rank].last_beat)
-        self.failed_rank, self.reason = rank, reason
+        self.failed_rank, self.reason, self.cause = rank, reason, cause
         log.warning("rank %d failed: %s; tearing down", rank, reason, extra={**self._ctx, "rank": rank})
         self._stopping = True
         extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
@@ -414,7 +534,7 @@ class Generation:
                 log.error("processes left after success: %s", left, extra=self._ctx)
             self._close()
         else:
-            await self._fail(-1, f"msrun exited with code {code}; see {self.log_dir}")
+            await self._fail(-1, f"msrun exited with code {code}; see {self.log_dir}", FailureCause.MSRUN_FAILED)
 
     def _set(self, state: GenerationState, reason: str | None = None) -> None:
         check_generation_transition(self.state, state)
@@ -433,4 +553,4 @@ class Generation:
             job=self.spec.name, generation=self.plan.generation, node_id=self.node_id, state=self.state,
             failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
-            resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step)
+            resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause)

@@ -8,6 +8,7 @@ reads and sends them); both import it, neither imports the other.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from typing import Any
 
@@ -32,13 +33,29 @@ DAEMON_VARS = frozenset({
     ENV_HEARTBEAT, ENV_RUN_ID,
 })
 
+#: In checkpoint_dir: the pointer to the newest complete manifest (``{"manifest": name}``); each
+#: manifest is a JSON object with the ``step`` it was taken at (see mselastic.trainer.checkpoint).
+LATEST_CHECKPOINT = "latest.json"
+
 #: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
 PLANNED_EXIT_CODE = 75
 
 
+class BeatKind(str, enum.Enum):
+    """What a heartbeat datagram says (its ``kind`` field on the wire is the value)."""
+
+    PHASE = "phase"  # a start-up phase reached (``note`` names it: one of Beat.PHASES)
+    START = "start"  # resumed (``resumed_step``), before the first step
+    STEP = "step"
+    CHECKPOINT = "checkpoint"
+    FINISHED = "finished"  # total_steps reached
+    PLANNED_EXIT = "planned_exit"  # checkpointed on an agreed SIGTERM at ``step``, leaving with code 75
+
+
 @dataclasses.dataclass(frozen=True)
 class Beat:
-    """One heartbeat. ``kind``: start (after resume), step, checkpoint, finished."""
+    """One heartbeat. ``kind``: phase (start-up: ``note`` names it, one of PHASES), start (after
+    resume), step, checkpoint, finished, planned_exit."""
 
     kind: str
     rank: int
@@ -51,7 +68,11 @@ class Beat:
     #: With ``start``: how the resume went when it was not plain (e.g. a corrupt checkpoint skipped).
     note: str = ""
 
-    KINDS = ("start", "step", "checkpoint", "finished", "planned_exit")
+    KINDS = tuple(k.value for k in BeatKind)
+    #: Start-up phases a worker reports before its first step, in order: ``init`` (its script has
+    #: imported MindSpore and calls ``init()``), ``joined`` (``init()`` returned: the cluster formed).
+    #: A local rank left behind a phase its peers passed is hung (see the agent's supervisor).
+    PHASES = ("init", "joined")
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -62,7 +83,7 @@ class Beat:
         raw: Any = json.loads(data)
         if not isinstance(raw, dict) or raw.get("kind") not in cls.KINDS:
             raise ValueError("not a heartbeat")
-        return cls(kind=str(raw["kind"]), rank=int(raw["rank"]), pid=int(raw["pid"]),
+        return cls(kind=BeatKind(raw["kind"]), rank=int(raw["rank"]), pid=int(raw["pid"]),
                    generation=int(raw["generation"]), step=int(raw["step"]), loss=float(raw.get("loss", 0.0)),
                    resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)),
                    note=str(raw.get("note", ""))[:500])

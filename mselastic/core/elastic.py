@@ -43,8 +43,26 @@ def batch_layout(global_batch: int, world_size: int, micro_batch_sizes: Sequence
     return BatchLayout(world_size, m, per_rank // m)
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` > 0, ascending, in O(sqrt(n)) steps."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
 def valid_world_sizes(global_batch: int, lo: int, hi: int, micro_batch_sizes: Sequence[int] = ()) -> list[int]:
-    return [w for w in range(max(lo, 1), hi + 1) if batch_layout(global_batch, w, micro_batch_sizes) is not None]
+    """Valid world sizes in ``lo..hi``. A valid size divides ``global_batch``, so only its divisors
+    are tried: the range itself may be huge (a spec's max_nodes is bounded, not small)."""
+    if global_batch <= 0:
+        return []
+    return [w for w in divisors(global_batch)
+            if max(lo, 1) <= w <= hi and batch_layout(global_batch, w, micro_batch_sizes) is not None]
 
 
 def node_count(available: int, min_nodes: int, max_nodes: int, workers_per_node: int, global_batch: int,

@@ -12,7 +12,8 @@ import functools
 import json
 from typing import Any, TypeVar
 
-from mselastic.core.states import GenerationState, JobState
+from mselastic.core.kinds import EventKind, RelaunchReason
+from mselastic.core.states import FailureCause, GenerationState, JobState
 
 T = TypeVar("T")
 
@@ -34,8 +35,32 @@ def _decode(cls: type[T], text: str | bytes) -> T:
     return _from_dict(cls, data)
 
 
+#: Field annotations whose values are checked when decoding (the others are converted by ``_convert``).
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_MAPS: dict[str, tuple[type, ...]] = {"dict[str, int]": (int,), "dict[str, float]": (int, float)}
+
+
+def _check_types(cls: type, data: dict[str, Any]) -> None:
+    """A wrongly typed field is a malformed record: it must never reach the planner (where a
+    comparison of a string with a number would raise in the middle of a reconcile pass)."""
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, kind = data[f.name], str(f.type)
+        if kind in _SCALARS:
+            ok = isinstance(value, _SCALARS[kind]) and (kind == "bool" or not isinstance(value, bool))
+        elif kind in _MAPS:
+            ok = isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, _MAPS[kind]) and not isinstance(v, bool) for k, v in value.items())
+        else:
+            continue
+        if not ok:
+            raise MalformedRecord(f"{cls.__name__}: field {f.name!r} must be {kind} (got {value!r:.80})")
+
+
 def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     hook = getattr(cls, "_convert", None)
+    _check_types(cls, data)
     try:
         if hook is not None:
             data = hook(dict(data))
@@ -47,7 +72,7 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 def _encode(record: Any) -> str:
     def default(o: Any) -> Any:
-        if isinstance(o, (JobState, GenerationState)):
+        if isinstance(o, (JobState, GenerationState, FailureCause, EventKind, RelaunchReason)):
             return o.value
         raise TypeError(type(o).__name__)
 
@@ -95,17 +120,24 @@ class Plan:
     job: str
     generation: int
     members: tuple[Member, ...]
-    worker_num: int
+    world_size: int
     master_addr: str
     master_port: int
     restart_count: int
     reason: str
     #: A relaunch the coordinator chose (drain, scale-up): ranks checkpoint on SIGTERM first.
     planned: bool = False
+    #: Why it was committed (``reason`` says it in words).
+    kind: RelaunchReason = RelaunchReason.INITIAL
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
-        d["members"] = tuple(Member(**m) for m in d["members"])
+        d["kind"] = RelaunchReason(d.get("kind", "initial"))
+        if "world_size" not in d and isinstance(d.get("worker_num"), int):  # stored before the rename
+            d["world_size"] = d.pop("worker_num")
+        if not isinstance(d["members"], list) or not all(isinstance(m, dict) for m in d["members"]):
+            raise ValueError("members must be a list of objects")
+        d["members"] = tuple(_from_dict(Member, m) for m in d["members"])
         return d
 
     def to_json(self) -> str:
@@ -168,10 +200,13 @@ class GenerationReport:
     loss: float = 0.0
     #: Step every local rank checkpointed at before exiting on request (-1: not such an exit).
     exit_step: int = -1
+    #: For FAILED / STOPPED: why, as a kind (``reason`` says it in words).
+    cause: FailureCause = FailureCause.NONE
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
         d["state"] = GenerationState(d["state"])
+        d["cause"] = FailureCause(d.get("cause", ""))
         return d
 
     def to_json(self) -> str:
@@ -192,6 +227,12 @@ class FailureRecord:
     detected_at: float
     #: Seconds from detection to the first step of the next generation (0 until known).
     recover_s: float = 0.0
+    cause: FailureCause = FailureCause.NONE
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["cause"] = FailureCause(d.get("cause", ""))
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,9 +266,14 @@ class JobStatus:
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
         d["state"] = JobState(d["state"])
-        d["scale_up_nodes"] = tuple(d.get("scale_up_nodes", ()))
+        nodes = d.get("scale_up_nodes", [])
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ValueError("scale_up_nodes must be a list of node ids")
+        d["scale_up_nodes"] = tuple(nodes)
         if d.get("last_failure") is not None:
-            d["last_failure"] = FailureRecord(**d["last_failure"])
+            if not isinstance(d["last_failure"], dict):
+                raise ValueError("last_failure must be an object")
+            d["last_failure"] = _from_dict(FailureRecord, d["last_failure"])
         return d
 
     def to_json(self) -> str:
@@ -243,7 +289,7 @@ class Event:
     """One line of a job's timeline (``events/<job>/<seq>``)."""
 
     at: float
-    kind: str
+    kind: EventKind
     generation: int
     message: str
     node_id: str = ""
@@ -254,6 +300,11 @@ class Event:
     step: int = -1
     world_size: int = 0
     loss: float = 0.0
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["kind"] = EventKind(d["kind"])
+        return d
 
     def to_json(self) -> str:
         return _encode(self)

@@ -13,6 +13,8 @@ Rules, in order:
    coordinator did not send), or a member's registration is gone (lease expired):
    relaunch as generation g+1 on the surviving members in their old order, new
    nodes appended, cut to a valid size; if restarts are exhausted, fail the job.
+   A generation that could not start because of the spec (``LAUNCH_SPEC``: the
+   script or checkpoint_dir unusable) fails the job at once: a relaunch cannot help.
 4. Every member reported SUCCEEDED: the job succeeded.
 5. Waiting for ``min_nodes`` for longer than ``min_nodes_timeout_s``: fail the job.
 6. A healthy generation asked to restart (``elasticctl restart``), with more members
@@ -31,12 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import zlib
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
-from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, Member, NodeRecord, Plan
+from mselastic.core.kinds import RelaunchReason
+from mselastic.core.model import GenerationReport, JobStatus, Member, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import GenerationState, JobState
+from mselastic.core.states import FailureCause, GenerationState, JobState
 
 #: Ports msrun's workers (8118-12213) and servers (12214-16309) use; never a master_port.
 RESERVED_PORTS = range(8118, 16310)
@@ -80,8 +84,8 @@ class Decision:
     quarantined_until: Mapping[str, float] | None = None
     #: The generation whose failure these counts include.
     failures_counted_through: int = 0
-    #: For LAUNCH: why, one of mselastic.metrics.REASONS (a label, so a fixed set).
-    kind: str = ""
+    #: For LAUNCH (and a FAIL that a relaunch would have been): why.
+    kind: RelaunchReason | None = None
     #: For NOTHING: what the job waits for or leaves out, for its status.
     note: str = ""
     scale_up_nodes: tuple[str, ...] = ()
@@ -100,15 +104,19 @@ def master_port(job: str, generation: int, previous: int | None, ports: PortRang
     return port
 
 
-def eligible(nodes: Iterable[NodeRecord], spec: JobSpec) -> list[NodeRecord]:
-    """Nodes a new generation may use, oldest registration first."""
-    ok = [n for n in nodes if n.slots >= spec.workers_per_node and not n.cordoned]
+def eligible(nodes: Iterable[NodeRecord], spec: JobSpec, free_slots: Mapping[str, int] | None = None) -> list[NodeRecord]:
+    """Nodes a new generation may use, oldest registration first. ``free_slots``: the slots of
+    each node that no other job holds (None: all of them)."""
+    def free(n: NodeRecord) -> int:
+        return n.slots if free_slots is None else min(n.slots, free_slots.get(n.node_id, n.slots))
+    ok = [n for n in nodes if free(n) >= spec.workers_per_node and not n.cordoned]
     return sorted(ok, key=lambda n: (n.create_revision, n.node_id))
 
 
 def make_plan(
     spec: JobSpec, nodes: list[NodeRecord], generation: int, restart_count: int, reason: str,
     previous_port: int | None, ports: PortRange, salt: int = 0, planned: bool = False,
+    kind: RelaunchReason = RelaunchReason.INITIAL,
 ) -> Plan:
     members = tuple(
         Member(node_id=n.node_id, node_rank=i, local_workers=spec.workers_per_node,
@@ -117,9 +125,9 @@ def make_plan(
     )
     return Plan(
         job=spec.name, generation=generation, members=members,
-        worker_num=spec.workers_per_node * len(members), master_addr=members[0].host,
+        world_size=spec.workers_per_node * len(members), master_addr=members[0].host,
         master_port=master_port(spec.name, generation, previous_port, ports, salt),
-        restart_count=restart_count, reason=reason, planned=planned,
+        restart_count=restart_count, reason=reason, planned=planned, kind=kind,
     )
 
 
@@ -132,6 +140,62 @@ def idle_note(spec: JobSpec, idle: list[NodeRecord], used: int) -> str:
     return f"node(s) {', '.join(n.node_id for n in idle)} idle: {why}"
 
 
+@dataclasses.dataclass
+class Situation:
+    """What a decision step looks at: the job, its plan and reports, the nodes, the clock."""
+
+    spec: JobSpec
+    plan: Plan | None
+    st: JobStatus
+    nodes: list[NodeRecord]
+    #: Eligible nodes (free slots, not cordoned), out of quarantine, oldest first.
+    alive: list[NodeRecord]
+    quarantine: dict[str, float]
+    #: The current generation's reports.
+    current: list[GenerationReport]
+    ports: PortRange
+    salt: int
+    now: float
+    busy: str
+    #: False while another job waits for slots: no scale-up into free ones (first come, first served).
+    may_grow: bool = True
+
+    def wait(self, reason: str, blame: Decision = Decision(Action.WAIT)) -> Decision:
+        """WAIT, or FAIL once the wait has lasted too long; ``blame`` carries the fault history."""
+        reason = "; ".join(filter(None, [reason, self.busy]))
+        if self.st.waiting_since and self.now - self.st.waiting_since > self.spec.min_nodes_timeout_s:
+            reason = f"{reason} for more than min_nodes_timeout_s={self.spec.min_nodes_timeout_s:g}"
+            return dataclasses.replace(blame, action=Action.FAIL, reason=reason)
+        return dataclasses.replace(blame, action=Action.WAIT, reason=reason)
+
+    @functools.cached_property
+    def failed(self) -> list[GenerationReport]:
+        """Members whose generation failed, or stopped on a SIGTERM nobody here sent (it is still
+        the plan), first detected first."""
+        return sorted((r for r in self.current if r.state in (GenerationState.FAILED, GenerationState.STOPPED)),
+                      key=lambda r: (r.detected_at or float("inf"), r.node_id))
+
+    @functools.cached_property
+    def lost(self) -> tuple[str, ...]:
+        """Members whose registration is gone (their lease expired)."""
+        assert self.plan is not None
+        registered = {n.node_id for n in self.nodes if n.slots >= self.spec.workers_per_node}
+        return tuple(m.node_id for m in self.plan.members if m.node_id not in registered)
+
+    @functools.cached_property
+    def pool(self) -> list[NodeRecord]:
+        """Usable nodes for the next generation: the members in their order, then the others."""
+        assert self.plan is not None
+        return _keep_order(self.plan, self.alive)
+
+    def planned(self, reason: str, kind: RelaunchReason) -> Plan:
+        """The next generation of a healthy one, on the pool (a planned relaunch)."""
+        assert self.plan is not None
+        n = self.spec.node_count(len(self.pool))
+        return make_plan(self.spec, self.pool[:n], self.plan.generation + 1, self.plan.restart_count, reason,
+                         self.plan.master_port, self.ports, self.salt, planned=True, kind=kind)
+
+
 def decide(
     spec: JobSpec,
     state: JobState,
@@ -142,88 +206,193 @@ def decide(
     salt: int = 0,
     now: float = 0.0,
     status: JobStatus | None = None,
+    free_slots: Mapping[str, int] | None = None,
+    busy: str = "",
+    may_grow: bool = True,
 ) -> Decision:
     """The next step for one job. ``reports`` are the current generation's, by node id;
     ``salt`` varies the master port (see :func:`master_port`); ``now`` times the waits
     against ``status`` (the job's status as stored: waiting since, node failure counts
-    and quarantine, the pending scale-up)."""
+    and quarantine, the pending scale-up). ``free_slots``: per node, the slots no other
+    job holds; ``busy`` says who holds the others, added to the reason of a wait.
+    ``may_grow`` False (another job is queued for slots): no scale-up.
+
+    The rules are the steps of :data:`STEPS`, in order: the first that applies decides."""
     if state.terminal:
         return Decision(Action.NOTHING)
     st = status or JobStatus(state)
     nodes = list(nodes)
     quarantine = {n: t for n, t in st.quarantined_until.items() if t > now}
-    alive = [n for n in eligible(nodes, spec) if n.node_id not in quarantine]
+    alive = [n for n in eligible(nodes, spec, free_slots) if n.node_id not in quarantine]
+    current = [r for r in reports.values() if plan is not None and r.generation == plan.generation]
+    s = Situation(spec, plan, st, nodes, alive, quarantine, current, ports, salt, now, busy, may_grow)
+    for step in STEPS:
+        d = step(s)
+        if d is not None:
+            return d
+    return Decision(Action.NOTHING)
 
-    def wait(reason: str, blame: Decision = Decision(Action.WAIT)) -> Decision:
-        """WAIT, or FAIL once the wait has lasted too long; ``blame`` carries the fault history."""
-        if st.waiting_since and now - st.waiting_since > spec.min_nodes_timeout_s:
-            reason = f"{reason} for more than min_nodes_timeout_s={spec.min_nodes_timeout_s:g}"
-            return dataclasses.replace(blame, action=Action.FAIL, reason=reason)
-        return dataclasses.replace(blame, action=Action.WAIT, reason=reason)
 
-    if plan is None:
-        n = spec.node_count(len(alive))
-        if not n:
-            return wait(_short(spec, len(alive)))
-        reason = "; ".join(filter(None, ["initial launch", idle_note(spec, alive[n:], n)]))
-        # 1, or after the last generation of a deleted job of the same name (status.generation).
-        first = make_plan(spec, alive[:n], st.generation + 1, 0, reason, None, ports, salt)
-        return Decision(Action.LAUNCH, reason, first, kind="initial")
+def first_launch(s: Situation) -> Decision | None:
+    """No plan yet: generation 1 (or the one after a deleted job's last) on the oldest eligible
+    nodes, as many as give the largest valid world size; otherwise wait."""
+    if s.plan is not None:
+        return None
+    n = s.spec.node_count(len(s.alive))
+    if not n:
+        return s.wait(_short(s.spec, len(s.alive)))
+    reason = "; ".join(filter(None, ["initial launch", idle_note(s.spec, s.alive[n:], n)]))
+    first = make_plan(s.spec, s.alive[:n], s.st.generation + 1, 0, reason, None, s.ports, s.salt)
+    return Decision(Action.LAUNCH, reason, first, kind=RelaunchReason.INITIAL)
 
-    current = [r for r in reports.values() if r.generation == plan.generation]
-    # STOPPED on a generation that is still the plan: its ranks exited on a SIGTERM nobody here sent.
-    failed = sorted((r for r in current if r.state in (GenerationState.FAILED, GenerationState.STOPPED)),
-                    key=lambda r: (r.detected_at or float("inf"), r.node_id))
-    registered = {n.node_id for n in nodes if n.slots >= spec.workers_per_node}
-    lost = tuple(m.node_id for m in plan.members if m.node_id not in registered)
 
-    if not failed and not lost:
-        done = {r.node_id for r in current if r.state is GenerationState.SUCCEEDED}
-        if done >= {m.node_id for m in plan.members}:
-            return Decision(Action.SUCCEED, f"generation {plan.generation} finished on every node")
-        return _planned(spec, plan, current, nodes, alive, ports, salt, now, st)
+def launch_error(s: Situation) -> Decision | None:
+    """A generation that could not start because of the spec (its script or checkpoint_dir) on
+    every member: the same on every relaunch, so fail the job now and blame no node. Where
+    another member started, the error is that node's (a missing mount): the next step blames
+    it like any fault. Until every member has said, wait."""
+    assert s.plan is not None
+    bad = next((r for r in s.failed if r.cause is FailureCause.LAUNCH_SPEC), None)
+    if bad is None:
+        return None
+    said = {r.node_id: r for r in s.current}
+    if any(r.cause is not FailureCause.LAUNCH_SPEC for r in said.values()):
+        return None
+    if len(said) < len(s.plan.members):
+        return Decision(Action.NOTHING, note=f"node {bad.node_id} could not start generation {s.plan.generation}: "
+                                             f"{bad.reason}; waiting for the other members")
+    return Decision(Action.FAIL, f"generation {s.plan.generation} could not start on node {bad.node_id}: {bad.reason}",
+                    fault=bad, kind=RelaunchReason.LAUNCH_ERROR)
 
-    fault = failed[0] if failed else None
+
+def relaunch_after_fault(s: Situation) -> Decision | None:
+    """A member failed or is lost: blame a node (quarantine it after repeated blame), then
+    relaunch as g+1 on the survivors in their order with joined nodes appended, cut to a valid
+    size; wait if too few are left; fail once restarts are exhausted."""
+    plan, spec = s.plan, s.spec
+    assert plan is not None
+    if not s.failed and not s.lost:
+        return None
+    fault = s.failed[0] if s.failed else None
     if fault is not None:
-        if fault.state is GenerationState.STOPPED or fault.reason == AGENT_RESTARTED:
+        if fault.state is GenerationState.STOPPED or fault.cause is FailureCause.AGENT_RESTARTED:
             reason = f"on node {fault.node_id}, {fault.reason}"
         else:
             rank = f"rank {fault.failed_rank}" if fault.failed_rank >= 0 else "msrun"
             reason = f"{rank} on node {fault.node_id} failed: {fault.reason}"
     else:
-        reason = f"node(s) lost: {', '.join(lost)}"
-    failures = dict(st.node_failures)
-    if st.failures_counted_through < plan.generation:  # a waiting job sees the same fault on every pass
-        for blamed in ([fault.node_id] if fault is not None else list(lost)):
+        reason = f"node(s) lost: {', '.join(s.lost)}"
+    failures, quarantine = dict(s.st.node_failures), dict(s.quarantine)
+    if s.st.failures_counted_through < plan.generation:  # a waiting job sees the same fault on every pass
+        for blamed in ([fault.node_id] if fault is not None else list(s.lost)):
             failures[blamed] = failures.get(blamed, 0) + 1
             over = failures[blamed] - spec.quarantine_after_failures
             if over >= 0:
-                quarantine[blamed] = now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
-    blame = Decision(Action.FAIL, reason, fault=fault, lost_nodes=lost, node_failures=failures,
+                quarantine[blamed] = s.now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
+    blame = Decision(Action.FAIL, reason, fault=fault, lost_nodes=s.lost, node_failures=failures,
                      quarantined_until=quarantine, failures_counted_through=plan.generation, kind=_kind(fault))
     if plan.restart_count >= spec.max_restarts:
         return dataclasses.replace(blame, reason=f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}")
-
-    alive = [n for n in alive if n.node_id not in quarantine]
-    pool = _keep_order(plan, alive)
-    if quarantine.keys() & {m.node_id for m in plan.members}:
-        reason += f"; quarantined: {', '.join(sorted(quarantine.keys() & {m.node_id for m in plan.members}))}"
+    pool = _keep_order(plan, [n for n in s.alive if n.node_id not in quarantine])
+    benched = sorted(quarantine.keys() & {m.node_id for m in plan.members})
+    if benched:
+        reason += f"; quarantined: {', '.join(benched)}"
     n = spec.node_count(len(pool))
     if not n:
-        return wait(f"{reason}; {_short(spec, len(pool))}", blame)
+        return s.wait(f"{reason}; {_short(spec, len(pool))}", blame)
     reason = "; ".join(filter(None, [reason, idle_note(spec, pool[n:], n)]))
-    nxt = make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, ports, salt)
+    nxt = make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, s.ports,
+                    s.salt, kind=_kind(fault))
     return dataclasses.replace(blame, action=Action.LAUNCH, reason=reason, plan=nxt)
 
 
-def _kind(fault: GenerationReport | None) -> str:
-    if fault is None or fault.reason == AGENT_RESTARTED:
-        return "node_lost"
+def success(s: Situation) -> Decision | None:
+    """Every member finished its ranks: the job succeeded."""
+    assert s.plan is not None
+    done = {r.node_id for r in s.current if r.state is GenerationState.SUCCEEDED}
+    if done >= {m.node_id for m in s.plan.members}:
+        return Decision(Action.SUCCEED, f"generation {s.plan.generation} finished on every node")
+    return None
+
+
+def restart(s: Situation) -> Decision | None:
+    """``elasticctl restart`` of this generation: a planned relaunch (ranks checkpoint first)."""
+    assert s.plan is not None
+    if s.st.restart_requested < s.plan.generation:
+        return None
+    if not s.spec.node_count(len(s.pool)):
+        return Decision(Action.NOTHING, note=f"restart waits: {_short(s.spec, len(s.pool))}")
+    reason = "planned: restart requested by the operator"
+    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.RESTART), kind=RelaunchReason.RESTART)
+
+
+def scale_down(s: Situation) -> Decision | None:
+    """More members than ``max_nodes`` (``elasticctl scale``): a planned relaunch on fewer."""
+    assert s.plan is not None
+    n = s.spec.node_count(len(s.pool))
+    if len(s.plan.members) <= s.spec.max_nodes or not n:
+        return None
+    reason = f"planned: scale down to max_nodes={s.spec.max_nodes} (world size {s.plan.world_size} -> " \
+             f"{n * s.spec.workers_per_node})"
+    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.SCALE_DOWN), kind=RelaunchReason.SCALE_DOWN)
+
+
+def drain(s: Situation) -> Decision | None:
+    """Members marked for draining: a planned relaunch without them, or wait for room."""
+    assert s.plan is not None
+    plan = s.plan
+    draining = sorted(n.node_id for n in s.nodes if n.draining and plan.member(n.node_id) is not None)
+    if not draining:
+        return None
+    n = s.spec.node_count(len(s.pool))
+    if not n:
+        return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {_short(s.spec, len(s.pool))}")
+    reason = "; ".join(filter(None, [f"planned: drain of {', '.join(draining)}", idle_note(s.spec, s.pool[n:], n)]))
+    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.DRAIN), kind=RelaunchReason.DRAIN)
+
+
+def scale_up(s: Situation) -> Decision:
+    """Joined nodes that give a larger valid world size: a planned relaunch once none joined for
+    ``scale_up_settle_s`` and every rank has started; until then, say so in the note."""
+    plan, spec, pool = s.plan, s.spec, s.pool
+    assert plan is not None
+    n = spec.node_count(len(pool))
+    joined = tuple(x.node_id for x in pool if plan.member(x.node_id) is None)
+    if joined and n * spec.workers_per_node > plan.world_size and not s.may_grow:
+        return Decision(Action.NOTHING, note=f"scale-up to {', '.join(joined)} waits: {s.busy or 'a job is queued'}")
+    if not joined or n * spec.workers_per_node <= plan.world_size:
+        return Decision(Action.NOTHING, note=idle_note(spec, [x for x in pool if x.node_id in joined],
+                                                        len(plan.members)))
+    since = s.st.scale_up_since if s.st.scale_up_nodes == joined and s.st.scale_up_since else s.now
+    running = len(s.current) == len(plan.members) and all(r.state is GenerationState.RUNNING for r in s.current)
+    if s.now - since < spec.scale_up_settle_s or not running:
+        note = (f"scale-up pending: {', '.join(joined)} joined; world size {plan.world_size} -> "
+                f"{n * spec.workers_per_node} once no node joined for scale_up_settle_s={spec.scale_up_settle_s:g}"
+                + ("" if running else " and every rank has started"))
+        return Decision(Action.NOTHING, note=note, scale_up_nodes=joined, scale_up_since=since)
+    added = [x.node_id for x in pool[:n] if plan.member(x.node_id) is None]
+    reason = "; ".join(filter(None, [f"planned: scale up, {', '.join(added)} joined (world size {plan.world_size} -> "
+                                     f"{n * spec.workers_per_node})", idle_note(spec, pool[n:], n)]))
+    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.SCALE_UP), kind=RelaunchReason.SCALE_UP)
+
+
+#: The planner's rules, in order (see the module docstring): the first step that returns a decision wins.
+STEPS: tuple[Callable[[Situation], Decision | None], ...] = (
+    first_launch, launch_error, relaunch_after_fault, success, restart, scale_down, drain, scale_up)
+
+
+def _kind(fault: GenerationReport | None) -> RelaunchReason:
+    if fault is None or fault.cause is FailureCause.AGENT_RESTARTED:
+        return RelaunchReason.NODE_LOST
     if fault.state is GenerationState.STOPPED:
-        return "sigterm"
+        return RelaunchReason.SIGTERM
+    if fault.cause in (FailureCause.LAUNCH_NODE, FailureCause.LAUNCH_SPEC):
+        return RelaunchReason.LAUNCH_ERROR
     if fault.failed_rank < 0:
-        return "msrun_failure"
-    return "hang" if fault.reason.startswith("no heartbeat") else "rank_failure"
+        return RelaunchReason.MSRUN_FAILURE
+    if fault.cause in (FailureCause.RANK_HUNG, FailureCause.RANK_NEVER_STARTED):
+        return RelaunchReason.HANG
+    return RelaunchReason.RANK_FAILURE
 
 
 def _short(spec: JobSpec, usable: int) -> str:
@@ -236,47 +405,3 @@ def _keep_order(plan: Plan, alive: list[NodeRecord]) -> list[NodeRecord]:
     by_id = {n.node_id: n for n in alive}
     survivors = [by_id[m.node_id] for m in plan.members if m.node_id in by_id]
     return survivors + [n for n in alive if plan.member(n.node_id) is None]
-
-
-def _planned(spec: JobSpec, plan: Plan, current: list[GenerationReport], nodes: list[NodeRecord],
-             alive: list[NodeRecord], ports: PortRange, salt: int, now: float, st: JobStatus) -> Decision:
-    """A healthy running generation: restart it on request, scale it down to ``max_nodes``,
-    drain members marked for it, or scale up to joined nodes once none has joined for
-    ``scale_up_settle_s``. All are planned relaunches: the ranks checkpoint on SIGTERM and
-    the next generation resumes at that step; none counts as a restart."""
-    draining = sorted(n.node_id for n in nodes if n.draining and plan.member(n.node_id) is not None)
-    pool = _keep_order(plan, alive)
-    n = spec.node_count(len(pool))
-
-    def nxt(reason: str) -> Plan:
-        return make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count, reason, plan.master_port, ports,
-                         salt, planned=True)
-    if st.restart_requested >= plan.generation:
-        if not n:
-            return Decision(Action.NOTHING, note=f"restart waits: {_short(spec, len(pool))}")
-        reason = "planned: restart requested by the operator"
-        return Decision(Action.LAUNCH, reason, nxt(reason), kind="restart")
-    if len(plan.members) > spec.max_nodes and n:
-        reason = f"planned: scale down to max_nodes={spec.max_nodes} (world size {plan.worker_num} -> " \
-                 f"{n * spec.workers_per_node})"
-        return Decision(Action.LAUNCH, reason, nxt(reason), kind="scale_down")
-    if draining:
-        if not n:
-            return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {_short(spec, len(pool))}")
-        reason = "; ".join(filter(None, [f"planned: drain of {', '.join(draining)}", idle_note(spec, pool[n:], n)]))
-        return Decision(Action.LAUNCH, reason, nxt(reason), kind="drain")
-    joined = tuple(x.node_id for x in pool if plan.member(x.node_id) is None)
-    if not joined or n * spec.workers_per_node <= plan.worker_num:
-        return Decision(Action.NOTHING, note=idle_note(spec, [x for x in pool if x.node_id in joined],
-                                                        len(plan.members)))
-    since = st.scale_up_since if st.scale_up_nodes == joined and st.scale_up_since else now
-    running = len(current) == len(plan.members) and all(r.state is GenerationState.RUNNING for r in current)
-    if now - since < spec.scale_up_settle_s or not running:
-        note = (f"scale-up pending: {', '.join(joined)} joined; world size {plan.worker_num} -> "
-                f"{n * spec.workers_per_node} once no node joined for scale_up_settle_s={spec.scale_up_settle_s:g}"
-                + ("" if running else " and every rank has started"))
-        return Decision(Action.NOTHING, note=note, scale_up_nodes=joined, scale_up_since=since)
-    added = [x.node_id for x in pool[:n] if plan.member(x.node_id) is None]
-    reason = "; ".join(filter(None, [f"planned: scale up, {', '.join(added)} joined (world size {plan.worker_num} -> "
-                                     f"{n * spec.workers_per_node})", idle_note(spec, pool[n:], n)]))
-    return Decision(Action.LAUNCH, reason, nxt(reason), kind="scale_up")

@@ -20,6 +20,20 @@ from mselastic.core.elastic import BatchLayout, batch_layout, node_count, valid_
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
+#: Upper bounds of the numeric fields (inclusive), documented in the README. They keep every
+#: computation on a spec small (the planner, the valid world sizes) and every value inside the
+#: wire contract's int32/int64 and a float's exact integers.
+INT32_MAX = 2**31 - 1
+MAX_INTS: dict[str, int] = {
+    "workers_per_node": 1024, "min_nodes": 100_000, "max_nodes": 100_000, "max_restarts": 1_000_000,
+    "quarantine_after_failures": 1_000_000, "total_steps": 2**53, "global_batch_size": 2**31 - 1,
+    "checkpoint_interval_steps": 2**53, "keep_checkpoints": 10_000, "stop_check_interval_steps": 1_000_000,
+}
+#: Every duration is at most 30 days.
+MAX_SECONDS = 30 * 24 * 3600.0
+MAX_TEXT = 4096  # characters in one path, argument or environment value
+MAX_ITEMS = 1024  # arguments, environment variables, micro-batch sizes
+
 
 class SpecError(ValueError):
     """The spec is invalid; the message names the field and what to do."""
@@ -120,7 +134,7 @@ class JobSpec:
         known = {f.name: f for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:
-                raise SpecError(f"field '{key}': unknown field; known fields are {', '.join(sorted(known))}")
+                raise SpecError(f"field {key!r:.80}: unknown field; known fields are {', '.join(sorted(known))}")
         for required in ("name", "script", "checkpoint_dir"):
             if required not in data or data[required] in ("", None):
                 raise SpecError(f"field '{required}': required")
@@ -150,9 +164,24 @@ class JobSpec:
                 _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")
         if self.min_nodes > self.max_nodes:
             _fail("min_nodes", f"must be <= max_nodes (got {self.min_nodes} > {self.max_nodes})")
+        for key, top in MAX_INTS.items():
+            if getattr(self, key) > top:
+                _fail(key, f"must be at most {top} (got {getattr(self, key)})")
+        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
+                    "quarantine_cooldown_s", "scale_up_settle_s"):
+            if getattr(self, key) > MAX_SECONDS:
+                _fail(key, f"must be at most {MAX_SECONDS:.0f} seconds (30 days; got {getattr(self, key)})")
+        for key in ("args", "micro_batch_sizes", "env"):
+            if len(getattr(self, key)) > MAX_ITEMS:
+                _fail(key, f"at most {MAX_ITEMS} entries (got {len(getattr(self, key))})")
+        texts = [("script", self.script), ("checkpoint_dir", self.checkpoint_dir),
+                 *(("args", a) for a in self.args), *(("env", f"{k}={v}") for k, v in self.env.items())]
+        for key, text in texts:
+            if len(text) > MAX_TEXT or "\0" in text:
+                _fail(key, f"values must be at most {MAX_TEXT} characters with no NUL byte")
         for m in self.micro_batch_sizes:
-            if m <= 0:
-                _fail("micro_batch_sizes", f"must be positive integers (got {m})")
+            if m <= 0 or m > INT32_MAX:
+                _fail("micro_batch_sizes", f"must be integers in 1..{INT32_MAX} (got {m})")
         if not self.valid_world_sizes():
             lo, hi = self.world_size_range
             with_micro = f" with micro_batch_sizes {list(self.micro_batch_sizes)}" if self.micro_batch_sizes else ""

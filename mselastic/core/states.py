@@ -64,6 +64,26 @@ GENERATION_TRANSITIONS: dict[GenerationState, frozenset[GenerationState]] = {
 }
 
 
+class FailureCause(enum.Enum):
+    """Why a generation ended badly on a node: set where it is seen, read by the planner and shown
+    to operators, never parsed back out of a message text."""
+
+    NONE = ""
+    RANK_EXITED = "RANK_EXITED"  # a rank exited (or was killed) before finishing
+    RANK_HUNG = "RANK_HUNG"  # no heartbeat for hang_timeout_s, or stopped (SIGSTOP, state T)
+    RANK_NEVER_STARTED = "RANK_NEVER_STARTED"  # no first heartbeat within startup_timeout_s
+    SIGTERM = "SIGTERM"  # the ranks checkpointed on a SIGTERM this agent did not send
+    MSRUN_FAILED = "MSRUN_FAILED"  # msrun exited non-zero with every rank accounted for
+    AGENT_RESTARTED = "AGENT_RESTARTED"  # a new elasticd closed what its predecessor left running
+    SUPERVISOR_ERROR = "SUPERVISOR_ERROR"  # a bug in the agent's supervisor
+    #: The generation could not be started because of the spec (checkpoint_dir not creatable,
+    #: script missing): relaunching cannot help, the job fails with the reason.
+    LAUNCH_SPEC = "LAUNCH_SPEC"
+    #: ... because of the node (work_dir, msrun missing, master port busy): counts against the node.
+    LAUNCH_NODE = "LAUNCH_NODE"
+    NODE_LOST = "NODE_LOST"  # the node's registration expired (in a job's last failure, not in reports)
+
+
 def check_job_transition(old: JobState, new: JobState) -> None:
     if new not in JOB_TRANSITIONS[old]:
         raise IllegalTransition(f"job state {old.value} -> {new.value} is not allowed")

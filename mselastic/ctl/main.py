@@ -37,14 +37,15 @@ from typing import Any, Callable, NoReturn
 import grpc
 import tenacity
 
-from mselastic.agent.wire import plan_from_pb
-from mselastic.core.spec import SpecError, load_toml
+from mselastic.wire import plan_from_pb
+from mselastic.core.spec import MAX_SECONDS, SpecError, load_toml
 from mselastic.ctl import render
 from mselastic.tls import TlsError, TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NOT_ELASTICD, EXIT_ETCD_DOWN = 0, 1, 2, 3, 4, 5
+ETCD_UNAVAILABLE_PREFIX = "etcd unavailable"  # the Control service's answer when it cannot read etcd
 NOT_LEADER_PREFIX = "not the leader; leader is "  # the Control service's refusal text
 
 
@@ -83,7 +84,7 @@ class Client:
             try:
                 return self._call_once(endpoint, method, timeout)
             except CtlError as e:
-                if e.code != EXIT_UNREACHABLE:
+                if e.code not in (EXIT_UNREACHABLE, EXIT_NOT_ELASTICD):
                     raise
                 last = e
         assert last is not None
@@ -116,6 +117,13 @@ class Client:
 
 
 def _error(code: grpc.StatusCode, details: str, endpoint: str) -> CtlError:
+    first = details.splitlines()[0] if details else code.name
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(ETCD_UNAVAILABLE_PREFIX):
+        return CtlError(f"elasticd at {endpoint} answered but cannot reach etcd ({first}); check that etcd runs and "
+                        "elasticd's etcd_endpoint", EXIT_ETCD_DOWN)
+    if code == grpc.StatusCode.UNIMPLEMENTED or "http2 header with status" in details:
+        return CtlError(f"{endpoint} is not an elasticd ({first}); check --endpoints (or $ELASTICCTL_ENDPOINTS): "
+                        "elasticd's listen address, not etcd's or another server's", EXIT_NOT_ELASTICD)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CtlError(f"cannot reach elasticd at {endpoint}: {details.splitlines()[0] if details else code.name}; "
                         "check --endpoints (or $ELASTICCTL_ENDPOINTS) and the TLS flags", EXIT_UNREACHABLE)
@@ -171,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tail-bytes", type=int, default=0, help="start this many bytes before the end")
     s = cmd("submit", "submit a job spec (TOML), validated here first", "elasticctl submit job.toml")
     s.add_argument("spec")
+    s.add_argument("--force", action="store_true",
+                   help="submit even if checkpoint_dir holds a checkpoint at or past total_steps (refused otherwise)")
     s = cmd("stop", "stop a job: ranks checkpoint at the next step, then exit", "elasticctl stop lenet")
     s.add_argument("job")
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
@@ -206,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _grace(v: float) -> float:
-    if v < 0:
-        raise CtlError("--grace-period-s must be >= 0", EXIT_USAGE)
+    if not 0 <= v <= MAX_SECONDS:  # NaN fails too
+        raise CtlError(f"--grace-period-s must be a number of seconds in 0..{MAX_SECONDS:.0f}", EXIT_USAGE)
     return v
 
 
@@ -279,7 +289,7 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
                        EXIT_REFUSED)
     m = plans[gen].member_of_rank(a.rank)
     if m is None:
-        raise CtlError(f"generation {gen} of {a.job} has ranks 0..{plans[gen].worker_num - 1}, not {a.rank}",
+        raise CtlError(f"generation {gen} of {a.job} has ranks 0..{plans[gen].world_size - 1}, not {a.rank}",
                        EXIT_REFUSED)
     request = pb.LogsRequest(job=a.job, rank=a.rank, generation=gen, follow=a.follow, tail_bytes=a.tail_bytes)
     stream = getattr(out, "buffer", None)
@@ -300,7 +310,7 @@ def cmd_submit(c: Client, a: argparse.Namespace, out: Any) -> int:
         spec = load_toml(a.spec)
     except SpecError as e:
         raise CtlError(f"{a.spec}: {e}", EXIT_USAGE) from None
-    res = c.call(lambda s: lambda **kw: s.Submit(pb.SubmitRequest(spec_json=spec.to_json()), **kw))
+    res = c.call(lambda s: lambda **kw: s.Submit(pb.SubmitRequest(spec_json=spec.to_json(), force=a.force), **kw))
     render.emit(out, a.output, {"job": res.job, "submitted": True}, lambda: f"job {res.job} submitted")
     return EXIT_OK
 

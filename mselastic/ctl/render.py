@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import yaml
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from mselastic.v1 import elastic_pb2 as pb
@@ -22,7 +23,26 @@ FORMATS = ("table", "json", "yaml")
 def as_dict(msg: Message | dict[str, Any]) -> dict[str, Any]:
     if isinstance(msg, dict):
         return msg
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    return _numbers(msg.DESCRIPTOR, json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                                              always_print_fields_with_no_presence=True))
+
+
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def _numbers(desc: Descriptor, d: dict[str, Any]) -> dict[str, Any]:
+    """proto3's JSON mapping writes 64-bit integers as strings (for JavaScript); ours are numbers:
+    the machine interface is read by jq and scripts, and generations and steps fit a double."""
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        if f.type in _INT64:
+            d[f.name] = [int(v) for v in d[f.name]] if f.is_repeated else int(d[f.name])
+        elif f.type == FieldDescriptor.TYPE_MESSAGE and not f.message_type.GetOptions().map_entry:
+            d[f.name] = ([_numbers(f.message_type, v) for v in d[f.name]] if f.is_repeated
+                         else _numbers(f.message_type, d[f.name]))
+    return d
 
 
 def emit(out: Any, fmt: str, data: Message | dict[str, Any], table: Callable[[], str]) -> None:
@@ -56,7 +76,7 @@ def nodes_table(res: pb.StatusResponse) -> str:
     if not res.nodes:
         return "No nodes registered."
     return grid(["NODE", "ADDRESS", "SLOTS", "STATUS", "LEADER", "JOBS", "VERSION"],
-                [[n.node_id, n.agent_address, n.slots, node_state(n), "*" if n.leader else "",
+                [[n.node_id, n.agent_address, f"{n.used_slots}/{n.slots}", node_state(n), "*" if n.leader else "",
                   ",".join(n.running_jobs) or "-", n.version] for n in res.nodes])
 
 
@@ -120,7 +140,7 @@ def describe_table(res: pb.DescribeResponse, events: list[pb.Event]) -> str:
     if res.plans:
         lines += ["Generations:"] + ["  " + row for row in grid(
             ["GEN", "WORLD", "PORT", "PLANNED", "NODES", "REASON"],
-            [[p.generation, p.worker_num, p.master_port, "yes" if p.planned else "", ",".join(m.node_id for m in p.members),
+            [[p.generation, p.world_size, p.master_port, "yes" if p.planned else "", ",".join(m.node_id for m in p.members),
               p.reason] for p in res.plans]).splitlines()]
     shown = [e for e in events if e.kind != "progress"][-10:]
     if shown:

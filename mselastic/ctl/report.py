@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # files only: no display needed
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mselastic.core.kinds import EventKind  # noqa: E402
 from mselastic.v1 import elastic_pb2 as pb  # noqa: E402
 
 SHADES = ("#dbe9f6", "#f2f2f2")
@@ -24,7 +25,7 @@ SHADES = ("#dbe9f6", "#f2f2f2")
 def draw(res: pb.DescribeResponse, events: list[pb.Event], path: str) -> None:
     spec = json.loads(res.spec_json) if res.spec_json else {}
     t0 = min((e.at for e in events), default=0.0)
-    progress = [e for e in events if e.kind == "progress"]
+    progress = [e for e in events if e.kind == EventKind.PROGRESS.value]
     starts = {e.generation: e.at for e in events if e.kind in ("generation", "planned")}
     end = max((e.at for e in events), default=t0 + 1.0)
     plans = {p.generation: p for p in res.plans}
@@ -35,17 +36,17 @@ def draw(res: pb.DescribeResponse, events: list[pb.Event], path: str) -> None:
         lo, hi = starts[g] - t0, (starts[gens[i + 1]] if i + 1 < len(gens) else end) - t0
         for a in (ax, ws):
             a.axvspan(lo, hi, color=SHADES[i % 2], zorder=0)
-        world = plans[g].worker_num if g in plans else 0
+        world = plans[g].world_size if g in plans else 0
         ax.text(lo, 1.0, f" g{g}\n w={world}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
     by_gen: dict[int, list[pb.Event]] = {}
     for e in progress:
         by_gen.setdefault(e.generation, []).append(e)
     for g, pts in sorted(by_gen.items()):
         ax.plot([e.at - t0 for e in pts], [e.step for e in pts], marker=".", lw=1.5, label=f"generation {g}")
-    faults = [e for e in events if e.kind == "generation" and e.detected_at]
+    faults = [e for e in events if e.kind == EventKind.GENERATION.value and e.detected_at]
     for n, e in enumerate(faults):
         ax.axvline(e.detected_at - t0, color="red", lw=1.2, label="fault detected" if n == 0 else None)
-    planned = [e for e in events if e.kind == "planned"]
+    planned = [e for e in events if e.kind == EventKind.PLANNED.value]
     for n, e in enumerate(planned):
         ax.axvline(e.at - t0, color="orange", ls="--", lw=1.2, label="planned relaunch" if n == 0 else None)
     total = int(spec.get("total_steps", 0))

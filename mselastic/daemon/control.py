@@ -9,16 +9,23 @@ elasticctl follows.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
+from typing import Callable
 
 import grpc
+import tenacity
 
-from mselastic.agent.wire import abort, job_state_to_pb, plan_to_pb
+from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
+from mselastic.core.contract import LATEST_CHECKPOINT
+from mselastic.core.kinds import EventKind
 from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
-from mselastic.core.spec import JobSpec, SpecError
+from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError
 from mselastic.core.states import JobState
-from mselastic.daemon.coordinator import Coordinator, Fenced
+from mselastic.core.status import next_status
+from mselastic.daemon.coordinator import Coordinator, Fenced, slots_held
 from mselastic.store.lease import Term
 from mselastic.store.etcd import Store, TemporaryError
 from mselastic.store.keys import BadName
@@ -31,6 +38,23 @@ log = logging.getLogger(__name__)
 NOT_LEADER_PREFIX = "not the leader; leader is "
 
 
+def checkpointed_step(checkpoint_dir: str) -> int | None:
+    """The step of the newest checkpoint in ``checkpoint_dir`` as this node sees it (shared storage);
+    None when there is none or it cannot be read here."""
+    try:
+        with open(os.path.join(checkpoint_dir, LATEST_CHECKPOINT)) as f:
+            manifest = json.load(f)["manifest"]
+        with open(os.path.join(checkpoint_dir, os.path.basename(str(manifest)))) as f:
+            step = json.load(f)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+class Conflict(Exception):
+    """The job's status changed between our read and our compare-and-set."""
+
+
 def job_to_pb(view: JobView) -> pb.JobStatus:
     st = view.status
     msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
@@ -40,7 +64,7 @@ def job_to_pb(view: JobView) -> pb.JobStatus:
         msg.min_nodes, msg.max_nodes = view.spec.min_nodes, view.spec.max_nodes
         msg.global_batch_size = view.spec.global_batch_size
     if view.plan is not None:
-        msg.world_size = view.plan.worker_num
+        msg.world_size = view.plan.world_size
         msg.members.extend(plan_to_pb(view.plan).members)
     now = time.time()
     msg.quarantined.extend(pb.Quarantine(node_id=n, failures=st.node_failures.get(n, 0), until=t)
@@ -48,7 +72,8 @@ def job_to_pb(view: JobView) -> pb.JobStatus:
     f = st.last_failure
     if f is not None:
         msg.last_failure.CopyFrom(pb.Failure(generation=f.generation, node_id=f.node_id, rank=f.rank,
-                                             reason=f.reason, detected_at=f.detected_at, recover_s=f.recover_s))
+                                             reason=f.reason, detected_at=f.detected_at, recover_s=f.recover_s,
+                                             cause=failure_cause_to_pb(f.cause)))
     return msg
 
 
@@ -67,17 +92,25 @@ class ControlService(pb_grpc.ControlServicer):
         if request.job and request.job not in cluster.jobs:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
         leader = cluster.leader.node_id if cluster.leader else ""
+        used: dict[str, int] = {}
+        for held in slots_held(cluster, {}).values():
+            for node_id, n in held.items():
+                used[node_id] = used.get(node_id, 0) + n
         return pb.StatusResponse(
             jobs=[job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
             nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
+                               used_slots=used.get(n.node_id, 0),
                                running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)))
                    for n in cluster.nodes],
             leader=leader)
 
     async def _require_leader(self, context: grpc.aio.ServicerContext) -> None:
         if self.coordinator.term is None:
-            kv = await self.store.get(self.store.keys.leader)
+            try:
+                kv = await self.store.get(self.store.keys.leader)
+            except TemporaryError as e:
+                await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
             where = LeaderRecord.from_json(kv.value).control_address if kv else "(none elected yet)"
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, NOT_LEADER_PREFIX + where)
 
@@ -87,6 +120,12 @@ class ControlService(pb_grpc.ControlServicer):
         except SpecError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._require_leader(context)
+        reached = checkpointed_step(spec.checkpoint_dir)
+        if reached is not None and reached >= spec.total_steps and not request.force:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"checkpoint_dir {spec.checkpoint_dir} already holds a checkpoint at step {reached}, at or past "
+                        f"total_steps={spec.total_steps}: the job would end at once; raise total_steps, use another "
+                        f"checkpoint_dir, or submit with --force")
         k, tx = self.store.keys, self.store.tx
         try:
             # A job deleted under this name: continue after its last generation (agents refuse older ones).
@@ -97,7 +136,7 @@ class ControlService(pb_grpc.ControlServicer):
         except MalformedRecord as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"bad record at {k.deleted(spec.name)}: {e}")
         status = JobStatus(JobState.PENDING, generation=floor, message="submitted", updated_at=time.time())
-        event = Event(at=time.time(), kind="submitted", generation=floor, message=f"job {spec.name} submitted")
+        event = Event(at=time.time(), kind=EventKind.SUBMITTED, generation=floor, message=f"job {spec.name} submitted")
         try:
             unchanged = tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)
             ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged], [
@@ -112,34 +151,57 @@ class ControlService(pb_grpc.ControlServicer):
         self.coordinator.wake()
         return pb.SubmitResponse(job=spec.name)
 
-    async def StopJob(self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
-        if request.grace_period_s < 0:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "grace_period_s must be >= 0")
-        await self._require_leader(context)
+    async def _change_status(self, job: str, context: grpc.aio.ServicerContext,
+                             change: Callable[[JobView], tuple[JobStatus, Event] | None]) -> JobView:
+        """Read the job, ``change`` its status, compare-and-set it on the revision read; when the
+        coordinator wrote meanwhile, read again and retry (a stop or restart is never lost, nor
+        undone by a pass that decided on the older status). Returns the job as written."""
+        term = await self._term(context)
+        retrying = tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(20), reraise=True,
+                                          wait=tenacity.wait_random(0.01, 0.1),
+                                          retry=tenacity.retry_if_exception_type(Conflict))
         try:
-            cluster = await read_cluster(self.store, request.job)
-        except BadName as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        view = cluster.jobs.get(request.job)
-        if view is None:
-            await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
-        if view.status.state.terminal:
-            return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
-        term = self.coordinator.term
-        if term is None:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
-        grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
-        status = JobStatus(JobState.STOPPED, view.status.generation, view.status.restart_count,
-                           "stopped by operator", view.status.last_failure, time.time())
-        try:
-            await self.coordinator.write_status(term, view.name, status, Event(
-                at=time.time(), kind="stopped", generation=view.status.generation, message="stopped by operator"))
+            async for attempt in retrying:
+                with attempt:
+                    view = await self._job(job, context)
+                    changed = change(view)
+                    if changed is None:
+                        return view
+                    if not await self.coordinator.write_status(term, view, *changed):
+                        raise Conflict()
+                    return view
+        except Conflict:
+            await abort(context, grpc.StatusCode.ABORTED, f"job {job} kept changing under this request; retry")
         except Fenced:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
-        if view.plan is not None:
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        raise AssertionError("unreachable")
+
+    async def StopJob(self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
+        if not 0 <= request.grace_period_s <= MAX_SECONDS:  # NaN fails too
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"grace_period_s must be a number of seconds in 0..{MAX_SECONDS:.0f}")
+        await self._require_leader(context)
+
+        def stopped(view: JobView) -> tuple[JobStatus, Event] | None:
+            if view.status.state.terminal:
+                return None
+            status = next_status(view.status, JobState.STOPPED, "stopped by operator", time.time(), plan=view.plan,
+                                 failure=view.status.last_failure)
+            return status, Event(at=time.time(), kind=EventKind.STOPPED, generation=view.status.generation,
+                                 message="stopped by operator")
+        before = await self._job(request.job, context)
+        if before.status.state.terminal:
+            return pb.StopJobResponse(state=job_state_to_pb(before.status.state))
+        view = await self._change_status(request.job, context, stopped)
+        # The plan as of the status written: a relaunch committed before the stop is stopped too, and
+        # one the coordinator decided before it can no longer commit (its status compare fails).
+        if view.plan is not None and view.status.state is JobState.STOPPED:
+            grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
             await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
                                                {m.node_id: m.agent_address for m in view.plan.members})
-        return pb.StopJobResponse(state=job_state_to_pb(JobState.STOPPED))
+        return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.
@@ -200,7 +262,7 @@ class ControlService(pb_grpc.ControlServicer):
             except MalformedRecord as err:
                 log.error("skipping malformed event %s: %s", kv.key, err, extra=dict(job=request.job))
                 continue
-            events.append(pb.Event(at=ev.at, kind=ev.kind, generation=ev.generation, message=ev.message,
+            events.append(pb.Event(at=ev.at, kind=ev.kind.value, generation=ev.generation, message=ev.message,
                                    node_id=ev.node_id, rank=ev.rank, detected_at=ev.detected_at, step=ev.step,
                                    world_size=ev.world_size, loss=ev.loss))
         events.sort(key=lambda e: e.at)
@@ -260,17 +322,19 @@ class ControlService(pb_grpc.ControlServicer):
     async def Restart(self, request: pb.RestartRequest, context: grpc.aio.ServicerContext) -> pb.RestartResponse:
         """A planned relaunch of a running job: checkpoint at the next step, resume there."""
         await self._require_leader(context)
-        view = await self._job(request.job, context)
-        if view.status.state is not JobState.RUNNING or view.plan is None:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"job {request.job} is {view.status.state.value}; only a RUNNING job can be restarted")
+        refused: list[str] = []
+
+        def requested(view: JobView) -> tuple[JobStatus, Event] | None:
+            if view.status.state is not JobState.RUNNING or view.plan is None:
+                refused.append(f"job {request.job} is {view.status.state.value}; only a RUNNING job can be restarted")
+                return None
+            status = dataclasses.replace(view.status, restart_requested=view.plan.generation, updated_at=time.time())
+            return status, Event(at=time.time(), kind=EventKind.RESTART, generation=view.plan.generation,
+                                 message="restart requested by operator")
+        view = await self._change_status(request.job, context, requested)
+        if refused:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, refused[0])
         assert view.plan is not None
-        status = dataclasses.replace(view.status, restart_requested=view.plan.generation, updated_at=time.time())
-        try:
-            await self.coordinator.write_status(await self._term(context), view.name, status, Event(
-                at=time.time(), kind="restart", generation=view.plan.generation, message="restart requested by operator"))
-        except Fenced:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
         self.coordinator.wake()
         return pb.RestartResponse(generation=view.plan.generation + 1)
 
@@ -291,7 +355,7 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         k, tx = self.store.keys, self.store.tx
         term = await self._term(context)
-        event = Event(at=time.time(), kind="scaled", generation=view.status.generation,
+        event = Event(at=time.time(), kind=EventKind.SCALED, generation=view.status.generation,
                       message=f"node range {view.spec.min_nodes}..{view.spec.max_nodes} -> "
                               f"{spec.min_nodes}..{spec.max_nodes} by operator")
         spec_key = k.spec(view.name).encode()

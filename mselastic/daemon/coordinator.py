@@ -1,13 +1,21 @@
 """The coordinator: every elasticd campaigns; the leader runs the reconcile loop.
 
-Level-triggered: a pass reads the whole state from etcd, asks the planner what
-to do for each job, and applies that one decision. Passes run on every etcd
-change under the namespace (a watch wakes the loop) and at least every
-``reconcile_interval_s``, so a missed push or a lost watch event is repaired by
-the next pass. Every write of a plan or a job status is one transaction that
-also checks that this process still holds the leader key (its create revision
-is the fencing token) and, for plans, that the stored plan is still the one the
-decision was made on.
+Level-triggered: a pass reads the whole state from etcd and asks the planner what
+to do for each job, in submission order (slots are shared: a job is placed only on
+slots no other job holds, first come, first served). Each job's decision is then
+applied by a task of its own, as a controller's work queue does: one job's slow push
+or exception never delays or stops another, a job is handled by one task at a time,
+and a job whose pass raised is retried with backoff, the error shown on the job.
+A pass reads no etcd: the leader keeps an :class:`~mselastic.store.informer.Informer`
+(list, then watch, re-list when the watch breaks), and a change it applies wakes the
+loop. Passes also run at least every ``reconcile_interval_s``, so a missed push is
+repaired by the next pass.
+
+Every write of a plan or a job status is one transaction that checks that this
+process still holds the leader key (its create revision is the fencing token) and
+that the job's status (and, for plans, the stored plan) is still the one the
+decision was made on: a ``stop`` or ``restart`` written by the Control service
+meanwhile makes the write fail, and the next pass decides again from what is stored.
 """
 
 from __future__ import annotations
@@ -15,18 +23,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
+from typing import Awaitable
 
 import grpc
 
 from mselastic import metrics
-from mselastic.agent.wire import plan_to_pb
+from mselastic.wire import plan_to_pb
 from mselastic.core.model import Event, FailureRecord, JobStatus, LeaderRecord, Plan
+from mselastic.core.kinds import EventKind, RelaunchReason
+from mselastic.core.model import MalformedRecord
 from mselastic.core.planner import Action, Decision, PortRange, decide
-from mselastic.core.states import JobState, check_job_transition
+from mselastic.core.states import FailureCause, JobState
+from mselastic.core.status import next_status
 from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
+from mselastic.store.informer import Informer
 from mselastic.store.lease import Election, Term
-from mselastic.store.views import JobView, read_cluster
+from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -36,6 +50,38 @@ log = logging.getLogger(__name__)
 
 class Fenced(Exception):
     """This process no longer holds the leader key; it must stop acting as leader."""
+
+
+def requeue_delay_s(failures: int, base_s: float = 0.5, cap_s: float = 60.0) -> float:
+    """Backoff before a job whose pass raised is handled again (client-go's per-item exponential
+    rate limiter): ``base_s`` doubled per consecutive failure, at most ``cap_s``, with up to 10 %
+    jitter so that several failing jobs do not retry in step."""
+    delay = min(cap_s, base_s * 2 ** min(max(failures - 1, 0), 30))
+    return delay * (1 + random.random() / 10)
+
+
+def slots_held(cluster: ClusterView, inflight: dict[str, Plan]) -> dict[str, dict[str, int]]:
+    """Per job, the slots it holds on each node: the members of its plan while it is not over,
+    the nodes where any of its generations still starts, runs or stops (by the reports), and
+    the members of a plan being committed right now (``inflight``)."""
+    held: dict[str, dict[str, int]] = {}
+    for view in cluster.jobs.values():
+        mine: dict[str, int] = {}
+        per_node = view.spec.workers_per_node if view.spec else 0
+        if view.plan is not None and not view.status.state.terminal:
+            for m in view.plan.members:
+                mine[m.node_id] = m.local_workers
+        for reps in view.reports.values():
+            for node_id, rep in reps.items():
+                if not rep.state.terminal:
+                    member = view.plan.member(node_id) if view.plan else None
+                    mine[node_id] = max(mine.get(node_id, 0), member.local_workers if member else per_node)
+        plan = inflight.get(view.name)
+        for m in plan.members if plan else ():
+            mine[m.node_id] = max(mine.get(m.node_id, 0), m.local_workers)
+        if mine:
+            held[view.name] = mine
+    return held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +97,10 @@ class CoordinatorConfig:
     tls: TlsFiles = TlsFiles()
     #: Record each running job's step in its events this often (0: never).
     progress_interval_s: float = 10.0
+    #: Events kept per job: the oldest are deleted once there are more (checked every 100 progress events).
+    keep_events: int = 2000
+    #: Generations of reports kept per job (a pass reads two, the history's checks all that are kept).
+    keep_report_generations: int = 50
 
 
 class Agents:
@@ -112,10 +162,23 @@ class Coordinator:
         self.agents = Agents(cfg.push_timeout_s, cfg.tls)
         self._progress: dict[str, tuple[float, int]] = {}  # job -> (time, step) of the last progress event
         self._rate: dict[str, tuple[float, int]] = {}  # job -> (time, step) the step rate is measured from
+        self._progress_events: dict[str, int] = {}  # job -> progress events written by this leader
         self.term: Term | None = None
         self.leading = asyncio.Event()
         self._pushed: dict[tuple[str, int, str], float] = {}
         self._wake = asyncio.Event()
+        self._fenced = asyncio.Event()
+        #: The leader's cache of the cluster (None: passes read etcd directly, as a bench may).
+        self.informer: Informer | None = None
+        self.passes = 0
+        #: The work queue: at most one task per job; a job whose pass raised waits until its retry time.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}  # monotonic
+        #: Plans being committed by a job's task: their slots are held until the view shows them.
+        self._inflight: dict[str, Plan] = {}
+        #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
+        self._queued: set[str] = set()
 
     # -- leadership ----------------------------------------------------------
 
@@ -143,24 +206,42 @@ class Coordinator:
             await self.agents.close()
 
     async def _lead(self, term: Term, stop: asyncio.Event) -> None:
-        watcher = asyncio.create_task(self._watch(stop), name="coordinator-watch")
+        self.informer = Informer(self.store, on_change=self._wake.set)
+        watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
+        self._fenced.clear()
         try:
-            while not stop.is_set() and not term.lease.lost.is_set():
+            while not stop.is_set() and not term.lease.lost.is_set() and not self._fenced.is_set():
+                if watcher.done():  # the informer died of a bug: its cache is frozen, so start it again
+                    error = watcher.exception() if not watcher.cancelled() else None
+                    log.error("the cluster cache stopped (%s); listing again", error, exc_info=error)
+                    self.informer = Informer(self.store, on_change=self._wake.set)
+                    watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
                 try:
                     await self.reconcile(term)
                 except Fenced:
-                    log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
-                    return
+                    self._fenced.set()
                 except TemporaryError as e:
                     metrics.ETCD_ERRORS.labels("unavailable").inc()
                     log.warning("reconcile pass skipped, etcd unavailable: %s", e)
                 except PermanentError as e:
                     metrics.ETCD_ERRORS.labels("permanent").inc()
                     log.error("reconcile pass failed: %s", e)
+                except Exception:  # a bug in the pass itself (not in one job's): never end the daemon
+                    log.exception("reconcile pass failed; the next pass tries again")
+                if self._fenced.is_set():
+                    break
                 await self._sleep(stop, term)
+            if self._fenced.is_set():
+                log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
         finally:
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            tasks = list(self._tasks.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(watcher, *tasks, return_exceptions=True)
+            self._tasks.clear()
+            self._inflight.clear()
+            self.informer = None
 
     async def _sleep(self, stop: asyncio.Event, term: Term) -> None:
         waits = [asyncio.create_task(e.wait()) for e in (self._wake, stop, term.lease.lost)]
@@ -169,45 +250,176 @@ class Coordinator:
             w.cancel()
         self._wake.clear()
 
-    async def _watch(self, stop: asyncio.Event) -> None:
-        """Wake the loop on every change under the namespace; re-established with backoff."""
-        async for attempt in self.store.retry.reconnecting(stop):
-            with attempt:
-                revision, _ = await self.store.get_prefix(self.store.keys.leader)
-                async for _event in self.store.watch_prefix(self.store.keys.namespace + "/", revision + 1):
-                    self._wake.set()
-                raise TemporaryError("watch ended")
-
     # -- one pass ------------------------------------------------------------
 
     async def reconcile(self, term: Term) -> None:
-        cluster = await read_cluster(self.store)
+        """One pass: decide for every job in submission order, then hand each decision to the job's
+        task. Deciding is pure and quick; applying it (etcd writes, pushes) runs in the tasks."""
+        informer = self.informer
+        if informer is not None and not informer.synced.is_set():
+            return  # the first list is under way; it wakes the loop when done
+        cluster = informer.view() if informer is not None else await read_cluster(self.store)
+        self.passes += 1
+        now, mono = time.time(), time.monotonic()
+        self._settle_inflight(cluster)
+        held = slots_held(cluster, self._inflight)
+        # The first job (in submission order) that waits for slots others hold; a job skipped below
+        # (its task still runs, or it backs off) keeps the place it had in the last pass.
+        queue_head = ""
+        queued: set[str] = set()
         for view in cluster.jobs.values():
-            if view.spec is None:
-                if not view.status.state.terminal:
-                    await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
+            if view.name in self._tasks or self._retry_at.get(view.name, 0.0) > mono:
+                if view.name in self._queued and view.plan is None:
+                    queued.add(view.name)
+                    queue_head = queue_head or view.name
                 continue
-            decision = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
-                              self.cfg.ports, salt=cluster.revision, now=time.time(), status=view.status)
-            await self._apply(term, view, decision)
+            try:
+                decision, for_slots = self._decide(view, cluster, held, queue_head, now, may_grow=not self._queued)
+            except Exception as e:
+                self._start(view.name, self._raise(e))
+                continue
+            if for_slots:
+                queued.add(view.name)
+                queue_head = queue_head or view.name
+            if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
+                mine = held.setdefault(view.name, {})
+                for m in decision.plan.members:
+                    mine[m.node_id] = max(mine.get(m.node_id, 0), m.local_workers)
+                self._inflight[view.name] = decision.plan
+            self._start(view.name, self._apply(term, view, decision, slot_wait=for_slots))
+        self._queued = queued
 
-    async def _apply(self, term: Term, view: JobView, d: Decision) -> None:
+    def _settle_inflight(self, cluster: ClusterView) -> None:
+        """Forget a plan being committed once the view shows it (or shows that it cannot be): until
+        then its slots stay held, even after its task ended, so that no pass on a cache that has not
+        seen the commit yet gives them to another job."""
+        for job, plan in list(self._inflight.items()):
+            view = cluster.jobs.get(job)
+            if job in self._tasks:
+                continue
+            if view is None or view.status.state.terminal or (view.plan and view.plan.generation >= plan.generation):
+                del self._inflight[job]
+
+    def _decide(self, view: JobView, cluster: ClusterView, held: dict[str, dict[str, int]], queue_head: str,
+                now: float, may_grow: bool = True) -> tuple[Decision | None, bool]:
+        """The planner's decision for one job (None: the spec is unreadable), and whether the job
+        waits only because other jobs hold the slots it needs (it would launch on an empty cluster):
+        such a wait is not timed by ``min_nodes_timeout_s``. ``may_grow`` False (a job is queued):
+        no scale-up into free slots. Raises on records it cannot act on."""
+        if view.errors:
+            raise MalformedRecord("; ".join(view.errors))
+        if view.spec is None:
+            return None, False
+        others: dict[str, int] = {}
+        holders: dict[str, list[str]] = {}
+        for job, nodes in held.items():
+            if job == view.name:
+                continue
+            for node_id, n in nodes.items():
+                others[node_id] = others.get(node_id, 0) + n
+                holders.setdefault(node_id, []).append(job)
+        free = {n.node_id: max(0, n.slots - others.get(n.node_id, 0)) for n in cluster.nodes}
+        busy = "; ".join(f"node {n.node_id}: {free[n.node_id]} of {n.slots} slot(s) free, the rest held by job(s) "
+                         f"{', '.join(sorted(holders[n.node_id]))}" for n in cluster.nodes[:5] if n.node_id in holders)
+        if queue_head and view.plan is None:
+            free = {n: 0 for n in free}
+            busy = f"queued behind job {queue_head} (first come, first served)"
+
+        def plan_with(free_slots: dict[str, int] | None, why: str) -> Decision:
+            assert view.spec is not None
+            return decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
+                          self.cfg.ports, salt=cluster.revision, now=now, status=view.status,
+                          free_slots=free_slots, busy=why, may_grow=may_grow or view.name in self._queued)
+
+        decision = plan_with(free, busy)
+        for_slots = (view.plan is None and decision.action is Action.WAIT
+                     and plan_with(None, "").action is Action.LAUNCH)
+        return decision, for_slots
+
+    def _start(self, job: str, work: Awaitable[None]) -> None:
+        """Run one job's work in its own task (the work queue's worker for that key)."""
+        async def run() -> None:
+            try:
+                await work
+                self._failures.pop(job, None)
+            except Fenced:
+                self._fenced.set()
+                self._wake.set()
+            except TemporaryError as e:
+                self._inflight.pop(job, None)  # committed or not: the view will say
+                metrics.ETCD_ERRORS.labels("unavailable").inc()
+                log.warning("job pass not finished, etcd unavailable: %s", e, extra=dict(job=job))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._inflight.pop(job, None)
+                await self._job_failed(job, e)
+            finally:
+                self._tasks.pop(job, None)
+        self._tasks[job] = asyncio.create_task(run(), name=f"job-{job}")
+
+    @staticmethod
+    async def _raise(error: Exception) -> None:
+        """A decision that raised, handed to the job's task so that it is handled like any job error."""
+        raise error
+
+    async def _job_failed(self, job: str, error: Exception) -> None:
+        """A job's pass raised: log it with its traceback, show it on the job, retry it later."""
+        n = self._failures[job] = self._failures.get(job, 0) + 1
+        delay = requeue_delay_s(n)
+        self._retry_at[job] = time.monotonic() + delay
+        text = f"{type(error).__name__}: {error}"
+        log.error("job pass failed (%d in a row; retried in %.1fs): %s", n, delay, text, exc_info=error,
+                  extra=dict(job=job))
+        metrics.JOB_ERRORS.labels(job).inc()
+        term = self.term
+        if term is None:
+            return
+        k, tx = self.store.keys, self.store.tx
+        event = Event(at=time.time(), kind=EventKind.ERROR, generation=0,
+                      message=f"reconcile error (retry {n}, next in {delay:.0f}s): {text}"[:2000])
+        try:
+            # Only the event: the job's own records may be what cannot be read or written.
+            if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
+                                        [tx.put(k.event(job, time.time_ns()).encode(), event.to_json().encode())]):
+                self._fenced.set()
+            if n % 20 == 1:  # a job that keeps failing must not grow its events without bound
+                await self.prune_events(term, job)
+        except (TemporaryError, PermanentError) as e:
+            log.warning("error event not written: %s", e, extra=dict(job=job))
+        except Fenced:
+            self._fenced.set()
+        self._wake.set()
+
+    async def _apply(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool = False) -> None:
+        if d is None:
+            if not view.status.state.terminal:
+                await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
+            await self._restop(view, grace_s=10.0)
+            return
         assert view.spec is not None
+        if view.status.state.terminal:
+            await self._note_recovery(term, view)  # a job may end before its recovery was recorded
+            await self._restop(view, view.spec.stop_grace_period_s)
+            return
         if d.action is Action.LAUNCH:
             assert d.plan is not None
             await self._commit_plan(term, view, d)
         elif d.action is Action.SUCCEED:
             await self._set_status(term, view, JobState.SUCCEEDED, d.reason)
         elif d.action is Action.FAIL:
-            await self._set_status(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d), decision=d)
-            if view.plan is not None:
+            if await self._set_status(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d),
+                                      decision=d) and view.plan is not None:
                 await self.agents.stop(view.name, view.plan.generation, view.spec.stop_grace_period_s,
                                        {m.node_id: m.agent_address for m in view.plan.members})
         elif d.action is Action.WAIT:
+            # A wait for slots other jobs hold is a queue, not a shortage of nodes: not timed.
             state = JobState.PENDING if view.plan is None else JobState.RESTARTING
-            if (view.status.state, view.status.message) != (state, d.reason) or not view.status.waiting_since:
+            since = 0.0 if slot_wait else (view.status.waiting_since or time.time())
+            if (view.status.state, view.status.message, bool(view.status.waiting_since)) != (
+                    state, d.reason, bool(since)):
                 await self._set_status(term, view, state, d.reason, failure=self._failure(view, d),
-                                       waiting_since=view.status.waiting_since or time.time(), decision=d)
+                                       waiting_since=since, decision=d)
         else:
             await self._note_recovery(term, view)
             await self._note(term, view, d)
@@ -221,7 +433,7 @@ class Coordinator:
             return
         now = time.time()
         metrics.STEP.labels(view.name).set(step)
-        metrics.WORLD_SIZE.labels(view.name).set(plan.worker_num)
+        metrics.WORLD_SIZE.labels(view.name).set(plan.world_size)
         metrics.GENERATION.labels(view.name).set(plan.generation)
         since, from_step = self._rate.get(view.name, (0.0, -1))
         if step < from_step or now - since > 30:
@@ -233,11 +445,28 @@ class Coordinator:
         if self.cfg.progress_interval_s and step != last_step and now - last_at >= self.cfg.progress_interval_s:
             self._progress[view.name] = (now, step)
             k, tx = self.store.keys, self.store.tx
-            event = Event(at=now, kind="progress", generation=plan.generation, message=f"step {step}", step=step,
-                          world_size=plan.worker_num, loss=view.loss)
+            event = Event(at=now, kind=EventKind.PROGRESS, generation=plan.generation, message=f"step {step}", step=step,
+                          world_size=plan.world_size, loss=view.loss)
             if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
                                         [tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())]):
                 raise Fenced()
+            self._progress_events[view.name] = n = self._progress_events.get(view.name, 0) + 1
+            if n % 100 == 1:
+                await self.prune_events(term, view.name)
+
+    async def prune_events(self, term: Term, job: str) -> int:
+        """Delete the job's oldest events beyond ``keep_events`` (one keys-only read, one range
+        delete); returns how many were deleted."""
+        k, tx = self.store.keys, self.store.tx
+        keys = await self.store.keys_under(k.events(job))
+        if len(keys) <= self.cfg.keep_events:
+            return 0
+        cut = keys[len(keys) - self.cfg.keep_events]  # the oldest event kept (keys sort by time)
+        if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
+                                    [tx.delete(k.events(job).encode(), cut.encode())]):
+            raise Fenced()
+        log.info("pruned %d old events", len(keys) - self.cfg.keep_events, extra=dict(job=job))
+        return len(keys) - self.cfg.keep_events
 
     async def _note(self, term: Term, view: JobView, d: Decision) -> None:
         """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
@@ -247,46 +476,53 @@ class Coordinator:
             return
         status = dataclasses.replace(self._status(view, old.state, old.message, old.last_failure),
                                      note=d.note, scale_up_nodes=d.scale_up_nodes, scale_up_since=d.scale_up_since)
-        event = Event(at=time.time(), kind="note", generation=view.plan.generation, message=d.note or "note cleared")
-        await self.write_status(term, view.name, status, event if d.note != old.note else None)
+        event = Event(at=time.time(), kind=EventKind.NOTE, generation=view.plan.generation, message=d.note or "note cleared")
+        await self.write_status(term, view, status, event if d.note != old.note else None)
 
     def _failure(self, view: JobView, d: Decision) -> FailureRecord | None:
         if view.plan is None or (d.fault is None and not d.lost_nodes):
             return view.status.last_failure
         if d.fault is not None:
             return FailureRecord(generation=view.plan.generation, node_id=d.fault.node_id, rank=d.fault.failed_rank,
-                                 reason=d.fault.reason, detected_at=d.fault.detected_at)
+                                 reason=d.fault.reason, detected_at=d.fault.detected_at, cause=d.fault.cause)
         return FailureRecord(generation=view.plan.generation, node_id=",".join(d.lost_nodes), rank=-1,
-                             reason="node lost (lease expired)", detected_at=time.time())
+                             reason="node lost (lease expired)", detected_at=time.time(), cause=FailureCause.NODE_LOST)
 
     async def _commit_plan(self, term: Term, view: JobView, d: Decision) -> None:
         assert d.plan is not None and view.spec is not None
         k, tx = self.store.keys, self.store.tx
         failure = self._failure(view, d)
         status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
-        event = Event(at=time.time(), kind="planned" if d.plan.planned else "generation", generation=d.plan.generation,
+        event = Event(at=time.time(), kind=EventKind.PLANNED if d.plan.planned else EventKind.GENERATION, generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
-                              f" (world size {d.plan.worker_num}, master port {d.plan.master_port}): {d.reason}",
+                              f" (world size {d.plan.world_size}, master port {d.plan.master_port}): {d.reason}",
                       node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1,
                       detected_at=failure.detected_at if failure and (d.fault or d.lost_nodes) else 0.0)
         plan_key = k.plan(view.name).encode()
         compare = [tx.create(k.leader.encode()) == term.create_revision,
-                   tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0)]
+                   tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0),
+                   self._status_unchanged(view)]
+        # A pass reads two generations' reports, a restarting elasticd all of them: keep the newest few.
+        old_reports = (k.reports(view.name, 0), k.reports(view.name, max(d.plan.generation - self.cfg.keep_report_generations, 0)))
         ok = await self.store.txn(compare, [
             tx.put(plan_key, d.plan.to_json().encode()),
             tx.put(k.plan_history(view.name, d.plan.generation).encode(), d.plan.to_json().encode()),
             tx.put(k.status(view.name).encode(), status.to_json().encode()),
             tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode()),
+            tx.delete(old_reports[0].encode(), old_reports[1].encode()),
         ])
         if not ok:
+            self._inflight.pop(view.name, None)
             await self._check_leader(term)
-            log.info("plan changed under us; next pass decides again", extra=dict(job=view.name))
+            # The watch brings the change that made the compare fail, and with it the next pass.
+            log.info("plan or status changed under us (a stop, a restart, another pass); the next pass decides "
+                     "again", extra=dict(job=view.name, generation=d.plan.generation))
             return
         log.info("committed generation %d: %s", d.plan.generation, d.reason,
                  extra=dict(job=view.name, generation=d.plan.generation))
         metrics.GENERATIONS.labels(view.name).inc()
         if view.plan is not None:
-            metrics.RESTARTS.labels(view.name, d.kind).inc()
+            metrics.RESTARTS.labels(view.name, (d.kind or RelaunchReason.INITIAL).value).inc()
         # Planned: every rank of the running generation is asked (SIGTERM) to checkpoint at the next
         # step; the ranks agree on that step, so the members being dropped and the ones relaunched
         # are told at the same time. After a fault there is nothing to save: kill at once.
@@ -310,10 +546,33 @@ class Coordinator:
             self._mark_pushed(plan, {m.node_id for m in missing})
             await self.agents.launch(plan, only={m.node_id for m in missing})
 
+    async def _restop(self, view: JobView, grace_s: float) -> None:
+        """A job that is over but whose generation still starts, runs or stops somewhere (by the
+        reports): its Stop was lost (an agent was unreachable for a moment). Send it again, to those
+        nodes only, at most every ``repush_after_s``."""
+        now = time.monotonic()
+        for generation, reps in view.reports.items():
+            nodes = {}
+            for node_id, rep in reps.items():
+                member = view.plan.member(node_id) if view.plan else None
+                key = (view.name, -generation, node_id)  # negative: not a Launch push
+                if rep.state.terminal or member is None or now - self._pushed.get(key, 0.0) < self.cfg.repush_after_s:
+                    continue
+                self._pushed[key] = now
+                nodes[node_id] = member.agent_address
+            if nodes:
+                log.warning("stopping generation %d again on %s: the job is %s", generation, ", ".join(sorted(nodes)),
+                            view.status.state.value, extra=dict(job=view.name, generation=generation))
+                await self.agents.stop(view.name, generation, grace_s, nodes)
+
     def forget(self, job: str) -> None:
         """A deleted job: drop what this leader keeps about it, and its metrics."""
         self._progress.pop(job, None)
         self._rate.pop(job, None)
+        self._progress_events.pop(job, None)
+        self._failures.pop(job, None)
+        self._retry_at.pop(job, None)
+        self._queued.discard(job)
         self._pushed = {k: v for k, v in self._pushed.items() if k[0] != job}
         metrics.forget_job(job)
 
@@ -341,7 +600,7 @@ class Coordinator:
         resumed = max((r.resumed_step for r in reports), default=-1)
         notes = sorted({r.resume_note for r in reports if r.resume_note})
         await self._set_status(term, view, view.status.state, view.status.message, failure=recovered,
-                               event=Event(at=time.time(), kind="recovered", generation=plan.generation,
+                               event=Event(at=time.time(), kind=EventKind.RECOVERED, generation=plan.generation,
                                            message=f"generation {plan.generation} resumed from step {resumed}, "
                                                    f"first step {recovered.recover_s:.2f}s after the failure was "
                                                    f"detected" + "".join(f"; {n}" for n in notes)))
@@ -355,8 +614,8 @@ class Coordinator:
         exits = sorted({r.exit_step for r in view.reports.get(plan.generation - 1, {}).values()})
         lost = f"{exits[-1] - resumed} step(s) recomputed" if exits and exits[-1] >= 0 else "previous ranks were killed"
         status = dataclasses.replace(view.status, resumed_through=plan.generation, updated_at=time.time())
-        await self.write_status(term, view.name, status, Event(
-            at=time.time(), kind="resumed", generation=plan.generation,
+        await self.write_status(term, view, status, Event(
+            at=time.time(), kind=EventKind.RESUMED, generation=plan.generation,
             message=f"generation {plan.generation} resumed from step {resumed}; generation {plan.generation - 1} "
                     f"checkpointed at step(s) {exits} on request; {lost}"))
 
@@ -364,44 +623,46 @@ class Coordinator:
 
     def _status(self, view: JobView, state: JobState, message: str, failure: FailureRecord | None,
                 plan: Plan | None = None, waiting_since: float = 0.0, decision: Decision | None = None) -> JobStatus:
-        """The next status; node failure counts and quarantine come from ``decision`` when it blamed a node."""
-        if state is not view.status.state:
-            check_job_transition(view.status.state, state)
-        plan = plan or view.plan
-        old = view.status
-        failures = decision.node_failures if decision and decision.node_failures is not None else old.node_failures
-        quarantine = (decision.quarantined_until if decision and decision.quarantined_until is not None
-                      else old.quarantined_until)
-        counted = max(old.failures_counted_through, decision.failures_counted_through if decision else 0)
-        # A new plan or a decision resets the note; a plain status write keeps it.
-        note = (decision.note, decision.scale_up_nodes, decision.scale_up_since) if decision else (
-            old.note, old.scale_up_nodes, old.scale_up_since)
-        return JobStatus(state=state, generation=plan.generation if plan else 0,
-                         restart_count=plan.restart_count if plan else 0, message=message,
-                         last_failure=failure, updated_at=time.time(), waiting_since=waiting_since,
-                         node_failures=dict(failures), quarantined_until=dict(quarantine),
-                         failures_counted_through=counted, note=note[0], scale_up_nodes=note[1],
-                         scale_up_since=note[2], resumed_through=old.resumed_through,
-                         restart_requested=old.restart_requested)
+        """The next status of the job as ``view`` read it (see :func:`mselastic.core.status.next_status`)."""
+        return next_status(view.status, state, message, time.time(), plan=plan or view.plan, failure=failure,
+                           waiting_since=waiting_since, decision=decision)
 
     async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
                           failure: FailureRecord | None = None, event: Event | None = None,
-                          waiting_since: float = 0.0, decision: Decision | None = None) -> None:
+                          waiting_since: float = 0.0, decision: Decision | None = None) -> bool:
+        """Write the job's next status (compare-and-set); False when it changed meanwhile."""
         failure = failure if failure is not None else view.status.last_failure
         status = self._status(view, state, message, failure, waiting_since=waiting_since, decision=decision)
-        ev = event or Event(at=time.time(), kind=state.value.lower(),
+        ev = event or Event(at=time.time(), kind=EventKind(state.value.lower()),
                             generation=view.plan.generation if view.plan else 0, message=message)
-        await self.write_status(term, view.name, status, ev)
+        if not await self.write_status(term, view, status, ev):
+            return False
         log.info("job %s: %s", state.value, message, extra=dict(job=view.name, generation=status.generation))
+        return True
 
-    async def write_status(self, term: Term, job: str, status: JobStatus, event: Event | None) -> None:
+    def _status_unchanged(self, view: JobView) -> object:
+        """The compare of a compare-and-set on the job's status as ``view`` read it."""
+        key = self.store.keys.status(view.name).encode()
+        return self.store.tx.mod(key) == (view.status_kv.mod_revision if view.status_kv else 0)
+
+    async def write_status(self, term: Term, view: JobView, status: JobStatus, event: Event | None) -> bool:
+        """Compare-and-set the job's status on the revision ``view`` read (and the leader key).
+
+        True: written, and ``view`` now holds it (so that a pass's further writes chain). False:
+        the status changed meanwhile (an operator's stop or restart, for instance); nothing is
+        written and the next pass decides again. Raises Fenced when the leader key is not ours."""
         k, tx = self.store.keys, self.store.tx
-        ok = await self.store.txn([tx.create(k.leader.encode()) == term.create_revision], [
-            tx.put(k.status(job).encode(), status.to_json().encode()),
-            *([tx.put(k.event(job, time.time_ns()).encode(), event.to_json().encode())] if event else []),
-        ])
-        if not ok:
-            raise Fenced()
+        kv = await self.store.txn_get(
+            [tx.create(k.leader.encode()) == term.create_revision, self._status_unchanged(view)],
+            [tx.put(k.status(view.name).encode(), status.to_json().encode()),
+             *([tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())] if event else [])],
+            k.status(view.name))
+        if kv is None:
+            await self._check_leader(term)
+            log.info("status changed meanwhile; the next pass decides again", extra=dict(job=view.name))
+            return False
+        view.status, view.status_kv = status, kv
+        return True
 
     async def _check_leader(self, term: Term) -> None:
         kv = await self.store.get(self.store.keys.leader)

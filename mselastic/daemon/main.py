@@ -36,7 +36,7 @@ import tomllib
 
 import grpc
 
-from mselastic.agent.node import AgentConfig, NodeAgent
+from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.core.planner import PortRange
 from mselastic import metrics
@@ -44,7 +44,7 @@ from mselastic.daemon import logs, systemd
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
 from mselastic.store.embedded import EmbeddedEtcd
-from mselastic.store.etcd import Store
+from mselastic.store.etcd import RetryPolicy, Store
 from mselastic.store.keys import BadName, Keys, check_id
 from mselastic.tls import TlsError, TlsFiles
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -95,6 +95,10 @@ class Settings:
     #: The leader records each running job's step in its event log this often (for
     #: `elasticctl report`); 0: never.
     progress_interval_s: float = 10.0
+    #: Events kept per job (the oldest are deleted as new ones come); etcd stays small.
+    keep_events: int = 2000
+    #: Generations whose agent reports are kept per job (older ones are deleted at a relaunch).
+    keep_report_generations: int = 50
     #: host:port of the Prometheus metrics endpoint (/metrics); empty: none.
     metrics_listen: str = "127.0.0.1:9464"
     #: TLS for the gRPC port: this node's certificate and key (PEM); both or neither.
@@ -132,6 +136,9 @@ class Settings:
         for key in ("reconcile_interval_s", "shutdown_grace_s"):
             if getattr(self, key) <= 0:
                 raise _bad(key, f"must be > 0 (got {getattr(self, key)})")
+        for key in ("keep_events", "keep_report_generations"):
+            if getattr(self, key) < 2:
+                raise _bad(key, f"must be >= 2 (got {getattr(self, key)})")
         if self.progress_interval_s < 0:
             raise _bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
         if self.log_format not in ("text", "json"):
@@ -200,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "master_port_start": "first master port msrun may get",
         "master_port_span": "how many master ports to choose from",
         "progress_interval_s": "record each job's step this often, for `elasticctl report`; 0: never",
+        "keep_events": "events kept per job; older ones are deleted",
+        "keep_report_generations": "generations of agent reports kept per job",
         "metrics_listen": "Prometheus /metrics host:port; empty: none",
         "tls_cert": "this node's TLS certificate (PEM)",
         "tls_key": "this node's TLS key (PEM)",
@@ -287,9 +296,13 @@ async def serve(s: Settings) -> None:
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),
-        tls=s.tls, progress_interval_s=s.progress_interval_s))
+        tls=s.tls, progress_interval_s=s.progress_interval_s, keep_events=s.keep_events,
+        keep_report_generations=s.keep_report_generations))
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
-    pb_grpc.add_ControlServicer_to_server(ControlService(store, coordinator), server)
+    # The Control service answers operators: a short retry budget, so that an etcd outage is
+    # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.
+    control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0))
+    pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator), server)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -317,6 +330,7 @@ async def serve(s: Settings) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(1)
         await store.close()
+        await control_store.close()
         if etcd is not None:
             etcd.stop()
 
@@ -330,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(settings.node_id, settings.log_format)
     try:
         asyncio.run(serve(settings))
-    except SettingsError as e:
+    except (SettingsError, NodeIdTaken) as e:
         print(f"elasticd: {e}", file=sys.stderr)
         return 2
     return 0

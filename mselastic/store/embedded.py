@@ -69,7 +69,12 @@ class EmbeddedEtcd:
         cmd = [etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "warn"]
+               "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "warn",
+               # Keep the store small: history older than an hour is compacted away (every
+               # revision of every report and status would otherwise stay), and the database
+               # may not grow past 2 GiB (etcd then refuses writes with NOSPACE, not the disk).
+               "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
+               "--quota-backend-bytes", str(2 * 1024**3)]
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         self.proc = subprocess.Popen(with_parent_death(cmd), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

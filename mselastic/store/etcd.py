@@ -118,6 +118,8 @@ class Store:
         # leases must be renewed within a TTL, so reconnect within a second.
         self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS)
         self.tx = self.client.transactions
+        #: Keys returned by reads so far (an empty read counts one): what ``make bench-scale`` reports.
+        self.keys_read = 0
 
     async def close(self) -> None:
         await self.client.close()
@@ -140,17 +142,27 @@ class Store:
 
     async def get(self, key: str) -> KV | None:
         res = await self.call(lambda: self.client.get(key.encode()))
+        self.keys_read += 1
         return None if res is None else _kv(res)
 
     async def get_prefix(self, prefix: str) -> tuple[int, list[KV]]:
         """All keys under ``prefix`` and the store revision they were read at."""
         res = await self.call(lambda: self.client.get_prefix(prefix.encode()))
-        return res.header.revision, [_kv(kv) for kv in res]
+        kvs = [_kv(kv) for kv in res]
+        self.keys_read += max(1, len(kvs))
+        return res.header.revision, kvs
+
+    async def keys_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, sorted, without their values."""
+        res = await self.call(lambda: self.client.get_prefix(prefix.encode(), keys_only=True, sort_order="ascend"))
+        return [kv.key.decode() for kv in res]
 
     async def get_range(self, start: str, end: str) -> list[KV]:
         """Keys in ``[start, end)``."""
         res = await self.call(lambda: self.client.get_range(start.encode(), end.encode()))
-        return [_kv(kv) for kv in res]
+        kvs = [_kv(kv) for kv in res]
+        self.keys_read += max(1, len(kvs))
+        return kvs
 
     # -- writes ------------------------------------------------------------
 
@@ -175,6 +187,16 @@ class Store:
     async def txn(self, compare: list[Any], success: list[Any]) -> bool:
         ok, _ = await self.call(lambda: self.client.transaction(compare=compare, success=success, failure=[]))
         return bool(ok)
+
+    async def txn_get(self, compare: list[Any], success: list[Any], key: str) -> KV | None:
+        """``txn``, then ``key`` as the transaction left it (for the next compare-and-set on its
+        revision); None when a compare failed."""
+        ok, responses = await self.call(lambda: self.client.transaction(
+            compare=compare, success=[*success, self.tx.get(key.encode())], failure=[]))
+        if not ok:
+            return None
+        found = responses[-1] if responses and isinstance(responses[-1], list) else []
+        return _kv(found[0][1]) if found else None
 
     # -- leases ------------------------------------------------------------
 

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any, Callable, Iterable, TypeVar
 
 from mselastic.core.model import CordonRecord, GenerationReport, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
 from mselastic.store.etcd import KV, Store
+from mselastic.store.keys import Keys
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class JobView:
     name: str
     spec: JobSpec | None = None
+    spec_kv: KV | None = None
     spec_error: str = ""
+    #: Malformed plan or status records: the coordinator takes no action on the job while any is.
+    errors: list[str] = dataclasses.field(default_factory=list)
     plan: Plan | None = None
     plan_kv: KV | None = None
     status: JobStatus = dataclasses.field(default_factory=lambda: JobStatus(JobState.PENDING))
@@ -60,71 +66,138 @@ class ClusterView:
     leader: LeaderRecord | None
 
 
+class Decoder:
+    """Decodes etcd values into records. ``memo=True`` (the informer's) remembers each key's record
+    for its mod revision, so a pass over a cached cluster decodes only what changed."""
+
+    def __init__(self, memo: bool = False) -> None:
+        self._memo: dict[str, tuple[int, Any, Exception | None]] | None = {} if memo else None
+
+    def __call__(self, kv: KV, decode: Callable[[bytes], T]) -> T:
+        if self._memo is None:
+            return decode(kv.value)
+        hit = self._memo.get(kv.key)
+        if hit is None or hit[0] != kv.mod_revision:
+            try:
+                hit = (kv.mod_revision, decode(kv.value), None)
+            except (MalformedRecord, SpecError, ValueError) as e:
+                hit = (kv.mod_revision, None, e)
+            self._memo[kv.key] = hit
+        if hit[2] is not None:
+            # A new exception each time: re-raising the cached one would grow its traceback (and
+            # keep every pass's frames alive) for as long as the record stays malformed.
+            raise type(hit[2])(*hit[2].args)
+        return hit[1]
+
+    def forget(self, key: str) -> None:
+        if self._memo is not None:
+            self._memo.pop(key, None)
+
+
+@dataclasses.dataclass
+class Raw:
+    """The etcd values a cluster view is made of, as read at ``revision``. ``reports(job, g)``
+    gives the reports of one generation of a job."""
+
+    revision: int
+    nodes: Iterable[KV]
+    cordons: Iterable[KV]
+    leader: KV | None
+    jobs: Iterable[KV]
+    reports: Callable[[str, int], Iterable[KV]]
+
+
 async def read_cluster(store: Store, job: str = "") -> ClusterView:
+    """The cluster as stored now (a few range reads; the Control service's view)."""
     keys = store.keys
     revision, node_kvs = await store.get_prefix(keys.nodes)
+    _, cordon_kvs = await store.get_prefix(keys.cordons)
+    leader_kv = await store.get(keys.leader)
+    _, job_kvs = await store.get_prefix(keys.job(job) if job else keys.jobs)
+    plans = {}
+    for kv in job_kvs:
+        parsed = keys.parse_job_key(kv.key)
+        if parsed is not None and parsed[1] == "plan":
+            try:
+                plans[parsed[0]] = Plan.from_json(kv.value).generation
+            except MalformedRecord:
+                continue
+    reports: dict[tuple[str, int], list[KV]] = {}
+    for name, generation in plans.items():
+        start = keys.reports(name, max(generation - 1, 0))
+        for kv in await store.get_range(start, keys.range_end(keys.reports(name, generation))):
+            parsed_report = keys.parse_report_key(kv.key)
+            if parsed_report is not None:
+                reports.setdefault(parsed_report[:2], []).append(kv)
+    raw = Raw(revision, node_kvs, cordon_kvs, leader_kv, job_kvs, lambda j, g: reports.get((j, g), []))
+    return assemble(keys, raw, Decoder())
+
+
+def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
+    """Decode and check what was read into a ClusterView; malformed values are logged and skipped
+    (or, for a job's own records, kept on the job as its error)."""
     nodes = []
-    for kv in node_kvs:
+    for kv in raw.nodes:
         try:
-            nodes.append(NodeRecord.from_json(kv.value, kv.create_revision))
+            rec = decode(kv, NodeRecord.from_json)
+            nodes.append(dataclasses.replace(rec, create_revision=kv.create_revision))
         except MalformedRecord as e:
             log.error("skipping malformed node record %s: %s", kv.key, e)
-    _, cordon_kvs = await store.get_prefix(keys.cordons)
     cordons: dict[str, CordonRecord] = {}
-    for kv in cordon_kvs:
+    for kv in raw.cordons:
         try:
-            rec = CordonRecord.from_json(kv.value)
-            cordons[rec.node_id] = rec
+            rec_c = decode(kv, CordonRecord.from_json)
+            cordons[rec_c.node_id] = rec_c
         except MalformedRecord as e:
             log.error("skipping malformed cordon record %s: %s", kv.key, e)
     nodes = [dataclasses.replace(n, cordoned=True, draining=cordons[n.node_id].drain) if n.node_id in cordons else n
              for n in nodes]
-    leader_kv = await store.get(keys.leader)
+    nodes.sort(key=lambda n: n.node_id)
     leader = None
-    if leader_kv is not None:
+    if raw.leader is not None:
         try:
-            leader = LeaderRecord.from_json(leader_kv.value)
+            leader = decode(raw.leader, LeaderRecord.from_json)
         except MalformedRecord as e:
             log.error("malformed leader record: %s", e)
-    _, job_kvs = await store.get_prefix(keys.job(job) if job else keys.jobs)
     jobs: dict[str, JobView] = {}
-    for kv in job_kvs:
+    for kv in raw.jobs:
         parsed = keys.parse_job_key(kv.key)
         if parsed is None:
             continue
         name, rest = parsed
         view = jobs.setdefault(name, JobView(name))
         try:
-            _apply(view, rest, kv)
+            _apply(view, rest, kv, decode)
         except (MalformedRecord, SpecError, ValueError) as e:
             log.error("malformed value at %s: %s", kv.key, e, extra={"job": name})
             if rest == "spec":
                 view.spec_error = str(e)
+            else:
+                view.errors.append(f"malformed {rest} record ({kv.key}): {e}")
     jobs = {k: v for k, v in jobs.items() if v.spec or v.spec_error}
+
+    def submitted(v: JobView) -> tuple[int, str]:
+        return (v.spec_kv.create_revision if v.spec_kv else 0, v.name)
+    jobs = dict(sorted(jobs.items(), key=lambda item: submitted(item[1])))  # first come, first served
     for view in jobs.values():
-        if view.plan is not None:
-            await _read_reports(store, view, view.plan.generation)
-    return ClusterView(revision, nodes, jobs, cordons, leader)
-
-
-async def _read_reports(store: Store, view: JobView, generation: int) -> None:
-    """The reports of ``generation`` and the one before it (one range read)."""
-    keys = store.keys
-    start, end = keys.reports(view.name, max(generation - 1, 0)), keys.range_end(keys.reports(view.name, generation))
-    for kv in await store.get_range(start, end):
-        parsed = keys.parse_report_key(kv.key)
-        if parsed is None:
+        if view.plan is None:
             continue
-        try:
-            view.reports.setdefault(parsed[1], {})[parsed[2]] = GenerationReport.from_json(kv.value)
-        except (MalformedRecord, ValueError) as e:
-            log.error("malformed value at %s: %s", kv.key, e, extra={"job": view.name})
+        for generation in (view.plan.generation - 1, view.plan.generation):
+            for kv in raw.reports(view.name, generation):
+                parsed_report = keys.parse_report_key(kv.key)
+                if parsed_report is None:
+                    continue
+                try:
+                    view.reports.setdefault(generation, {})[parsed_report[2]] = decode(kv, GenerationReport.from_json)
+                except (MalformedRecord, ValueError) as e:
+                    log.error("malformed value at %s: %s", kv.key, e, extra={"job": view.name})
+    return ClusterView(raw.revision, nodes, jobs, cordons, leader)
 
 
-def _apply(view: JobView, rest: str, kv: KV) -> None:
+def _apply(view: JobView, rest: str, kv: KV, decode: Decoder) -> None:
     if rest == "spec":
-        view.spec = JobSpec.from_json(kv.value)
+        view.spec, view.spec_kv = decode(kv, JobSpec.from_json), kv
     elif rest == "plan":
-        view.plan, view.plan_kv = Plan.from_json(kv.value), kv
+        view.plan, view.plan_kv = decode(kv, Plan.from_json), kv
     elif rest == "status":
-        view.status, view.status_kv = JobStatus.from_json(kv.value), kv
+        view.status, view.status_kv = decode(kv, JobStatus.from_json), kv

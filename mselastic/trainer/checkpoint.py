@@ -26,6 +26,8 @@ import os
 import re
 from typing import Any
 
+from mselastic.core.contract import LATEST_CHECKPOINT
+
 log = logging.getLogger("mselastic.trainer")
 _MANIFEST = re.compile(r"^ckpt-(\d{8,})\.json$")
 
@@ -122,7 +124,7 @@ class Checkpointer:
                             file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path), cursor=cursor,
                             seed=seed, extra=extra or {})
         _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
-        _write_atomic(os.path.join(self.dir, "latest.json"), json.dumps({"manifest": name + ".json"}))
+        _write_atomic(os.path.join(self.dir, LATEST_CHECKPOINT), json.dumps({"manifest": name + ".json"}))
         dfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -151,7 +153,7 @@ class Checkpointer:
 
         order = self.manifests()
         try:
-            with open(os.path.join(self.dir, "latest.json")) as f:
+            with open(os.path.join(self.dir, LATEST_CHECKPOINT)) as f:
                 pointed = json.load(f)["manifest"]
             if pointed in order:
                 order.remove(pointed)

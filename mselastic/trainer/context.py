@@ -20,12 +20,27 @@ import time
 from typing import Any, NoReturn
 
 from mselastic.core import contract
-from mselastic.core.contract import Beat
+from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.elastic import BatchLayout, batch_layout
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.trainer.faults import FaultPlan
 
 log = logging.getLogger("mselastic.trainer")
+
+
+def _phase(name: str) -> None:
+    """Report a start-up phase to the local agent, from a worker only (msrun's scheduler runs the
+    script up to ``init()`` too). Best effort, like every beat."""
+    address, rank = os.environ.get(contract.ENV_HEARTBEAT, ""), os.environ.get("RANK_ID", "")
+    if not address or os.environ.get("MS_ROLE") != "MS_WORKER" or not rank.isdigit():
+        return
+    beat = Beat(kind=BeatKind.PHASE, rank=int(rank), pid=os.getpid(), generation=_env_int(contract.ENV_GENERATION, 0),
+                step=-1, at=time.time(), note=name)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(beat.encode(), "\0" + address)
+    except OSError:
+        pass
 
 
 def _env_int(name: str, default: int) -> int:
@@ -81,7 +96,12 @@ class ElasticContext:
             die_with_parent()
         from mindspore.communication import get_group_size, get_rank, init
 
+        fault = FaultPlan.from_env()
+        if fault is not None and os.environ.get("MS_ROLE") == "MS_WORKER":
+            fault.at_startup(_env_int("RANK_ID", -1), _env_int(contract.ENV_GENERATION, 0))
+        _phase("init")
         init()
+        _phase("joined")
         world = get_group_size()
         gbs = _env_int(contract.ENV_GLOBAL_BATCH, global_batch_size)
         micro = _env_ints(contract.ENV_MICRO_BATCHES, micro_batch_sizes)
@@ -101,7 +121,7 @@ class ElasticContext:
             global_batch_size=gbs, layout=layout,
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
             stop_check_interval_steps=max(1, _env_int(contract.ENV_STOP_CHECK_INTERVAL, 1)),
-            fault=FaultPlan.from_env(),
+            fault=fault,
         )
         if ctx.heartbeat_address:
             ctx._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -133,7 +153,7 @@ class ElasticContext:
 
     def beat(self, kind: str, step: int, loss: float = 0.0, resumed_step: int = -1, note: str = "") -> None:
         """Tell the local agent we are alive (never blocks, never raises; an injected fault may fire)."""
-        if self.fault is not None and kind == "step":
+        if self.fault is not None and kind == BeatKind.STEP:
             self.fault.maybe_inject(self.rank, self.generation, step, self.checkpoint_dir)
         if self._sock is None:
             return
@@ -146,10 +166,10 @@ class ElasticContext:
 
     def started(self, resumed_step: int, note: str = "") -> None:
         """Tell the agent where this generation resumed (``note``: e.g. checkpoints skipped as corrupt)."""
-        self.beat("start", resumed_step, resumed_step=resumed_step, note=note)
+        self.beat(BeatKind.START, resumed_step, resumed_step=resumed_step, note=note)
 
     def finished(self, step: int, loss: float) -> None:
-        self.beat("finished", step, loss)
+        self.beat(BeatKind.FINISHED, step, loss)
 
     # -- planned stop --------------------------------------------------------
 
@@ -193,7 +213,7 @@ class ElasticContext:
         at once — MindSpore's own teardown at interpreter exit takes long enough for msrun
         to kill a slower rank, and there is nothing left to save."""
         self.barrier()
-        self.beat("planned_exit", step)
+        self.beat(BeatKind.PLANNED_EXIT, step)
         log.warning("rank %d: checkpointed at step %d on request; exiting", self.rank, step)
         logging.shutdown()
         sys.stdout.flush()

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 ENV_FAULT = "MSELASTIC_FAULT"
 
@@ -27,6 +28,9 @@ class Fault(enum.Enum):
     ABORT = "abort"  # os.abort(): SIGABRT, as a crash in native code
     SIGSTOP = "sigstop"  # stops dead (a hang): no heartbeat until resumed
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the newest checkpoint is damaged on disk, then SIGKILL
+    #: Stuck before ``init()`` (a slow import, a blocked file system): sleeps and never reports a phase.
+    #: Fires at start-up, so its ``step`` is ignored.
+    STUCK_STARTUP = "stuck_startup"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +58,19 @@ class FaultPlan:
         text = os.environ.get(ENV_FAULT, "")
         return cls.parse(text) if text else None
 
+    def at_startup(self, rank: int, generation: int) -> None:
+        """Before ``init()``: the start-up faults."""
+        last = self.last_generation or self.generation
+        if self.fault is Fault.STUCK_STARTUP and rank == self.rank and self.generation <= generation <= last:
+            print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation}",
+                  file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
     def maybe_inject(self, rank: int, generation: int, step: int, checkpoint_dir: str = "") -> None:
         last = self.last_generation or self.generation
-        if (rank, step) != (self.rank, self.step) or not self.generation <= generation <= last:
+        if (self.fault is Fault.STUCK_STARTUP or (rank, step) != (self.rank, self.step)
+                or not self.generation <= generation <= last):
             return
         print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation} step {step}",
               file=sys.stderr, flush=True)

@@ -7,6 +7,35 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RelaunchReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELAUNCH_REASON_UNSPECIFIED: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_INITIAL: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_RANK_FAILURE: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_HANG: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_MSRUN_FAILURE: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_NODE_LOST: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_SIGTERM: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_LAUNCH_ERROR: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_DRAIN: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_SCALE_UP: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_SCALE_DOWN: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_RESTART: _ClassVar[RelaunchReason]
+
+class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_CAUSE_UNSPECIFIED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_RANK_EXITED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_RANK_HUNG: _ClassVar[FailureCause]
+    FAILURE_CAUSE_RANK_NEVER_STARTED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_SIGTERM: _ClassVar[FailureCause]
+    FAILURE_CAUSE_MSRUN_FAILED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_AGENT_RESTARTED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_SUPERVISOR_ERROR: _ClassVar[FailureCause]
+    FAILURE_CAUSE_LAUNCH_SPEC: _ClassVar[FailureCause]
+    FAILURE_CAUSE_LAUNCH_NODE: _ClassVar[FailureCause]
+    FAILURE_CAUSE_NODE_LOST: _ClassVar[FailureCause]
+
 class GenerationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GENERATION_STATE_UNSPECIFIED: _ClassVar[GenerationState]
@@ -25,6 +54,29 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_STOPPED: _ClassVar[JobState]
+RELAUNCH_REASON_UNSPECIFIED: RelaunchReason
+RELAUNCH_REASON_INITIAL: RelaunchReason
+RELAUNCH_REASON_RANK_FAILURE: RelaunchReason
+RELAUNCH_REASON_HANG: RelaunchReason
+RELAUNCH_REASON_MSRUN_FAILURE: RelaunchReason
+RELAUNCH_REASON_NODE_LOST: RelaunchReason
+RELAUNCH_REASON_SIGTERM: RelaunchReason
+RELAUNCH_REASON_LAUNCH_ERROR: RelaunchReason
+RELAUNCH_REASON_DRAIN: RelaunchReason
+RELAUNCH_REASON_SCALE_UP: RelaunchReason
+RELAUNCH_REASON_SCALE_DOWN: RelaunchReason
+RELAUNCH_REASON_RESTART: RelaunchReason
+FAILURE_CAUSE_UNSPECIFIED: FailureCause
+FAILURE_CAUSE_RANK_EXITED: FailureCause
+FAILURE_CAUSE_RANK_HUNG: FailureCause
+FAILURE_CAUSE_RANK_NEVER_STARTED: FailureCause
+FAILURE_CAUSE_SIGTERM: FailureCause
+FAILURE_CAUSE_MSRUN_FAILED: FailureCause
+FAILURE_CAUSE_AGENT_RESTARTED: FailureCause
+FAILURE_CAUSE_SUPERVISOR_ERROR: FailureCause
+FAILURE_CAUSE_LAUNCH_SPEC: FailureCause
+FAILURE_CAUSE_LAUNCH_NODE: FailureCause
+FAILURE_CAUSE_NODE_LOST: FailureCause
 GENERATION_STATE_UNSPECIFIED: GenerationState
 GENERATION_STATE_STARTING: GenerationState
 GENERATION_STATE_RUNNING: GenerationState
@@ -54,26 +106,28 @@ class Member(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_workers: _Optional[int] = ..., agent_address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("job", "generation", "members", "worker_num", "master_addr", "master_port", "restart_count", "reason", "planned")
+    __slots__ = ("job", "generation", "members", "world_size", "master_addr", "master_port", "restart_count", "reason", "planned", "kind")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
-    WORKER_NUM_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PLANNED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    worker_num: int
+    world_size: int
     master_addr: str
     master_port: int
     restart_count: int
     reason: str
     planned: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., worker_num: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ..., planned: _Optional[bool] = ...) -> None: ...
+    kind: RelaunchReason
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ..., planned: _Optional[bool] = ..., kind: _Optional[_Union[RelaunchReason, str]] = ...) -> None: ...
 
 class LaunchRequest(_message.Message):
     __slots__ = ("plan",)
@@ -168,23 +222,25 @@ class LogChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Failure(_message.Message):
-    __slots__ = ("generation", "node_id", "rank", "reason", "detected_at", "recover_s")
+    __slots__ = ("generation", "node_id", "rank", "reason", "detected_at", "recover_s", "cause")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
     RECOVER_S_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     node_id: str
     rank: int
     reason: str
     detected_at: float
     recover_s: float
-    def __init__(self, generation: _Optional[int] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., detected_at: _Optional[float] = ..., recover_s: _Optional[float] = ...) -> None: ...
+    cause: FailureCause
+    def __init__(self, generation: _Optional[int] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., detected_at: _Optional[float] = ..., recover_s: _Optional[float] = ..., cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs")
+    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs", "used_slots")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +249,7 @@ class NodeInfo(_message.Message):
     CORDONED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_JOBS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_address: str
     slots: int
@@ -201,7 +258,8 @@ class NodeInfo(_message.Message):
     cordoned: bool
     draining: bool
     running_jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    used_slots: int
+    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ..., used_slots: _Optional[int] = ...) -> None: ...
 
 class Quarantine(_message.Message):
     __slots__ = ("node_id", "failures", "until")
@@ -266,10 +324,12 @@ class StatusResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("spec_json",)
+    __slots__ = ("spec_json", "force")
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     spec_json: str
-    def __init__(self, spec_json: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, spec_json: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)

@@ -7,24 +7,33 @@ from typing import NoReturn, cast
 import grpc
 
 from mselastic.core.model import Member, Plan
-from mselastic.core.states import GenerationState, JobState
+from mselastic.core.kinds import RelaunchReason
+from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.v1 import elastic_pb2 as pb
 
 
 def plan_to_pb(plan: Plan) -> pb.Plan:
     return pb.Plan(
-        job=plan.job, generation=plan.generation, worker_num=plan.worker_num, master_addr=plan.master_addr,
+        job=plan.job, generation=plan.generation, world_size=plan.world_size, master_addr=plan.master_addr,
         master_port=plan.master_port, restart_count=plan.restart_count, reason=plan.reason, planned=plan.planned,
+        kind=cast(pb.RelaunchReason, pb.RelaunchReason.Value(f"RELAUNCH_REASON_{plan.kind.name}")),
         members=[pb.Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                            agent_address=m.agent_address, host=m.host) for m in plan.members])
 
 
 def plan_from_pb(msg: pb.Plan) -> Plan:
     return Plan(
-        job=msg.job, generation=msg.generation, worker_num=msg.worker_num, master_addr=msg.master_addr,
+        job=msg.job, generation=msg.generation, world_size=msg.world_size, master_addr=msg.master_addr,
         master_port=msg.master_port, restart_count=msg.restart_count, reason=msg.reason, planned=msg.planned,
+        kind=RelaunchReason[pb.RelaunchReason.Name(msg.kind).removeprefix("RELAUNCH_REASON_")]
+        if msg.kind else RelaunchReason.INITIAL,
         members=tuple(Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                              agent_address=m.agent_address, host=m.host) for m in msg.members))
+
+
+def failure_cause_to_pb(cause: FailureCause) -> pb.FailureCause:
+    name = "UNSPECIFIED" if cause is FailureCause.NONE else cause.name
+    return cast(pb.FailureCause, pb.FailureCause.Value(f"FAILURE_CAUSE_{name}"))
 
 
 def job_state_to_pb(state: JobState) -> pb.JobState:
