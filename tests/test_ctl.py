@@ -66,7 +66,11 @@ def test_duplicate_submit_and_stop(endpoint: str, etcd: Etcd, tmp_path: os.PathL
     tmp = str(tmp_path)
     # A job that cannot start (needs 4 slots per node): it stays PENDING, so it can be stopped.
     spec = lenet_spec(os.path.join(tmp, "job.toml"), "big", tmp, tmp, total_steps=10, workers=4)
-    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    r = elasticctl("submit", spec, endpoint=endpoint)
+    # Accepted, with a warning that names why it cannot start (exit 0: it waits for nodes).
+    assert r.returncode == 0 and "warning: only 0 registered node(s) can run it" in r.stderr, r.stderr
+    r = elasticctl("scale", "big", "--min", "2", "--max", "2", endpoint=endpoint)
+    assert r.returncode == 0 and "warning: only 0 registered node(s)" in r.stderr and "min_nodes=2" in r.stderr
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 1 and "already exists" in r.stderr
     wait_for("waiting message", lambda: (s := etcd.status("big")) and "waiting for nodes" in s.message, 10)

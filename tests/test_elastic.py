@@ -111,6 +111,10 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
         rep = etcd.report(JOB, 1, n)
         # The code is the workers' own exit status, read by the agent before msrun reaped them.
         assert rep is not None and rep.state is GenerationState.STOPPED and "code 75" in rep.reason, rep
+    # A finished drain leaves the node cordoned, no longer "Draining".
+    wait_for("n1 Cordoned", lambda: re.search(r"n1\s.*Cordoned", elasticctl("nodes", endpoint=cluster.endpoint(0)).stdout),
+             10, 0.2)
+    assert "draining n1: waiting for lenet" in r.stderr, r.stderr  # progress, on stderr
     status = etcd.status(JOB)
     assert status is not None and status.restart_count == 0
 
@@ -215,5 +219,9 @@ def test_stop_checkpoints_at_the_next_step(procs: Processes, etcd: Etcd, namespa
     with open(os.path.join(ckpt, "latest.json")) as f:
         with open(os.path.join(ckpt, json.load(f)["manifest"])) as m:
             assert json.load(m)["step"] == rep.exit_step
-    status = etcd.status(JOB)
-    assert status is not None and status.state is JobState.STOPPED
+    # The status and the events then say at which step (where a resubmission resumes).
+    status = wait_for("the stop's checkpoint step in the status",
+                      lambda: (s := etcd.status(JOB)) and "checkpointed at" in s.message and s, 10, 0.1)
+    assert status.state is JobState.STOPPED
+    assert status.message == f"stopped by operator; the ranks checkpointed at step {rep.exit_step} and exited"
+    assert f"checkpointed at step {rep.exit_step}" in elasticctl("events", JOB, endpoint=endpoint).stdout

@@ -84,6 +84,7 @@ def test_settings_precedence_defaults_file_environment_flags(tmp_path: os.PathLi
     ("", {"ELASTICD_LISTEN": "7070"}, "listen (from $ELASTICD_LISTEN): '7070' must be host:port"),
     ("tls_cert = '/nonexistent.pem'\ntls_key = '/nonexistent.key'\n", {}, "tls_cert (from CONFIG)"),
     ("log_format = 'xml'\n", {}, "log_format (from CONFIG): must be text or json"),
+    ("slots = \"2\"\n", {}, "slots (from CONFIG): must be an integer (got '2')"),  # TOML is typed
 ])
 def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], content: str, env: dict[str, str],
                                                    words: str) -> None:
@@ -97,6 +98,18 @@ def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], co
                        timeout=60, env={**os.environ, **env})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert words.replace("CONFIG", path) in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--slots", "two"], "elasticd: argument --slots: invalid int value: 'two'; see elasticd --help"),
+    (["--work-dir", "/proc/x"], "elasticd: work_dir: '/proc/x' cannot be created (No such file or directory)"),
+    (["--embedded-etcd-dir", "/proc/x/etcd"], "elasticd: embedded_etcd_dir: '/proc/x/etcd' cannot be created"),
+])
+def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str], words: str) -> None:
+    r = subprocess.run([os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--metrics-listen", "", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and words in r.stderr, r.stderr
+    assert "usage:" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_notify_ready_after_registration_then_watchdog_then_stopping(procs: Processes, etcd: Etcd, namespace: str,

@@ -126,9 +126,11 @@ def main() -> None:
             opt(reducer(grads))
             step, pos, loss = step + 1, data.advance(pos), sum(losses) / len(losses)
             if record is not None:
-                record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.device_num, "ids": ids}) + "\n")
+                record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.world_size, "ids": ids}) + "\n")
                 record.flush()
             ctx.beat("step", step, loss)  # elastic
+            if step % 10 == 0 or step == start + 1:  # what `elasticctl logs -f` shows
+                print(f"step {step}/{ctx.total_steps} loss {loss:.4f} world_size {ctx.world_size}", flush=True)
             time.sleep(args.step_sleep_s)
             stop = ctx.should_stop(step)  # elastic: a SIGTERM on any rank stops all at this step
             if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
@@ -146,7 +148,7 @@ def main() -> None:
             correct += int((pred == y.asnumpy()).sum())
             total += len(pred)
         result = {"final_step": step, "loss": loss, "accuracy": correct / total, "resumed_from": start,
-                  "generation": ctx.generation, "world_size": ctx.device_num,
+                  "generation": ctx.generation, "world_size": ctx.world_size,
                   "global_step": int(opt.global_step.asnumpy()[0])}
         with open(os.path.join(args.out, f"result_g{ctx.generation}.json"), "w") as f:
             json.dump(result, f)

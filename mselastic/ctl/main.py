@@ -38,6 +38,7 @@ import grpc
 import tenacity
 
 from mselastic.wire import plan_from_pb
+from mselastic.core.kinds import EventKind
 from mselastic.core.spec import MAX_SECONDS, SpecError, load_toml
 from mselastic.ctl import render
 from mselastic.tls import TlsError, TlsFiles
@@ -169,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
             "elasticctl events lenet --progress")
     s.add_argument("job")
     s.add_argument("--progress", action="store_true", help="also the periodic step records")
+    s.add_argument("--notes", action="store_true",
+                   help="also the notes (what the job waits for or leaves out, each time it changes)")
     s = cmd("logs", "a rank's log, streamed from the node that runs (or ran) it", "elasticctl logs lenet --rank 1 -f",
             output=False)
     s.add_argument("job")
@@ -201,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
             "elasticctl drain n1 --wait-s 600")
     s.add_argument("node")
     s.add_argument("--reason", default="")
-    s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain; 0: do not wait")
+    s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain (default %(default)s); 0: do not wait; fails at once when no node can take a job")
     s = cmd("uncordon", "let a node run generations again (a running job may scale up to it)", "elasticctl uncordon n1")
     s.add_argument("node")
     s = cmd("watch", "a live view of a job until it ends (lines when not a terminal)", "elasticctl watch lenet",
@@ -273,7 +276,9 @@ def cmd_describe(c: Client, a: argparse.Namespace, out: Any) -> int:
 
 
 def cmd_events(c: Client, a: argparse.Namespace, out: Any) -> int:
-    events = [e for e in _events(c, a.job) if a.progress or e.kind != "progress"]
+    hidden = {EventKind.PROGRESS.value} - ({EventKind.PROGRESS.value} if a.progress else set())
+    hidden |= set() if a.notes else {EventKind.NOTE.value}
+    events = [e for e in _events(c, a.job) if e.kind not in hidden]
     render.emit(out, a.output, {"events": [render.as_dict(e) for e in events]}, lambda: render.events_table(events))
     return EXIT_OK
 
@@ -311,6 +316,8 @@ def cmd_submit(c: Client, a: argparse.Namespace, out: Any) -> int:
     except SpecError as e:
         raise CtlError(f"{a.spec}: {e}", EXIT_USAGE) from None
     res = c.call(lambda s: lambda **kw: s.Submit(pb.SubmitRequest(spec_json=spec.to_json(), force=a.force), **kw))
+    if res.warning:
+        print(f"elasticctl: warning: {res.warning}", file=sys.stderr)
     render.emit(out, a.output, {"job": res.job, "submitted": True}, lambda: f"job {res.job} submitted")
     return EXIT_OK
 
@@ -341,6 +348,8 @@ def cmd_scale(c: Client, a: argparse.Namespace, out: Any) -> int:
     if a.min < 0 or a.max < 0 or not (a.min or a.max):
         raise CtlError("give --min and/or --max, positive", EXIT_USAGE)
     res = c.call(lambda s: lambda **kw: s.Scale(pb.ScaleRequest(job=a.job, min_nodes=a.min, max_nodes=a.max), **kw))
+    if res.warning:
+        print(f"elasticctl: warning: {res.warning}", file=sys.stderr)
     render.emit(out, a.output, {"job": a.job, "min_nodes": res.min_nodes, "max_nodes": res.max_nodes},
                 lambda: f"job {a.job} scaled to {res.min_nodes}..{res.max_nodes} nodes")
     return EXIT_OK
@@ -359,11 +368,22 @@ def cmd_cordon(c: Client, a: argparse.Namespace, out: Any) -> int:
 
 def _wait_drained(c: Client, a: argparse.Namespace) -> None:
     """Until no unfinished job has the node in its current generation, and nothing runs there."""
+    shown: list[str] = []
+
     def jobs_on_node() -> list[pb.JobStatus]:
         res = _status(c)
         running = {j for n in res.nodes if n.node_id == a.node for j in n.running_jobs}
-        return [j for j in res.jobs if j.job in running or (render.state(j.state) in ("PENDING", "RUNNING", "RESTARTING")
+        left = [j for j in res.jobs if j.job in running or (render.state(j.state) in ("PENDING", "RUNNING", "RESTARTING")
                                                             and any(m.node_id == a.node for m in j.members))]
+        stuck = [j for j in left if j.note.startswith("drain of") and " waits: " in j.note]
+        if stuck:  # the coordinator knows no node can take these jobs: say so now, not after --wait-s
+            raise CtlError(f"node {a.node} cannot be drained now: " + "; ".join(f"job {j.job}: {j.note}" for j in stuck)
+                           + f"; it stays cordoned and draining (elasticctl uncordon {a.node} to undo)", EXIT_REFUSED)
+        line = ", ".join(f"{j.job} (generation {j.generation}, {render.state(j.state)})" for j in left)
+        if left and line not in shown:  # progress, on stderr: stdout keeps the command's result
+            shown.append(line)
+            print(f"draining {a.node}: waiting for {line}", file=sys.stderr, flush=True)
+        return left
 
     try:
         tenacity.Retrying(stop=tenacity.stop_after_delay(a.wait_s), wait=tenacity.wait_fixed(1.0),

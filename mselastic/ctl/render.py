@@ -100,10 +100,15 @@ def job_details(j: pb.JobStatus) -> list[str]:
                      f"{max(0.0, q.until - time.time()):.0f}s of cooldown left")
     if j.HasField("last_failure"):
         f = j.last_failure
-        rec = f"{f.recover_s:.2f}s" if f.recover_s else "pending"
+        if f.recover_s:
+            rec = f", recovered in {f.recover_s:.2f}s"
+        elif state(j.state) in ("RUNNING", "RESTARTING", "PENDING"):
+            rec = ", recovery pending"
+        else:
+            rec = ""  # over: nothing to recover any more
         who = f"rank {f.rank} on {f.node_id}" if f.rank >= 0 else f.node_id
-        lines.append(f"  last failure: generation {f.generation}, {who}: {f.reason}; detected {clock(f.detected_at)}, "
-                     f"recovered in {rec}")
+        lines.append(f"  last failure: generation {f.generation}, {who}: {f.reason}; detected {clock(f.detected_at)}"
+                     f"{rec}")
     return lines
 
 
@@ -142,7 +147,7 @@ def describe_table(res: pb.DescribeResponse, events: list[pb.Event]) -> str:
             ["GEN", "WORLD", "PORT", "PLANNED", "NODES", "REASON"],
             [[p.generation, p.world_size, p.master_port, "yes" if p.planned else "", ",".join(m.node_id for m in p.members),
               p.reason] for p in res.plans]).splitlines()]
-    shown = [e for e in events if e.kind != "progress"][-10:]
+    shown = [e for e in events if e.kind not in ("progress", "note")][-10:]
     if shown:
         lines += ["Recent events:"] + ["  " + row for row in events_table(shown).splitlines()]
     return "\n".join(lines)

@@ -55,10 +55,26 @@ class Conflict(Exception):
     """The job's status changed between our read and our compare-and-set."""
 
 
+def shown_step(view: JobView) -> int:
+    """The newest step the current generation reported; while it starts (no step yet), the step it
+    resumes from: its newest checkpoint (shared storage), else where the previous generation got to.
+    Between generations the table should not read 0, as if the progress were lost."""
+    if view.step >= 0 or view.plan is None or view.spec is None:
+        return view.step
+    resumed = max((r.resumed_step for r in view.current_reports().values()), default=-1)
+    if resumed >= 0:
+        return resumed
+    checkpointed = checkpointed_step(view.spec.checkpoint_dir)
+    if checkpointed is not None:
+        return checkpointed
+    before = view.reports.get(view.plan.generation - 1, {}).values()
+    return max((r.exit_step if r.exit_step >= 0 else r.step for r in before), default=-1)
+
+
 def job_to_pb(view: JobView) -> pb.JobStatus:
     st = view.status
     msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
-                       restart_count=st.restart_count, step=view.step, message=st.message or view.spec_error,
+                       restart_count=st.restart_count, step=shown_step(view), message=st.message or view.spec_error,
                        total_steps=view.spec.total_steps if view.spec else 0, note=st.note, loss=view.loss)
     if view.spec is not None:
         msg.min_nodes, msg.max_nodes = view.spec.min_nodes, view.spec.max_nodes
@@ -105,6 +121,19 @@ class ControlService(pb_grpc.ControlServicer):
                    for n in cluster.nodes],
             leader=leader)
 
+    async def _range_warning(self, spec: JobSpec) -> str:
+        """Why ``spec`` cannot start on the nodes registered now ("" when it can, or etcd cannot say)."""
+        try:
+            cluster = await read_cluster(self.store, spec.name)
+        except TemporaryError:
+            return ""
+        fit = [n for n in cluster.nodes if n.slots >= spec.workers_per_node and not n.cordoned]
+        if len(fit) >= spec.min_nodes:
+            return ""
+        return (f"only {len(fit)} registered node(s) can run it (not cordoned, at least workers_per_node="
+                f"{spec.workers_per_node} slots), min_nodes={spec.min_nodes}: it waits for more nodes, and fails after "
+                f"min_nodes_timeout_s={spec.min_nodes_timeout_s:g}")
+
     async def _require_leader(self, context: grpc.aio.ServicerContext) -> None:
         if self.coordinator.term is None:
             try:
@@ -136,7 +165,9 @@ class ControlService(pb_grpc.ControlServicer):
         except MalformedRecord as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"bad record at {k.deleted(spec.name)}: {e}")
         status = JobStatus(JobState.PENDING, generation=floor, message="submitted", updated_at=time.time())
-        event = Event(at=time.time(), kind=EventKind.SUBMITTED, generation=floor, message=f"job {spec.name} submitted")
+        event = Event(at=time.time(), kind=EventKind.SUBMITTED, generation=0,
+                      message=f"job {spec.name} submitted" + (f" (a job of this name ran generations up to {floor}; "
+                                                              f"this one continues after them)" if floor else ""))
         try:
             unchanged = tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)
             ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged], [
@@ -149,7 +180,7 @@ class ControlService(pb_grpc.ControlServicer):
         if not ok:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
         self.coordinator.wake()
-        return pb.SubmitResponse(job=spec.name)
+        return pb.SubmitResponse(job=spec.name, warning=await self._range_warning(spec))
 
     async def _change_status(self, job: str, context: grpc.aio.ServicerContext,
                              change: Callable[[JobView], tuple[JobStatus, Event] | None]) -> JobView:
@@ -367,4 +398,5 @@ class ControlService(pb_grpc.ControlServicer):
         if not ok:
             await abort(context, grpc.StatusCode.ABORTED, "the job changed meanwhile; retry")
         self.coordinator.wake()
-        return pb.ScaleResponse(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes)
+        return pb.ScaleResponse(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                                warning=await self._range_warning(spec))

@@ -31,7 +31,7 @@ import grpc
 
 from mselastic import metrics
 from mselastic.wire import plan_to_pb
-from mselastic.core.model import Event, FailureRecord, JobStatus, LeaderRecord, Plan
+from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
 from mselastic.core.planner import Action, Decision, PortRange, decide
@@ -288,6 +288,27 @@ class Coordinator:
                 self._inflight[view.name] = decision.plan
             self._start(view.name, self._apply(term, view, decision, slot_wait=for_slots))
         self._queued = queued
+        await self._finish_drains(term, cluster, held)
+
+    async def _finish_drains(self, term: Term, cluster: ClusterView, held: dict[str, dict[str, int]]) -> None:
+        """A draining node that no job holds any more is drained: it stays cordoned (no new
+        generations) but no longer shows Draining. Compare-and-set on the cordon record, so an
+        uncordon meanwhile is not undone."""
+        busy = {node_id for nodes in held.values() for node_id in nodes}
+        k, tx = self.store.keys, self.store.tx
+        for node in cluster.nodes:
+            if not node.draining or node.node_id in busy:
+                continue
+            kv = await self.store.get(k.cordon(node.node_id))
+            if kv is None:
+                continue
+            rec = CordonRecord.from_json(kv.value)
+            done = dataclasses.replace(rec, drain=False)
+            if await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
+                                     tx.mod(k.cordon(node.node_id).encode()) == kv.mod_revision],
+                                    [tx.put(k.cordon(node.node_id).encode(), done.to_json().encode())]):
+                log.info("node %s drained: no job runs there; it stays cordoned", node.node_id,
+                         extra=dict(node=node.node_id))
 
     def _settle_inflight(self, cluster: ClusterView) -> None:
         """Forget a plan being committed once the view shows it (or shows that it cannot be): until
@@ -400,6 +421,7 @@ class Coordinator:
         assert view.spec is not None
         if view.status.state.terminal:
             await self._note_recovery(term, view)  # a job may end before its recovery was recorded
+            await self._note_stopped_at(term, view)
             await self._restop(view, view.spec.stop_grace_period_s)
             return
         if d.action is Action.LAUNCH:
@@ -545,6 +567,20 @@ class Coordinator:
         if missing:
             self._mark_pushed(plan, {m.node_id for m in missing})
             await self.agents.launch(plan, only={m.node_id for m in missing})
+
+    async def _note_stopped_at(self, term: Term, view: JobView) -> None:
+        """Once the ranks of a stopped job have left, say at which step they checkpointed (the step
+        a resubmission resumes from), in the status and as an event; once."""
+        reports = view.current_reports().values()
+        if (view.status.state is not JobState.STOPPED or view.plan is None or "checkpointed at" in view.status.message
+                or len(reports) < len(view.plan.members) or not all(r.state.terminal for r in reports)):
+            return
+        exits = {r.exit_step for r in reports}
+        message = (f"{view.status.message}; the ranks checkpointed at step {exits.pop()} and exited"
+                   if len(exits) == 1 and -1 not in exits else f"{view.status.message}; the ranks were killed before "
+                   f"they checkpointed (a resubmission resumes from the last interval checkpoint)")
+        await self._set_status(term, view, JobState.STOPPED, message, event=Event(
+            at=time.time(), kind=EventKind.STOPPED, generation=view.plan.generation, message=message))
 
     async def _restop(self, view: JobView, grace_s: float) -> None:
         """A job that is over but whose generation still starts, runs or stops somewhere (by the

@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import tomllib
+from typing import NoReturn
 
 import grpc
 
@@ -155,6 +156,13 @@ class Settings:
         return TlsFiles(cacert=self.tls_cacert, cert=self.tls_cert, key=self.tls_key)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (a SettingsError: exit 2) instead of the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise SettingsError(f"{message}; see elasticd --help")
+
+
 def _bad(key: str, message: str) -> SettingsError:
     return SettingsError(f"{key}: {message}")
 
@@ -162,13 +170,14 @@ def _bad(key: str, message: str) -> SettingsError:
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 
-def _coerce(key: str, value: object, source: str) -> object:
-    """A config or environment value as the key's type (environment values are strings)."""
+def _coerce(key: str, value: object, source: str, typed: bool = False) -> object:
+    """A config or environment value as the key's type. Environment values are strings by nature
+    and are parsed; a config file is typed TOML (``typed``): ``slots = "2"`` is refused."""
     kind = str(FIELDS[key].type)
     ok = True
     if kind == "str":
         ok = isinstance(value, str)
-    elif isinstance(value, bool):
+    elif isinstance(value, bool) or (typed and isinstance(value, str)):
         ok = False
     elif isinstance(value, str):
         try:
@@ -188,8 +197,7 @@ def _coerce(key: str, value: object, source: str) -> object:
 
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
-    p = argparse.ArgumentParser(prog="elasticd", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="elasticd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help=f"config file (TOML; env ELASTICD_CONFIG; default {DEFAULT_CONFIG}, skipped when absent)")
     helps = {
@@ -232,7 +240,7 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
     path = a.config or env.get(ENV_PREFIX + "CONFIG") or DEFAULT_CONFIG
     if path != DEFAULT_CONFIG or os.path.exists(path):
         for key, value in _read_config(path).items():
-            values[key], sources[key] = _coerce(key, value, path), path
+            values[key], sources[key] = _coerce(key, value, path, typed=True), path
     for key in FIELDS:
         name = ENV_PREFIX + key.upper()
         if name in env:
@@ -254,6 +262,17 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         raise
 
 
+def _unusable_dir(path: str) -> str:
+    """Why elasticd cannot use ``path`` as a directory of its own ("" when it can); creates it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot be created ({e.strerror})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "is not writable"
+    return ""
+
+
 def _read_config(path: str) -> dict[str, object]:
     try:
         with open(path, "rb") as f:
@@ -269,6 +288,10 @@ def _read_config(path: str) -> dict[str, object]:
 
 
 async def serve(s: Settings) -> None:
+    for key in ("work_dir", "embedded_etcd_dir"):  # checked here, not when parsing: creating them is an action
+        path = getattr(s, key)
+        if path and (why := _unusable_dir(path)):
+            raise _bad(key, f"{path!r} {why}; give a directory elasticd may write (created if missing)")
     etcd = None
     endpoint = s.etcd_endpoint
     if s.embedded_etcd_dir:

@@ -41,6 +41,8 @@ class RetryPolicy:
     budget_s: float = 10.0
     initial_wait_s: float = 0.1
     max_wait_s: float = 2.0
+    #: The etcd endpoint(s), for the messages (set by the Store).
+    endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.budget_s <= 0 or self.initial_wait_s <= 0 or self.max_wait_s <= 0:
@@ -62,9 +64,20 @@ class RetryPolicy:
             wait=tenacity.wait_exponential_jitter(multiplier=self.initial_wait_s, max=self.max_wait_s,
                                                   jitter=self.initial_wait_s),
             retry=tenacity.retry_if_exception_type((TemporaryError, PermanentError)),
-            before_sleep=lambda rs: log.info("etcd: %s; retrying", rs.outcome and rs.outcome.exception()),
+            before_sleep=self._tell,
             reraise=True,
         )
+
+    def _tell(self, rs: tenacity.RetryCallState) -> None:
+        """A failing long-lived call: a WARNING that says what to check, at attempts 1, 2, 4, 8, ...
+        (so a long outage is reported with backoff, not every two seconds); INFO in between."""
+        error = rs.outcome.exception() if rs.outcome else None
+        n = rs.attempt_number
+        if isinstance(error, TemporaryError) and n & (n - 1) == 0:
+            log.warning("etcd at %s unreachable (%s; attempt %d); retrying. Check that etcd runs there and that "
+                        "etcd_endpoint (and the network to it) is right", self.endpoint or "?", error, n)
+        else:
+            log.info("etcd: %s; retrying", error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +126,7 @@ class Store:
             host, _, port = endpoint.rpartition(":")
         self.endpoint = endpoint
         self.keys = keys
-        self.retry = retry
+        self.retry = dataclasses.replace(retry, endpoint=endpoint)
         # gRPC's default reconnect backoff grows to minutes; after an etcd restart the
         # leases must be renewed within a TTL, so reconnect within a second.
         self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS)

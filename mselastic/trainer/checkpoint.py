@@ -101,7 +101,7 @@ class Checkpointer:
 
     @classmethod
     def from_context(cls, ctx: Any) -> "Checkpointer":
-        return cls(ctx.checkpoint_dir, ctx.rank, ctx.device_num, ctx.generation, ctx.keep_checkpoints)
+        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints)
 
     @property
     def writer(self) -> bool:

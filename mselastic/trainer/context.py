@@ -66,7 +66,8 @@ def _env_ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 @dataclasses.dataclass
 class ElasticContext:
     rank: int
-    device_num: int
+    #: Ranks in this generation (``get_group_size()``); MindSpore's docs call it device_num.
+    world_size: int
     job: str
     generation: int
     restart_count: int
@@ -110,7 +111,7 @@ class ElasticContext:
             raise SystemExit(f"mselastic: global batch {gbs} cannot be split over world size {world}"
                              + (f" with micro-batch sizes {list(micro)}" if micro else ""))
         ctx = cls(
-            rank=get_rank(), device_num=world,
+            rank=get_rank(), world_size=world,
             job=os.environ.get(contract.ENV_JOB, "local"),
             generation=_env_int(contract.ENV_GENERATION, 0),
             restart_count=_env_int(contract.ENV_RESTART_COUNT, 0),
@@ -137,7 +138,12 @@ class ElasticContext:
 
     @property
     def num_shards(self) -> int:
-        return self.device_num
+        return self.world_size
+
+    @property
+    def device_num(self) -> int:
+        """MindSpore's name for :attr:`world_size` (kept for scripts that use it)."""
+        return self.world_size
 
     @property
     def micro_batch(self) -> int:
@@ -185,14 +191,14 @@ class ElasticContext:
         waits up to that many steps."""
         if step % self.stop_check_interval_steps:
             return False
-        if self.device_num > 1:
+        if self.world_size > 1:
             # A SIGTERM that lands during the allreduce is seen at the next step boundary.
             return self._allreduce_sum(1.0 if self.stop_requested else 0.0) > 0
         return self.stop_requested
 
     def barrier(self) -> None:
         """Every rank waits here for the others (rank 0's checkpoint is committed after it)."""
-        if self.device_num > 1:
+        if self.world_size > 1:
             self._allreduce_sum(0.0)
 
     def _allreduce_sum(self, value: float) -> float:

@@ -332,10 +332,12 @@ class SubmitRequest(_message.Message):
     def __init__(self, spec_json: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "warning")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    warning: str
+    def __init__(self, job: _Optional[str] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class StopJobRequest(_message.Message):
     __slots__ = ("job", "grace_period_s")
@@ -460,9 +462,11 @@ class ScaleRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class ScaleResponse(_message.Message):
-    __slots__ = ("min_nodes", "max_nodes")
+    __slots__ = ("min_nodes", "max_nodes", "warning")
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     min_nodes: int
     max_nodes: int
-    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    warning: str
+    def __init__(self, min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., warning: _Optional[str] = ...) -> None: ...
