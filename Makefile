@@ -62,9 +62,11 @@ bench-cluster: $(STAMP) data
 bench-stop: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/stop_check.py --data $(DATA) --runs 3
 
-# One reconcile pass of the leader at 10..4000 simulated nodes (records in a real etcd).
+# One reconcile pass at 10..4000 simulated nodes (records in a real etcd), then the live leader
+# (informer cache) at 1000 and 4000 nodes each reporting progress once a second.
 bench-scale: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/coordinator_scale.py --nodes 10 100 1000 2000 4000
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/coordinator_scale.py --nodes 10 100 1000 2000 4000 \
+		--live-nodes 1000 4000
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -31,6 +31,7 @@ STEP_RATE = Gauge("mselastic_step_rate", "Optimizer steps per second of the job,
 LEADER = Gauge("mselastic_leader", "1 while this elasticd is the leader")
 ETCD_ERRORS = Counter("mselastic_etcd_errors", "etcd calls that failed, by kind", ["kind"])
 GRPC_ERRORS = Counter("mselastic_grpc_errors", "gRPC calls to other elasticds that failed, by method", ["method"])
+FORGED_BEATS = Counter("mselastic_forged_heartbeats", "Heartbeats dropped: not sent by a process of the generation")
 JOB_ERRORS = Counter("mselastic_job_errors", "Reconcile passes of the job that raised (retried with backoff)", ["job"])
 
 

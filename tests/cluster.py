@@ -38,6 +38,10 @@ class ClusterFault(enum.Enum):
     STOP_ETCD = "stop_etcd"  # stop the (first) etcd member; START_ETCD brings it back
     START_ETCD = "start_etcd"
     KILL_ETCD_LEADER = "kill_etcd_leader"  # SIGKILL the member leading the etcd cluster
+    #: The node loses its route to etcd (a blackhole route in its namespace) but still reaches its
+    #: peers; RECONNECT_ETCD removes the route.
+    CUT_FROM_ETCD = "cut_from_etcd"
+    RECONNECT_ETCD = "reconnect_etcd"
 
 
 def _ip(*args: str) -> None:
@@ -172,6 +176,10 @@ class Cluster:
             self.etcd_members[0].start()
         elif fault is ClusterFault.KILL_ETCD_LEADER:
             self.etcd_leader().stop(signal.SIGKILL)
+        elif fault is ClusterFault.CUT_FROM_ETCD:  # etcd listens on the bridge's address only
+            _ip("-n", self.nodes[node], "route", "add", "blackhole", f"{self.gateway}/32")
+        elif fault is ClusterFault.RECONNECT_ETCD:
+            _ip("-n", self.nodes[node], "route", "del", "blackhole", f"{self.gateway}/32")
 
     def kill_node(self, i: int) -> None:
         """SIGKILL the node's elasticd; its msrun and workers die with it (parent-death signal)."""

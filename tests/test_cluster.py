@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -146,6 +147,49 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
     check_history(etcd, JOB, 80)
     rep = etcd.report(JOB, status.generation, "n0")
     assert rep is not None and rep.step == 80
+
+
+def test_a_node_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Cluster) -> None:
+    """Its peers answer it, but they reach etcd: it is the one cut off, so it stops its workers
+    within the TTL and the job goes on without it (before, peers answering meant "etcd is down,
+    train on", and it trained on beside the relaunched job)."""
+    cluster.up(3)
+    cluster.start_node(0, slots=0)  # the coordinator, holding no ranks
+    cluster.wait_registered(0)
+    cluster.start_nodes(1, 2)
+    submit(cluster, total_steps=80, scale_up_settle_s=3600)
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 15, 180, 0.2)
+    plan1 = etcd.plan(JOB)
+    assert plan1 is not None and [m.node_id for m in plan1.members] == ["n1", "n2"]
+    on_n2 = {r: p for r, p in worker_pids(cluster.procs, 1).items() if r == 1}
+    assert on_n2
+    cluster.inject(ClusterFault.CUT_FROM_ETCD, 2)
+    cut = time.monotonic()
+    try:
+        wait_for("n2's workers to be killed by n2 itself",
+                 lambda: not any(_alive(p) for p in on_n2.values()), cluster.lease_ttl_s + 2, 0.05)
+        assert time.monotonic() - cut <= cluster.lease_ttl_s + 0.5
+        plan2 = wait_for("generation 2 without n2", lambda: (p := etcd.plan(JOB)) and p.generation >= 2 and p, 20)
+        assert [m.node_id for m in plan2.members] == ["n1"]
+        with open(os.path.join(cluster.procs.log_dir, "elasticd-n2.log")) as f:
+            assert "but reachable from n0, n1: this node is cut off, self-fencing" in f.read()
+    finally:
+        cluster.inject(ClusterFault.RECONNECT_ETCD, 2)
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 80)
+    # No checkpoint of generation 1 was committed after generation 2 was (the fenced node's ranks
+    # were gone before the relaunch).
+    committed = next(json.loads(v)["at"] for v in etcd.prefix(etcd.keys.events(JOB)).values()
+                     if json.loads(v)["kind"] == "generation" and json.loads(v)["generation"] == 2)
+    ckpt = os.path.join(cluster.tmp, "ckpt")
+    for path in glob.glob(os.path.join(ckpt, "*.json")):
+        with open(path) as f:
+            m = json.load(f)
+        if m.get("generation") == 1:
+            assert os.path.getmtime(path) <= committed, f"{path} written by generation 1 after generation 2"
 
 
 def test_etcd_down_for_10s_training_goes_on_without_relaunch(cluster: Cluster) -> None:

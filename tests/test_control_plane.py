@@ -74,6 +74,16 @@ def ended(etcd: Etcd, job: str, timeout_s: float = 240):  # type: ignore[no-unty
     return wait_for(f"job {job} to end", lambda: (s := etcd.status(job)) and s.state.terminal and s, timeout_s, 0.2)
 
 
+def training(procs: Processes, etcd: Etcd, namespace: str, tmp: str) -> str:
+    """n0 (2 slots) training a long LeNet job (2 ranks) past its second step; its endpoint."""
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                      total_steps=2000)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 2, 120, 0.2)
+    return endpoint
+
+
 def test_two_jobs_wanting_both_slots_of_a_node_take_turns(procs: Processes, etcd: Etcd, namespace: str,
                                                          tmp_path: os.PathLike[str], digits: str) -> None:
     tmp = str(tmp_path)
@@ -173,11 +183,7 @@ def test_a_stop_that_races_a_relaunch_is_not_undone(procs: Processes, etcd: Etcd
 def test_a_record_that_makes_the_coordinator_raise_stays_on_its_job(procs: Processes, etcd: Etcd, namespace: str,
                                                                      tmp_path: os.PathLike[str], digits: str) -> None:
     tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
-                      total_steps=2000)
-    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
-    wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 2, 120, 0.2)
+    endpoint = training(procs, etcd, namespace, tmp)
     pids = worker_pids(procs, 1)
     # A job whose records are individually well-formed but together illegal: PENDING with a plan on
     # a node that is gone, so the planner waits and the status would go PENDING -> RESTARTING.
@@ -290,11 +296,7 @@ def test_a_rank_stuck_before_init_is_blamed_once_its_peer_is_past_it(procs: Proc
 def test_drain_of_the_only_node_fails_fast_with_the_reason(procs: Processes, etcd: Etcd, namespace: str,
                                                             tmp_path: os.PathLike[str], digits: str) -> None:
     tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
-                      total_steps=2000)
-    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
-    wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 1, 120, 0.2)
+    endpoint = training(procs, etcd, namespace, tmp)
     pids = worker_pids(procs, 1)
     started = time.monotonic()
     r = elasticctl("drain", "n0", endpoint=endpoint)
@@ -304,6 +306,34 @@ def test_drain_of_the_only_node_fails_fast_with_the_reason(procs: Processes, etc
     assert worker_pids(procs, 1) == pids  # the job was left alone
     assert "Draining" in elasticctl("nodes", endpoint=endpoint).stdout
     assert elasticctl("uncordon", "n0", endpoint=endpoint).returncode == 0
+    assert elasticctl("stop", JOB, endpoint=endpoint).returncode == 0
+
+
+def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Processes, etcd: Etcd, namespace: str,
+                                                                    tmp_path: os.PathLike[str], digits: str) -> None:
+    """Any local user can reach the abstract heartbeat socket. A 'finished' beat forged for rank 1
+    (it would hide rank 1's death) is dropped, and the kill is still found at once."""
+    import socket as socket_
+
+    from mselastic.core.contract import Beat, BeatKind
+
+    tmp = str(tmp_path)
+    endpoint = training(procs, etcd, namespace, tmp)
+    victim = rank_pid(procs, 1, 1)
+    assert victim is not None
+    address = psutil.Process(victim).environ()["MSELASTIC_HEARTBEAT"]
+    forged = Beat(kind=BeatKind.FINISHED, rank=1, pid=victim, generation=1, step=2000)
+    with socket_.socket(socket_.AF_UNIX, socket_.SOCK_DGRAM) as s:
+        s.sendto(forged.encode(), "\0" + address)
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    failed = wait_for("generation 1 failed", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 10,
+                      0.05)
+    assert failed.state is GenerationState.FAILED and failed.failed_rank == 1, failed
+    assert failed.detected_at - killed < 2, f"detected {failed.detected_at - killed:.1f}s after the kill"
+    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+        assert f"heartbeat from pid {os.getpid()}, not a process of this generation: dropped" in f.read()
     assert elasticctl("stop", JOB, endpoint=endpoint).returncode == 0
 
 

@@ -140,3 +140,63 @@ def test_exit_codes_tell_a_wrong_endpoint_from_etcd_down(procs: Processes, names
         assert len(r.stderr.splitlines()) == 1 and time.monotonic() - started < 7, r.stderr
     finally:
         server.stop()
+
+
+def test_a_second_job_with_the_same_checkpoint_dir_is_refused(endpoint: str, etcd: Etcd,
+                                                               tmp_path: os.PathLike[str]) -> None:
+    tmp = str(tmp_path)
+    ckpt = os.path.join(tmp, "ckpt")
+    first = lenet_spec(os.path.join(tmp, "a.toml"), "first", tmp, ckpt, total_steps=10, workers=4)  # stays PENDING
+    assert elasticctl("submit", first, endpoint=endpoint).returncode == 0
+    copy = lenet_spec(os.path.join(tmp, "b.toml"), "copy", tmp, ckpt + "/", total_steps=10, workers=4)
+    r = elasticctl("submit", copy, endpoint=endpoint)
+    assert r.returncode == 1 and f"checkpoint_dir {ckpt}/ belongs to job first" in r.stderr, r.stderr
+    assert etcd.status("copy") is None
+    assert elasticctl("stop", "first", endpoint=endpoint).returncode == 0
+    assert elasticctl("delete", "first", endpoint=endpoint).returncode == 0
+    assert elasticctl("submit", copy, endpoint=endpoint).returncode == 0  # the directory is free again
+
+
+def test_a_week_of_events_is_pruned_and_reads_stay_quick(procs: Processes, etcd: Etcd, namespace: str,
+                                                         tmp_path: os.PathLike[str]) -> None:
+    """A week of progress events (one every 10 s: 60,480) left by earlier leaders: the next leader
+    prunes them to keep_events, and events/describe answer at once."""
+    import asyncio
+
+    from mselastic.core.kinds import EventKind
+    from mselastic.core.model import Event
+    from mselastic.store.etcd import Store
+
+    tmp, port = str(tmp_path), free_port()
+    cmd = elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "w"), namespace)
+    d = procs.start("elasticd-n0", cmd)
+    wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+    endpoint = f"127.0.0.1:{port}"
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "old", tmp, tmp, total_steps=10, workers=4)  # stays PENDING
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    d.terminate()
+    d.wait(timeout=30)
+
+    async def flood() -> None:
+        store = Store(etcd.endpoint, etcd.keys)
+        tx, week, now = store.tx, 60_480, time.time_ns()  # within keep_events_s: pruned by count
+        try:
+            for start in range(0, week, 120):
+                await store.txn([], [tx.put(etcd.keys.event("old", now - (week - i) * 10**10).encode(), Event(
+                    at=(now - (week - i) * 10**10) / 1e9, kind=EventKind.PROGRESS, generation=1, message=f"step {i}",
+                    step=i).to_json().encode()) for i in range(start, min(week, start + 120))])
+        finally:
+            await store.close()
+    def count() -> int:
+        async def fn(s: Store) -> int:
+            return len(await s.keys_under(etcd.keys.events("old")))
+        return etcd._run(fn)  # type: ignore[no-any-return]
+    asyncio.run(flood())
+    assert count() > 60_000
+    procs.start("elasticd-n0-again", cmd)
+    wait_for("events pruned to keep_events", lambda: count() <= 2000, 60, 1)
+    for args in (["events", "old", "--progress"], ["describe", "job", "old"]):
+        started = time.monotonic()
+        r = elasticctl(*args, endpoint=endpoint)
+        assert r.returncode == 0 and time.monotonic() - started < 5, (args, r.stderr)
+    assert "step 60479" in elasticctl("events", "old", "--progress", endpoint=endpoint).stdout  # the newest kept

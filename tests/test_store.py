@@ -7,11 +7,14 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Callable
 
 import pytest
 
+from mselastic.core.kinds import EventKind
 from mselastic.core.model import Event, JobStatus, NodeRecord
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import JobState
@@ -21,7 +24,7 @@ from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys
 from mselastic.store.informer import Informer
 from mselastic.store.lease import Election
-from mselastic.store.views import ClusterView, JobView
+from mselastic.store.views import ClusterView, JobView, read_cluster
 from tests.harness import Etcd, Processes, elasticd_cmd, holds_for, wait_for
 
 TTL = 3
@@ -69,6 +72,33 @@ def test_exactly_one_leader_and_a_deposed_leader_cannot_commit(etcd_server: Embe
     asyncio.run(scenario())
 
 
+def test_a_restart_request_racing_a_note_written_from_an_older_read_is_kept(etcd_server: EmbeddedEtcd,
+                                                                             namespace: str) -> None:
+    """The write the Control service makes for `elasticctl restart` and a note the coordinator
+    decided before it: the note's compare-and-set fails, the request stays (it used to be
+    overwritten by the note's status, built from the older read)."""
+    async def scenario() -> None:
+        store = Store(etcd_server.endpoint, Keys(namespace))
+        stop = asyncio.Event()
+        term = await Election(store, "a", TTL).campaign(stop)
+        assert term is not None
+        coord = Coordinator(store, CoordinatorConfig("a", "x:1", TTL))
+        await store.put(store.keys.spec("job"), JobSpec(name="job", script="/s.py", checkpoint_dir="/c").to_json())
+        assert await coord.write_status(term, JobView("job"), JobStatus(JobState.RUNNING, 1), None)
+        older = (await read_cluster(store)).jobs["job"]  # the pass that will write a note read this
+        operator = (await read_cluster(store)).jobs["job"]
+        assert await coord.write_status(term, operator, dataclasses.replace(operator.status, restart_requested=1),
+                                        Event(0, EventKind.RESTART, 1, "restart requested by operator"))
+        note = dataclasses.replace(older.status, note="scale-up pending")
+        assert not await coord.write_status(term, older, note, None)
+        stored = (await read_cluster(store)).jobs["job"].status
+        assert stored.restart_requested == 1 and stored.note == ""
+        await term.lease.release()
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_registration_disappears_within_ttl_after_sigkill(procs: Processes, etcd: Etcd, namespace: str,
                                                          tmp_path: os.PathLike[str]) -> None:
     d = procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, free_port(), str(tmp_path), namespace,
@@ -104,6 +134,19 @@ def test_a_second_elasticd_with_a_taken_node_id_refuses_and_leaves_the_first_alo
     # The first one keeps its registration (same lease, renewed) and the lead.
     holds_for("n0's registration untouched", lambda: registration() == before and etcd.leader() == "n0", 2 * TTL)
     assert procs.started[0].poll() is None
+
+
+def test_a_node_whose_registration_vanished_registers_again(procs: Processes, etcd: Etcd, namespace: str,
+                                                            tmp_path: os.PathLike[str]) -> None:
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, free_port(), str(tmp_path), namespace,
+                                            lease_ttl_s=TTL))
+    wait_for("n0 registered", lambda: etcd.get(etcd.keys.node("n0")), 20)
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "etcdctl"), f"--endpoints={etcd.endpoint}", "del",
+                    etcd.keys.node("n0")], check=True, capture_output=True, timeout=20)
+    assert etcd.get(etcd.keys.node("n0")) is None
+    wait_for("n0 registered again", lambda: etcd.get(etcd.keys.node("n0")), 2 * TTL + 2, 0.1)
+    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+        assert "had disappeared; registered again" in f.read()
 
 
 def test_two_daemons_one_leader_and_failover(procs: Processes, etcd: Etcd, namespace: str,

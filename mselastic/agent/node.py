@@ -122,10 +122,12 @@ class NodeAgent:
     async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
         """Return once the lease has expired (or on stop), fencing meanwhile if partitioned.
 
-        When etcd cannot be reached for a whole TTL, the agent asks the other nodes:
-        if some answer, etcd itself is down and nobody can relaunch anything, so the
-        workers go on; if none answers, this node is cut off and the cluster is about
-        to relaunch without it, so it stops its workers now (self-fencing).
+        When etcd cannot be reached for most of a TTL, the agent asks the other nodes whether
+        *they* reach etcd. If one does, this node alone is cut off from etcd (a filter, a
+        route, its rack's uplink to etcd): the cluster is about to relaunch without it, so it
+        stops its workers now (self-fencing). If peers answer but none reaches etcd, etcd itself
+        is down and nobody can relaunch anything: the workers go on. If none answers, this node
+        is cut off from everything: it fences.
         """
         peers = asyncio.create_task(self._track_peers(stop), name="peers")
         try:
@@ -133,11 +135,17 @@ class NodeAgent:
                 await _first(lease.lost, lease.unreachable, stop)
                 if stop.is_set() or lease.lost.is_set():
                     return
-                if self.generations and self._peers and not await self._any_peer_answers():
+                answered, reaching = await self._ask_peers() if self.generations and self._peers else ([], [])
+                if self.generations and self._peers and reaching:
+                    log.error("etcd unreachable from here but reachable from %s: this node is cut off, self-fencing",
+                              ", ".join(reaching), extra=self._ctx)
+                    await self.stop_all(grace_s=0)
+                elif self.generations and self._peers and not answered:
                     log.error("etcd and every peer unreachable: partitioned, self-fencing", extra=self._ctx)
                     await self.stop_all(grace_s=0)
                 elif self.generations:
-                    log.warning("etcd unreachable but peers answer: training goes on", extra=self._ctx)
+                    log.warning("etcd unreachable here and from the peers that answer (%s): etcd itself is down, "
+                                "training goes on", ", ".join(answered) or "none asked", extra=self._ctx)
                 await _first(lease.lost, stop, cleared=lease.unreachable)
         finally:
             peers.cancel()
@@ -171,17 +179,25 @@ class NodeAgent:
         if await self.store.create(key, self._record().to_json(), lease=lease.id):
             log.warning("this node's registration %s had disappeared; registered again", key, extra=self._ctx)
 
-    async def _any_peer_answers(self) -> bool:
+    def reaches_etcd(self) -> bool:
+        """Registered, and the lease renewed lately (what peers ask when they cannot reach etcd)."""
+        lease = self._lease
+        return bool(lease is not None and lease.id and not lease.lost.is_set() and not lease.unreachable.is_set())
+
+    async def _ask_peers(self) -> tuple[list[str], list[str]]:
+        """(the peers that answered, those of them that reach etcd), asked at once, within TTL/6."""
         probe_s = min(1.0, self.cfg.lease_ttl_s / 6)  # fence well within the TTL
-        async def probe(address: str) -> bool:
+
+        async def probe(node_id: str, address: str) -> tuple[str, bool | None]:
             async with self.cfg.tls.aio_channel(address) as ch:
                 try:
-                    await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=probe_s)
-                    return True
+                    res = await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=probe_s)
+                    return node_id, bool(res.etcd_reachable)
                 except grpc.aio.AioRpcError:
-                    return False
+                    return node_id, None
 
-        return any(await asyncio.gather(*(probe(a) for a in self._peers.values())))
+        results = await asyncio.gather(*(probe(n, a) for n, a in self._peers.items()))
+        return sorted(n for n, r in results if r is not None), sorted(n for n, r in results if r)
 
     def _record(self) -> NodeRecord:
         return NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,

@@ -57,7 +57,8 @@ class AgentService(pb_grpc.AgentServicer):
                 failure=g.reason,
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
-        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens)
+        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens,
+                                      etcd_reachable=self.agent.reaches_etcd())
 
     async def Logs(self, request: pb.LogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogChunk]:
         """Stream ``worker_<rank>.log`` of a generation that ran here; with ``follow``, until it ends."""

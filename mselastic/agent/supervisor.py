@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 import uuid
@@ -35,6 +36,17 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, check_generation_transition
 
 log = logging.getLogger(__name__)
+
+
+#: struct ucred: pid, uid, gid (SCM_CREDENTIALS).
+_CREDS = struct.Struct("3i")
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
+            return int(_CREDS.unpack(data[:_CREDS.size])[0])
+    return -1
 
 
 def _port_free(port: int) -> bool:
@@ -120,6 +132,8 @@ class Generation:
         self.state = GenerationState.STARTING
         self.ranks = {r: RankState(r) for r in range(self.first_rank, self.first_rank + member.local_workers)}
         self._seen: set[int] = set()  # msrun's children already classified
+        self._senders: set[int] = set()  # pids whose heartbeats count (processes of this generation)
+        self._forgers: set[int] = set()  # pids whose heartbeats were dropped (logged once each)
         self.failed_rank = -1
         self.reason = ""
         self.cause = FailureCause.NONE
@@ -157,6 +171,9 @@ class Generation:
                              FailureCause.LAUNCH_NODE)
             return
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # The kernel attaches each sender's pid/uid/gid (SCM_CREDENTIALS): any local user can reach
+        # an abstract socket, so a beat counts only from a process of this generation.
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._sock.bind("\0mselastic-hb-" + self.run_id)
         self._sock.setblocking(False)
         asyncio.get_running_loop().add_reader(self._sock.fileno(), self._read_beats)
@@ -302,17 +319,44 @@ class Generation:
         assert self._sock is not None
         while True:
             try:
-                data = self._sock.recv(4096)
+                data, ancillary, _, _ = self._sock.recvmsg(4096, socket.CMSG_SPACE(_CREDS.size))
             except BlockingIOError:
                 return
             except OSError:
                 return
+            sender = _sender_pid(ancillary)
+            if not self._ours(sender):
+                metrics.FORGED_BEATS.inc()
+                if sender not in self._forgers:
+                    self._forgers.add(sender)
+                    log.warning("heartbeat from pid %d, not a process of this generation: dropped", sender,
+                                extra=self._ctx)
+                continue
             try:
                 beat = Beat.decode(data)
             except ValueError:
                 log.warning("malformed heartbeat dropped", extra=self._ctx)
                 continue
+            if beat.pid != sender:
+                metrics.FORGED_BEATS.inc()
+                log.warning("heartbeat claiming pid %d sent by pid %d: dropped", beat.pid, sender, extra=self._ctx)
+                continue
             self._on_beat(beat)
+
+    def _ours(self, pid: int) -> bool:
+        """The sender is a process of this generation: it carries our run id (msrun's children and
+        their own), checked once per process."""
+        if pid in self._senders:
+            return True
+        if pid <= 0:
+            return False
+        try:
+            ours = psutil.Process(pid).environ().get(contract.ENV_RUN_ID) == self.run_id
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+        if ours:
+            self._senders.add(pid)
+        return ours
 
     def _on_beat(self, beat: Beat) -> None:
         rs = self.ranks.get(beat.rank)
@@ -426,9 +470,10 @@ class Generation:
         msrun SIGKILLs the other workers about a second after one exits, so one poll
         may find several ranks gone: blame the one silent longest (then the lowest rank).
         Ranks that announced a planned exit (they checkpointed on a SIGTERM) are not a
-        fault unless another rank died without one. A rank stopped (state T) for
-        ``hang_timeout_s`` is hung, before its first step too, and is the one blamed:
-        its peers stop beating at about the same time, waiting for it in a collective.
+        fault unless another rank died without one. A rank stopped (state T) for half of
+        ``hang_timeout_s`` is hung, before its first step too, and is the one blamed: its peers
+        stop beating at about the same time, waiting for it in a collective, and the agents of
+        their nodes, which cannot see it, find them silent only after the whole ``hang_timeout_s``.
         """
         now = time.monotonic()
         exited = [rs for rs in self.ranks.values() if rs.exit_step >= 0]
@@ -453,9 +498,9 @@ class Generation:
         stopped = [rs for rs in self.ranks.values() if rs.stopped_since and not rs.finished]
         if stopped:
             first = min(stopped, key=lambda r: (r.stopped_since, r.rank))
-            if now - first.stopped_since >= self.spec.hang_timeout_s:
+            if now - first.stopped_since >= self.spec.hang_timeout_s / 2:
                 return (first.rank, f"stopped (state T, pid {first.pid}) for {now - first.stopped_since:.1f}s "
-                                    f"(hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+                                    f"(half of hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
             return None
         behind = self._behind(now)
         if behind is not None and behind[2] > self.spec.hang_timeout_s:

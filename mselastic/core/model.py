@@ -38,24 +38,36 @@ def _decode(cls: type[T], text: str | bytes) -> T:
 #: Field annotations whose values are checked when decoding (the others are converted by ``_convert``).
 _SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 _MAPS: dict[str, tuple[type, ...]] = {"dict[str, int]": (int,), "dict[str, float]": (int, float)}
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_fields(cls: type) -> tuple[tuple[str, str, tuple[type, ...], bool], ...]:
+    """(name, annotation, allowed types, is a map) of the fields _check_types checks: computed once
+    per record class (a pass may decode thousands of records)."""
+    return tuple((f.name, str(f.type), _SCALARS.get(str(f.type)) or _MAPS[str(f.type)], str(f.type) in _MAPS)
+                 for f in dataclasses.fields(cls) if str(f.type) in _SCALARS or str(f.type) in _MAPS)
 
 
 def _check_types(cls: type, data: dict[str, Any]) -> None:
     """A wrongly typed field is a malformed record: it must never reach the planner (where a
     comparison of a string with a number would raise in the middle of a reconcile pass)."""
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
+    for name, kind, types, is_map in _checked_fields(cls):
+        value = data.get(name, _ABSENT)
+        if value is _ABSENT:
             continue
-        value, kind = data[f.name], str(f.type)
-        if kind in _SCALARS:
-            ok = isinstance(value, _SCALARS[kind]) and (kind == "bool" or not isinstance(value, bool))
-        elif kind in _MAPS:
-            ok = isinstance(value, dict) and all(
-                isinstance(k, str) and isinstance(v, _MAPS[kind]) and not isinstance(v, bool) for k, v in value.items())
+        if not is_map:
+            ok = isinstance(value, types) and (kind == "bool" or value.__class__ is not bool)
         else:
-            continue
+            ok = isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, types) and v.__class__ is not bool for k, v in value.items())
         if not ok:
-            raise MalformedRecord(f"{cls.__name__}: field {f.name!r} must be {kind} (got {value!r:.80})")
+            raise MalformedRecord(f"{cls.__name__}: field {name!r} must be {kind} (got {value!r:.80})")
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
@@ -64,7 +76,7 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     try:
         if hook is not None:
             data = hook(dict(data))
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = _field_names(cls)  # type: ignore[arg-type]
         return cls(**{k: v for k, v in data.items() if k in names})
     except (TypeError, ValueError, KeyError) as e:
         raise MalformedRecord(f"{cls.__name__}: {e}") from None

@@ -149,6 +149,17 @@ class ControlService(pb_grpc.ControlServicer):
         except SpecError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._require_leader(context)
+        try:
+            others = await read_cluster(self.store)
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        mine = os.path.normpath(spec.checkpoint_dir)
+        sharing = sorted(v.name for v in others.jobs.values() if v.spec is not None and v.name != spec.name
+                         and os.path.normpath(v.spec.checkpoint_dir) == mine)
+        if sharing:  # it would resume the other job's weights, and the two would overwrite each other
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"checkpoint_dir {spec.checkpoint_dir} belongs to job {sharing[0]}; give this job its own "
+                        f"(or elasticctl delete {sharing[0]} first)")
         reached = checkpointed_step(spec.checkpoint_dir)
         if reached is not None and reached >= spec.total_steps and not request.force:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,

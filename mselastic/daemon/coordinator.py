@@ -48,6 +48,16 @@ from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+#: Every job's events are pruned to ``keep_events`` when this leader first sees the job and then
+#: this often (and every 100 progress events), whatever wrote them.
+PRUNE_EVERY_S = 300.0
+
+#: After a pass, the loop rests this many times the pass's duration before the next one: passes
+#: use at most a third of a core however fast changes come (at 4,000 nodes reporting every second
+#: they would otherwise run back to back), and a small cluster's pass of a few ms rests a few ms.
+PASS_REST = 2.0
+
+
 class Fenced(Exception):
     """This process no longer holds the leader key; it must stop acting as leader."""
 
@@ -97,8 +107,10 @@ class CoordinatorConfig:
     tls: TlsFiles = TlsFiles()
     #: Record each running job's step in its events this often (0: never).
     progress_interval_s: float = 10.0
-    #: Events kept per job: the oldest are deleted once there are more (checked every 100 progress events).
+    #: Events kept per job: the oldest are deleted once there are more, and any older than
+    #: ``keep_events_s`` (see PRUNE_EVERY_S for when).
     keep_events: int = 2000
+    keep_events_s: float = 30 * 24 * 3600.0
     #: Generations of reports kept per job (a pass reads two, the history's checks all that are kept).
     keep_report_generations: int = 50
 
@@ -163,6 +175,7 @@ class Coordinator:
         self._progress: dict[str, tuple[float, int]] = {}  # job -> (time, step) of the last progress event
         self._rate: dict[str, tuple[float, int]] = {}  # job -> (time, step) the step rate is measured from
         self._progress_events: dict[str, int] = {}  # job -> progress events written by this leader
+        self._pruned_at: dict[str, float] = {}  # job -> when (monotonic) its events were last pruned
         self.term: Term | None = None
         self.leading = asyncio.Event()
         self._pushed: dict[tuple[str, int, str], float] = {}
@@ -216,6 +229,7 @@ class Coordinator:
                     log.error("the cluster cache stopped (%s); listing again", error, exc_info=error)
                     self.informer = Informer(self.store, on_change=self._wake.set)
                     watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
+                began = time.monotonic()
                 try:
                     await self.reconcile(term)
                 except Fenced:
@@ -230,7 +244,7 @@ class Coordinator:
                     log.exception("reconcile pass failed; the next pass tries again")
                 if self._fenced.is_set():
                     break
-                await self._sleep(stop, term)
+                await self._sleep(stop, term, rest_s=PASS_REST * (time.monotonic() - began))
             if self._fenced.is_set():
                 log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
         finally:
@@ -243,7 +257,14 @@ class Coordinator:
             self._inflight.clear()
             self.informer = None
 
-    async def _sleep(self, stop: asyncio.Event, term: Term) -> None:
+    async def _sleep(self, stop: asyncio.Event, term: Term, rest_s: float = 0.0) -> None:
+        """Until a change wakes the loop (or ``reconcile_interval_s``), but first ``rest_s``: changes
+        that come meanwhile make one pass, not one each (thousands of nodes report every second)."""
+        if rest_s > 0:
+            resting = [asyncio.create_task(e.wait()) for e in (stop, term.lease.lost)]
+            await asyncio.wait(resting, timeout=rest_s, return_when=asyncio.FIRST_COMPLETED)
+            for w in resting:
+                w.cancel()
         waits = [asyncio.create_task(e.wait()) for e in (self._wake, stop, term.lease.lost)]
         await asyncio.wait(waits, timeout=self.cfg.reconcile_interval_s, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
@@ -413,6 +434,9 @@ class Coordinator:
         self._wake.set()
 
     async def _apply(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool = False) -> None:
+        if time.monotonic() - self._pruned_at.get(view.name, -PRUNE_EVERY_S) >= PRUNE_EVERY_S:
+            self._pruned_at[view.name] = time.monotonic()
+            await self.prune_events(term, view.name)
         if d is None:
             if not view.status.state.terminal:
                 await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
@@ -477,18 +501,21 @@ class Coordinator:
                 await self.prune_events(term, view.name)
 
     async def prune_events(self, term: Term, job: str) -> int:
-        """Delete the job's oldest events beyond ``keep_events`` (one keys-only read, one range
-        delete); returns how many were deleted."""
+        """Delete the job's events beyond the newest ``keep_events`` and those older than
+        ``keep_events_s`` (event keys are their write time in ns, so both are one key range: one
+        keys-only read, one range delete); returns how many were deleted."""
         k, tx = self.store.keys, self.store.tx
         keys = await self.store.keys_under(k.events(job))
-        if len(keys) <= self.cfg.keep_events:
+        too_old = k.event(job, time.time_ns() - int(self.cfg.keep_events_s * 1e9))
+        cut = max(keys[len(keys) - self.cfg.keep_events] if len(keys) > self.cfg.keep_events else "", too_old)
+        gone = sum(1 for key in keys if key < cut)
+        if not gone:
             return 0
-        cut = keys[len(keys) - self.cfg.keep_events]  # the oldest event kept (keys sort by time)
         if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
                                     [tx.delete(k.events(job).encode(), cut.encode())]):
             raise Fenced()
-        log.info("pruned %d old events", len(keys) - self.cfg.keep_events, extra=dict(job=job))
-        return len(keys) - self.cfg.keep_events
+        log.info("pruned %d old events", gone, extra=dict(job=job))
+        return gone
 
     async def _note(self, term: Term, view: JobView, d: Decision) -> None:
         """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
@@ -606,6 +633,7 @@ class Coordinator:
         self._progress.pop(job, None)
         self._rate.pop(job, None)
         self._progress_events.pop(job, None)
+        self._pruned_at.pop(job, None)
         self._failures.pop(job, None)
         self._retry_at.pop(job, None)
         self._queued.discard(job)

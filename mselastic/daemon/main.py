@@ -96,8 +96,9 @@ class Settings:
     #: The leader records each running job's step in its event log this often (for
     #: `elasticctl report`); 0: never.
     progress_interval_s: float = 10.0
-    #: Events kept per job (the oldest are deleted as new ones come); etcd stays small.
+    #: Events kept per job (the oldest are deleted as new ones come), and for at most this long.
     keep_events: int = 2000
+    keep_events_s: float = 30 * 24 * 3600.0
     #: Generations whose agent reports are kept per job (older ones are deleted at a relaunch).
     keep_report_generations: int = 50
     #: host:port of the Prometheus metrics endpoint (/metrics); empty: none.
@@ -140,6 +141,8 @@ class Settings:
         for key in ("keep_events", "keep_report_generations"):
             if getattr(self, key) < 2:
                 raise _bad(key, f"must be >= 2 (got {getattr(self, key)})")
+        if not self.keep_events_s >= 60:
+            raise _bad("keep_events_s", f"must be >= 60 (got {self.keep_events_s})")
         if self.progress_interval_s < 0:
             raise _bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
         if self.log_format not in ("text", "json"):
@@ -216,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "master_port_span": "how many master ports to choose from",
         "progress_interval_s": "record each job's step this often, for `elasticctl report`; 0: never",
         "keep_events": "events kept per job; older ones are deleted",
+        "keep_events_s": "events older than this are deleted (seconds; default 30 days)",
         "keep_report_generations": "generations of agent reports kept per job",
         "metrics_listen": "Prometheus /metrics host:port; empty: none",
         "tls_cert": "this node's TLS certificate (PEM)",
@@ -319,7 +323,7 @@ async def serve(s: Settings) -> None:
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),
-        tls=s.tls, progress_interval_s=s.progress_interval_s, keep_events=s.keep_events,
+        tls=s.tls, progress_interval_s=s.progress_interval_s, keep_events=s.keep_events, keep_events_s=s.keep_events_s,
         keep_report_generations=s.keep_report_generations))
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is

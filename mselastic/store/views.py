@@ -8,6 +8,7 @@ skipped (or, for a job's own spec, reported on the job) rather than half-used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -114,12 +115,13 @@ async def read_cluster(store: Store, job: str = "") -> ClusterView:
     _, cordon_kvs = await store.get_prefix(keys.cordons)
     leader_kv = await store.get(keys.leader)
     _, job_kvs = await store.get_prefix(keys.job(job) if job else keys.jobs)
+    decode = Decoder(memo=True)  # for this read only: the plans are decoded here and in assemble
     plans = {}
     for kv in job_kvs:
         parsed = keys.parse_job_key(kv.key)
         if parsed is not None and parsed[1] == "plan":
             try:
-                plans[parsed[0]] = Plan.from_json(kv.value).generation
+                plans[parsed[0]] = decode(kv, Plan.from_json).generation
             except MalformedRecord:
                 continue
     reports: dict[tuple[str, int], list[KV]] = {}
@@ -130,7 +132,7 @@ async def read_cluster(store: Store, job: str = "") -> ClusterView:
             if parsed_report is not None:
                 reports.setdefault(parsed_report[:2], []).append(kv)
     raw = Raw(revision, node_kvs, cordon_kvs, leader_kv, job_kvs, lambda j, g: reports.get((j, g), []))
-    return assemble(keys, raw, Decoder())
+    return assemble(keys, raw, decode)
 
 
 def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
@@ -139,8 +141,9 @@ def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
     nodes = []
     for kv in raw.nodes:
         try:
-            rec = decode(kv, NodeRecord.from_json)
-            nodes.append(dataclasses.replace(rec, create_revision=kv.create_revision))
+            # The create revision orders the nodes (oldest first); a re-created key has a new mod
+            # revision too, so the decoded record is remembered with it.
+            nodes.append(decode(kv, functools.partial(NodeRecord.from_json, create_revision=kv.create_revision)))
         except MalformedRecord as e:
             log.error("skipping malformed node record %s: %s", kv.key, e)
     cordons: dict[str, CordonRecord] = {}

@@ -192,12 +192,14 @@ class LocalGeneration(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class AgentStatusResponse(_message.Message):
-    __slots__ = ("node_id", "generations")
+    __slots__ = ("node_id", "generations", "etcd_reachable")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_REACHABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     generations: _containers.RepeatedCompositeFieldContainer[LocalGeneration]
-    def __init__(self, node_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[LocalGeneration, _Mapping]]] = ...) -> None: ...
+    etcd_reachable: bool
+    def __init__(self, node_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[LocalGeneration, _Mapping]]] = ..., etcd_reachable: _Optional[bool] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
     __slots__ = ("job", "rank", "generation", "follow", "tail_bytes")
