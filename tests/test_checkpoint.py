@@ -25,10 +25,10 @@ def test_save_keep_and_fall_back_past_corruption(tmp_path: os.PathLike[str]) -> 
     for step in (10, 20, 30):
         m = ck.save(make_opt(step), step=step, epoch=0)
         assert m is not None and m.step == step and m.generation == 3 and m.world_size == 2
-    assert ck.manifests() == ["ckpt-00000030.json", "ckpt-00000020.json"]  # last K kept
-    assert not os.path.exists(os.path.join(d, "ckpt-00000010.ckpt"))
+    assert ck.manifests() == ["ckpt-00000030-g000003.json", "ckpt-00000020-g000003.json"]  # last K kept
+    assert not os.path.exists(os.path.join(d, "ckpt-00000010-g000003.ckpt"))
     with open(os.path.join(d, "latest.json")) as f:
-        assert json.load(f) == {"manifest": "ckpt-00000030.json"}
+        assert json.load(f) == {"manifest": "ckpt-00000030-g000003.json", "generation": 3, "job": ""}
 
     newest = ck.load()
     assert newest is not None and newest.manifest.step == 30 and not newest.skipped
@@ -36,7 +36,7 @@ def test_save_keep_and_fall_back_past_corruption(tmp_path: os.PathLike[str]) -> 
     assert {"weight", "bias", "moments.weight", "moments.bias", "global_step", "learning_rate"} <= set(newest.params)
 
     # Flip a byte in the middle of the newest checkpoint: its checksum fails, step 20 is used.
-    path = os.path.join(d, "ckpt-00000030.ckpt")
+    path = os.path.join(d, "ckpt-00000030-g000003.ckpt")
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
         b = f.read(1)
@@ -44,7 +44,7 @@ def test_save_keep_and_fall_back_past_corruption(tmp_path: os.PathLike[str]) -> 
         f.write(bytes([b[0] ^ 0xFF]))
     fallback = Checkpointer(d, rank=1, world_size=2, generation=4).load()
     assert fallback is not None and fallback.manifest.step == 20
-    assert [n for n, _ in fallback.skipped] == ["ckpt-00000030.json"]
+    assert [n for n, _ in fallback.skipped] == ["ckpt-00000030-g000003.json"]
 
 
 def test_only_rank_zero_writes_and_empty_dir_is_a_fresh_start(tmp_path: os.PathLike[str]) -> None:
@@ -59,7 +59,38 @@ def test_truncated_checkpoint_without_manifest_is_ignored(tmp_path: os.PathLike[
     d = str(tmp_path)
     ck = Checkpointer(d, rank=0, world_size=1, generation=1)
     ck.save(make_opt(1), step=10, epoch=0)
-    with open(os.path.join(d, "ckpt-00000020.ckpt"), "wb") as f:
+    with open(os.path.join(d, "ckpt-00000020-g000001.ckpt"), "wb") as f:
         f.write(b"partial")
     resumed = ck.load()
     assert resumed is not None and resumed.manifest.step == 10
+
+
+def test_a_replaced_generation_cannot_publish_over_the_newer_one(tmp_path: os.PathLike[str]) -> None:
+    """Split brain on shared storage: generation 1's rank 0, cut off and replaced, still saves
+    after generation 2 loaded (and so claimed the directory). Its save is withdrawn; latest
+    stays generation 2's; generation 3 resumes from generation 2's checkpoint."""
+    d = str(tmp_path)
+    old = Checkpointer(d, rank=0, world_size=2, generation=1, job="lenet")
+    assert old.save(make_opt(1), step=10, epoch=0) is not None
+    new = Checkpointer(d, rank=0, world_size=1, generation=2, job="lenet")
+    resumed = new.load()  # claims the directory for generation 2
+    assert resumed is not None and resumed.manifest.step == 10
+    assert old.save(make_opt(2), step=20, epoch=0) is None  # withdrawn: no file of it is left
+    assert not [n for n in os.listdir(d) if n.startswith("ckpt-00000020")]
+    assert new.save(make_opt(3), step=15, epoch=0) is not None
+    with open(os.path.join(d, "latest.json")) as f:
+        assert json.load(f) == {"manifest": "ckpt-00000015-g000002.json", "generation": 2, "job": "lenet"}
+    newest = Checkpointer(d, rank=1, world_size=2, generation=3, job="lenet").load()
+    assert newest is not None and newest.manifest.step == 15 and newest.manifest.generation == 2
+    # A replaced generation that starts late (its rank 0 loads after the claim) stops at once.
+    with pytest.raises(SystemExit, match="generation 2 already owns"):
+        Checkpointer(d, rank=0, world_size=2, generation=1, job="lenet").load()
+
+
+def test_another_jobs_checkpoints_are_never_resumed(tmp_path: os.PathLike[str]) -> None:
+    d = str(tmp_path)
+    assert Checkpointer(d, rank=0, world_size=1, generation=4, job="a").save(make_opt(1), step=30, epoch=0)
+    other = Checkpointer(d, rank=0, world_size=1, generation=1, job="b")
+    assert other.load() is None  # job a's step-30 checkpoint is not b's to resume
+    assert other.save(make_opt(2), step=5, epoch=0) is not None  # a was deleted: b takes the directory over
+    assert Checkpointer(d, rank=0, world_size=1, generation=5, job="a").load() is not None  # a's own, kept

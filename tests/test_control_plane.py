@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -311,20 +312,24 @@ def test_drain_of_the_only_node_fails_fast_with_the_reason(procs: Processes, etc
 
 def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Processes, etcd: Etcd, namespace: str,
                                                                     tmp_path: os.PathLike[str], digits: str) -> None:
-    """Any local user can reach the abstract heartbeat socket. A 'finished' beat forged for rank 1
-    (it would hide rank 1's death) is dropped, and the kill is still found at once."""
-    import socket as socket_
-
+    """Any local user can reach the abstract heartbeat socket, and its name (the generation's run
+    id) is public in /proc/net/unix. A 'finished' beat for rank 1 (it would hide rank 1's death),
+    forged by a process that even carries the run id, is dropped, and the kill is still found."""
     from mselastic.core.contract import Beat, BeatKind
 
     tmp = str(tmp_path)
     endpoint = training(procs, etcd, namespace, tmp)
     victim = rank_pid(procs, 1, 1)
     assert victim is not None
-    address = psutil.Process(victim).environ()["MSELASTIC_HEARTBEAT"]
-    forged = Beat(kind=BeatKind.FINISHED, rank=1, pid=victim, generation=1, step=2000)
-    with socket_.socket(socket_.AF_UNIX, socket_.SOCK_DGRAM) as s:
-        s.sendto(forged.encode(), "\0" + address)
+    env = psutil.Process(victim).environ()
+    forger = ("import os, socket, sys; from mselastic.core.contract import Beat; "
+              "b = Beat(kind=sys.argv[1], rank=1, pid=os.getpid(), generation=1, step=2000); "
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); s.sendto(b.encode(), '\\0' + sys.argv[2]); "
+              "print(os.getpid())")
+    out = subprocess.run([sys.executable, "-c", forger, BeatKind.FINISHED.value, env["MSELASTIC_HEARTBEAT"]],
+                         env={**os.environ, "MSELASTIC_RUN_ID": env["MSELASTIC_RUN_ID"]}, capture_output=True,
+                         text=True, timeout=60, check=True)
+    forger_pid = int(out.stdout)
     time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
     killed = time.time()
@@ -333,7 +338,7 @@ def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Proces
     assert failed.state is GenerationState.FAILED and failed.failed_rank == 1, failed
     assert failed.detected_at - killed < 2, f"detected {failed.detected_at - killed:.1f}s after the kill"
     with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
-        assert f"heartbeat from pid {os.getpid()}, not a process of this generation: dropped" in f.read()
+        assert f"heartbeat from pid {forger_pid}, not a process of this generation: dropped" in f.read()
     assert elasticctl("stop", JOB, endpoint=endpoint).returncode == 0
 
 

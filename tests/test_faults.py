@@ -120,11 +120,11 @@ def test_corrupt_newest_checkpoint_falls_back_and_the_event_says_so(cluster: Clu
         second = etcd.report(JOB, 2, node)
         # Step 20's checkpoint was damaged: generation 2 resumed from step 10 and said why.
         assert second is not None and second.step == TOTAL and second.resumed_step == 10
-        assert "skipped unusable ckpt-00000020.json" in second.resume_note and "checksum" in second.resume_note
+        assert "skipped unusable ckpt-00000020-g000001.json" in second.resume_note and "checksum" in second.resume_note
     events = [json.loads(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert len(recovered) == 1 and "resumed from step 10" in recovered[0]["message"]
-    assert "ckpt-00000020.json" in recovered[0]["message"]
+    assert "ckpt-00000020-g000001.json" in recovered[0]["message"]
 
 
 def test_fault_spec_parsing() -> None:

@@ -105,9 +105,10 @@ def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], co
     (["--work-dir", "/proc/x"], "elasticd: work_dir: '/proc/x' cannot be created (No such file or directory)"),
     (["--embedded-etcd-dir", "/proc/x/etcd"], "elasticd: embedded_etcd_dir: '/proc/x/etcd' cannot be created"),
 ])
-def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str], words: str) -> None:
-    r = subprocess.run([os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--metrics-listen", "", *args],
-                       capture_output=True, text=True, timeout=60)
+def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str], words: str,
+                                                                 tmp_path: os.PathLike[str]) -> None:
+    r = subprocess.run([os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--metrics-listen", "",
+                        "--work-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and words in r.stderr, r.stderr
     assert "usage:" not in r.stderr and "Traceback" not in r.stderr
 

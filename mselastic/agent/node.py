@@ -127,26 +127,36 @@ class NodeAgent:
         route, its rack's uplink to etcd): the cluster is about to relaunch without it, so it
         stops its workers now (self-fencing). If peers answer but none reaches etcd, etcd itself
         is down and nobody can relaunch anything: the workers go on. If none answers, this node
-        is cut off from everything: it fences.
+        is cut off from everything: it fences. A peer answers by reading etcd right then (its
+        own lease keeper may not have noticed an outage yet), and the peers are asked again every
+        TTL/3 while etcd stays unreachable here (etcd may come back for them and not for us).
+        Before fencing it reads etcd itself once more: when an etcd member fails, every client
+        misses renewals while it fails over, and a read may already go through for all of them.
         """
         peers = asyncio.create_task(self._track_peers(stop), name="peers")
         try:
             while not stop.is_set() and not lease.lost.is_set():
                 await _first(lease.lost, lease.unreachable, stop)
-                if stop.is_set() or lease.lost.is_set():
-                    return
-                answered, reaching = await self._ask_peers() if self.generations and self._peers else ([], [])
-                if self.generations and self._peers and reaching:
-                    log.error("etcd unreachable from here but reachable from %s: this node is cut off, self-fencing",
-                              ", ".join(reaching), extra=self._ctx)
-                    await self.stop_all(grace_s=0)
-                elif self.generations and self._peers and not answered:
-                    log.error("etcd and every peer unreachable: partitioned, self-fencing", extra=self._ctx)
-                    await self.stop_all(grace_s=0)
-                elif self.generations:
-                    log.warning("etcd unreachable here and from the peers that answer (%s): etcd itself is down, "
-                                "training goes on", ", ".join(answered) or "none asked", extra=self._ctx)
-                await _first(lease.lost, stop, cleared=lease.unreachable)
+                reported = False
+                while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
+                    if any(not g.done.is_set() for g in self.generations.values()) and self._peers:
+                        answered, reaching = await self._ask_peers()
+                        probe_s = min(1.0, self.cfg.lease_ttl_s / 6) / 2
+                        if reaching and await self.reaches_etcd(probe_s):
+                            # etcd answers us too: a member failed over, the lease keeper catches up.
+                            pass
+                        elif reaching:
+                            log.error("etcd unreachable from here but reachable from %s: this node is cut off, "
+                                      "self-fencing", ", ".join(reaching), extra=self._ctx)
+                            await self.stop_all(grace_s=0)
+                        elif not answered:
+                            log.error("etcd and every peer unreachable: partitioned, self-fencing", extra=self._ctx)
+                            await self.stop_all(grace_s=0)
+                        elif not reported:
+                            reported = True
+                            log.warning("etcd unreachable here and from the peers that answer (%s): etcd itself is "
+                                        "down, training goes on", ", ".join(answered), extra=self._ctx)
+                    await _first(lease.lost, stop, timeout_s=self.cfg.lease_ttl_s / 3)
         finally:
             peers.cancel()
             await asyncio.gather(peers, return_exceptions=True)
@@ -179,10 +189,16 @@ class NodeAgent:
         if await self.store.create(key, self._record().to_json(), lease=lease.id):
             log.warning("this node's registration %s had disappeared; registered again", key, extra=self._ctx)
 
-    def reaches_etcd(self) -> bool:
-        """Registered, and the lease renewed lately (what peers ask when they cannot reach etcd)."""
-        lease = self._lease
-        return bool(lease is not None and lease.id and not lease.lost.is_set() and not lease.unreachable.is_set())
+    async def reaches_etcd(self, within_s: float) -> bool:
+        """Whether etcd answers this node now, within ``within_s`` (one read, no retry): what a
+        peer that cannot reach etcd asks. Not the lease keeper's view, which notices an outage
+        only after most of a TTL (a peer asking earlier would be told "reachable" and fence)."""
+        try:
+            await asyncio.wait_for(self.store.once(lambda: self.store.client.get(self.store.keys.leader.encode())),
+                                   timeout=within_s)
+            return True
+        except (asyncio.TimeoutError, TemporaryError, PermanentError):
+            return False
 
     async def _ask_peers(self) -> tuple[list[str], list[str]]:
         """(the peers that answered, those of them that reach etcd), asked at once, within TTL/6."""
@@ -191,7 +207,8 @@ class NodeAgent:
         async def probe(node_id: str, address: str) -> tuple[str, bool | None]:
             async with self.cfg.tls.aio_channel(address) as ch:
                 try:
-                    res = await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=probe_s)
+                    res = await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(check_etcd_s=probe_s / 2),
+                                                             timeout=probe_s)
                     return node_id, bool(res.etcd_reachable)
                 except grpc.aio.AioRpcError:
                     return node_id, None
@@ -340,8 +357,8 @@ class NodeAgent:
         return list(self.generations.values())
 
 
-async def _first(*events: asyncio.Event, cleared: asyncio.Event | None = None) -> None:
-    """Wait until one of ``events`` is set, or ``cleared`` is no longer set."""
+async def _first(*events: asyncio.Event, cleared: asyncio.Event | None = None, timeout_s: float | None = None) -> None:
+    """Wait until one of ``events`` is set, or ``cleared`` is no longer set (or ``timeout_s``)."""
     async def unset(e: asyncio.Event) -> bool:
         while e.is_set():
             await asyncio.sleep(0.1)
@@ -350,6 +367,6 @@ async def _first(*events: asyncio.Event, cleared: asyncio.Event | None = None) -
     waits: list[asyncio.Task[bool]] = [asyncio.create_task(e.wait()) for e in events]
     if cleared is not None:
         waits.append(asyncio.create_task(unset(cleared)))
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
         w.cancel()

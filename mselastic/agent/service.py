@@ -57,8 +57,9 @@ class AgentService(pb_grpc.AgentServicer):
                 failure=g.reason,
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
-        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens,
-                                      etcd_reachable=self.agent.reaches_etcd())
+        check = request.check_etcd_s
+        reachable = await self.agent.reaches_etcd(min(check, 5.0)) if check > 0 else False  # NaN: no check
+        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens, etcd_reachable=reachable)
 
     async def Logs(self, request: pb.LogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogChunk]:
         """Stream ``worker_<rank>.log`` of a generation that ran here; with ``follow``, until it ends."""

@@ -38,6 +38,9 @@ from mselastic.core.states import FailureCause, GenerationState, check_generatio
 log = logging.getLogger(__name__)
 
 
+#: Datagrams read per wake-up of the socket's reader; the rest wait for the next turn of the loop.
+MAX_BEATS_PER_READ = 256
+
 #: struct ucred: pid, uid, gid (SCM_CREDENTIALS).
 _CREDS = struct.Struct("3i")
 
@@ -132,7 +135,8 @@ class Generation:
         self.state = GenerationState.STARTING
         self.ranks = {r: RankState(r) for r in range(self.first_rank, self.first_rank + member.local_workers)}
         self._seen: set[int] = set()  # msrun's children already classified
-        self._senders: set[int] = set()  # pids whose heartbeats count (processes of this generation)
+        #: (pid, start time) -> whether its heartbeats count (a descendant of this generation's msrun).
+        self._senders: dict[tuple[int, float], bool] = {}
         self._forgers: set[int] = set()  # pids whose heartbeats were dropped (logged once each)
         self.failed_rank = -1
         self.reason = ""
@@ -317,7 +321,7 @@ class Generation:
 
     def _read_beats(self) -> None:
         assert self._sock is not None
-        while True:
+        for _ in range(MAX_BEATS_PER_READ):  # a flood must not hold the event loop (lease renewals)
             try:
                 data, ancillary, _, _ = self._sock.recvmsg(4096, socket.CMSG_SPACE(_CREDS.size))
             except BlockingIOError:
@@ -337,26 +341,29 @@ class Generation:
             except ValueError:
                 log.warning("malformed heartbeat dropped", extra=self._ctx)
                 continue
-            if beat.pid != sender:
+            rs = self.ranks.get(beat.rank)
+            if beat.pid != sender or (rs is not None and rs.pid and rs.pid != sender):
                 metrics.FORGED_BEATS.inc()
-                log.warning("heartbeat claiming pid %d sent by pid %d: dropped", beat.pid, sender, extra=self._ctx)
+                log.warning("heartbeat for rank %d claiming pid %d sent by pid %d: dropped", beat.rank, beat.pid,
+                            sender, extra=self._ctx)
                 continue
             self._on_beat(beat)
 
     def _ours(self, pid: int) -> bool:
-        """The sender is a process of this generation: it carries our run id (msrun's children and
-        their own), checked once per process."""
-        if pid in self._senders:
-            return True
-        if pid <= 0:
+        """The sender is a process of this generation: a descendant of our msrun (its ranks and
+        their own children). Not the run id in its environment: that id is public (it is the
+        socket's name, listed in /proc/net/unix), any process can carry it. Remembered per
+        (pid, start time), the answer either way, so a reused pid is looked at again."""
+        if pid <= 0 or self._msrun is None:
             return False
         try:
-            ours = psutil.Process(pid).environ().get(contract.ENV_RUN_ID) == self.run_id
+            proc = psutil.Process(pid)
+            key = (pid, proc.create_time())
+            if key not in self._senders:
+                self._senders[key] = any(p.pid == self._msrun.pid for p in proc.parents())
+            return self._senders[key]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
-        if ours:
-            self._senders.add(pid)
-        return ours
 
     def _on_beat(self, beat: Beat) -> None:
         rs = self.ranks.get(beat.rank)

@@ -30,6 +30,7 @@ was sent); 3 no elasticd (or no elected leader) reachable.
 from __future__ import annotations
 
 import argparse
+import time
 import os
 import sys
 from typing import Any, Callable, NoReturn
@@ -39,7 +40,7 @@ import tenacity
 
 from mselastic.wire import plan_from_pb
 from mselastic.core.kinds import EventKind
-from mselastic.core.spec import MAX_SECONDS, SpecError, load_toml
+from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
 from mselastic.ctl import render
 from mselastic.tls import TlsError, TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
@@ -85,7 +86,7 @@ class Client:
             try:
                 return self._call_once(endpoint, method, timeout)
             except CtlError as e:
-                if e.code not in (EXIT_UNREACHABLE, EXIT_NOT_ELASTICD):
+                if e.code not in (EXIT_UNREACHABLE, EXIT_NOT_ELASTICD, EXIT_ETCD_DOWN):  # another may do
                     raise
                 last = e
         assert last is not None
@@ -175,11 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("logs", "a rank's log, streamed from the node that runs (or ran) it", "elasticctl logs lenet --rank 1 -f",
             output=False)
     s.add_argument("job")
-    s.add_argument("--rank", type=int, required=True)
-    s.add_argument("--generation", type=int, default=0, help="an earlier generation (default: the current one)")
+    s.add_argument("--rank", type=_bounded(0, INT32_MAX), required=True)
+    s.add_argument("--generation", type=_bounded(0, INT64_MAX), default=0,
+                   help="an earlier generation (default: the current one)")
     s.add_argument("-f", "--follow", action="store_true",
                    help="keep streaming until the generation ends (waits up to 60 s for a generation still starting)")
-    s.add_argument("--tail-bytes", type=int, default=0, help="start this many bytes before the end")
+    s.add_argument("--tail-bytes", type=_bounded(0, INT64_MAX), default=0, help="start this many bytes before the end")
     s = cmd("submit", "submit a job spec (TOML), validated here first", "elasticctl submit job.toml")
     s.add_argument("spec")
     s.add_argument("--force", action="store_true",
@@ -195,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("scale", "change a job's node range (relaunches when the current size leaves it)",
             "elasticctl scale lenet --min 1 --max 4")
     s.add_argument("job")
-    s.add_argument("--min", type=int, default=0, help="new min_nodes (default: unchanged)")
-    s.add_argument("--max", type=int, default=0, help="new max_nodes (default: unchanged)")
+    s.add_argument("--min", type=_bounded(0, MAX_INTS["min_nodes"]), default=0, help="new min_nodes (default: unchanged)")
+    s.add_argument("--max", type=_bounded(0, MAX_INTS["max_nodes"]), default=0, help="new max_nodes (default: unchanged)")
     s = cmd("cordon", "no new generations on a node (running ones go on)", "elasticctl cordon n1 --reason disk")
     s.add_argument("node")
     s.add_argument("--reason", default="")
@@ -216,6 +218,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.add_argument("-o", "--output", required=True, help="the PNG file to write")
     return p
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _bounded(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in lo..hi (the wire's int32/int64 would refuse more with a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not in {lo}..{hi}")
+        return value
+    return parse
 
 
 def _grace(v: float) -> float:
@@ -369,14 +387,24 @@ def cmd_cordon(c: Client, a: argparse.Namespace, out: Any) -> int:
 def _wait_drained(c: Client, a: argparse.Namespace) -> None:
     """Until no unfinished job has the node in its current generation, and nothing runs there."""
     shown: list[str] = []
+    stuck_since: dict[str, float] = {}
 
     def jobs_on_node() -> list[pb.JobStatus]:
         res = _status(c)
         running = {j for n in res.nodes if n.node_id == a.node for j in n.running_jobs}
         left = [j for j in res.jobs if j.job in running or (render.state(j.state) in ("PENDING", "RUNNING", "RESTARTING")
                                                             and any(m.node_id == a.node for m in j.members))]
-        stuck = [j for j in left if j.note.startswith("drain of") and " waits: " in j.note]
-        if stuck:  # the coordinator knows no node can take these jobs: say so now, not after --wait-s
+        # The coordinator says no node can take these jobs. A note that old (from an earlier
+        # drain) is replaced within a pass or two of the cordon: believe one that lasts 3 s.
+        now = time.monotonic()
+        notes = {j.job: j.note for j in left if j.note.startswith("drain of") and " waits: " in j.note}
+        for job in list(stuck_since):
+            if job not in notes:
+                del stuck_since[job]
+        for job in notes:
+            stuck_since.setdefault(job, now)
+        stuck = [j for j in left if j.job in notes and now - stuck_since[j.job] >= 3.0]
+        if stuck:  # say so now, not after --wait-s
             raise CtlError(f"node {a.node} cannot be drained now: " + "; ".join(f"job {j.job}: {j.note}" for j in stuck)
                            + f"; it stays cordoned and draining (elasticctl uncordon {a.node} to undo)", EXIT_REFUSED)
         line = ", ".join(f"{j.job} (generation {j.generation}, {render.state(j.state)})" for j in left)

@@ -52,6 +52,9 @@ def draw(res: pb.DescribeResponse, events: list[pb.Event], path: str) -> None:
     total = int(spec.get("total_steps", 0))
     if total:
         ax.axhline(total, color="grey", ls=":", lw=1, label=f"total_steps={total}")
+    # Headroom above total_steps (and the highest step) for the generation labels at the top.
+    highest = max([total] + [e.step for e in progress] + [1])
+    ax.set_ylim(bottom=0, top=highest * 1.2)
     ax.set_ylabel("step")
     ax.set_title(f"{res.status.job}: {pb.JobState.Name(res.status.state).removeprefix('JOB_STATE_')}, "
                  f"{len(plans)} generation(s), {res.status.restart_count} restart(s)")

@@ -8,6 +8,7 @@ elasticctl follows.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -27,7 +28,7 @@ from mselastic.core.states import JobState
 from mselastic.core.status import next_status
 from mselastic.daemon.coordinator import Coordinator, Fenced, slots_held
 from mselastic.store.lease import Term
-from mselastic.store.etcd import Store, TemporaryError
+from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.keys import BadName
 from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.v1 import elastic_pb2 as pb
@@ -38,12 +39,15 @@ log = logging.getLogger(__name__)
 NOT_LEADER_PREFIX = "not the leader; leader is "
 
 
-def checkpointed_step(checkpoint_dir: str) -> int | None:
-    """The step of the newest checkpoint in ``checkpoint_dir`` as this node sees it (shared storage);
-    None when there is none or it cannot be read here."""
+def checkpointed_step(checkpoint_dir: str, job: str) -> int | None:
+    """The step of ``job``'s newest checkpoint in ``checkpoint_dir`` as this node sees it (shared
+    storage); None when there is none, it is another job's, or it cannot be read here."""
     try:
         with open(os.path.join(checkpoint_dir, LATEST_CHECKPOINT)) as f:
-            manifest = json.load(f)["manifest"]
+            latest = json.load(f)
+        if latest.get("job", "") not in ("", job):
+            return None
+        manifest = latest["manifest"]
         with open(os.path.join(checkpoint_dir, os.path.basename(str(manifest)))) as f:
             step = json.load(f)["step"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -55,26 +59,28 @@ class Conflict(Exception):
     """The job's status changed between our read and our compare-and-set."""
 
 
-def shown_step(view: JobView) -> int:
+async def shown_step(view: JobView) -> int:
     """The newest step the current generation reported; while it starts (no step yet), the step it
-    resumes from: its newest checkpoint (shared storage), else where the previous generation got to.
-    Between generations the table should not read 0, as if the progress were lost."""
+    resumes from: its newest checkpoint (shared storage, read off the event loop), else where the
+    previous generation got to. Between generations the table should not read 0, as if the
+    progress were lost."""
     if view.step >= 0 or view.plan is None or view.spec is None:
         return view.step
     resumed = max((r.resumed_step for r in view.current_reports().values()), default=-1)
     if resumed >= 0:
         return resumed
-    checkpointed = checkpointed_step(view.spec.checkpoint_dir)
+    checkpointed = await asyncio.to_thread(checkpointed_step, view.spec.checkpoint_dir, view.name)
     if checkpointed is not None:
         return checkpointed
     before = view.reports.get(view.plan.generation - 1, {}).values()
     return max((r.exit_step if r.exit_step >= 0 else r.step for r in before), default=-1)
 
 
-def job_to_pb(view: JobView) -> pb.JobStatus:
+async def job_to_pb(view: JobView) -> pb.JobStatus:
     st = view.status
     msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
-                       restart_count=st.restart_count, step=shown_step(view), message=st.message or view.spec_error,
+                       restart_count=st.restart_count, step=await shown_step(view),
+                       message=st.message or view.spec_error,
                        total_steps=view.spec.total_steps if view.spec else 0, note=st.note, loss=view.loss)
     if view.spec is not None:
         msg.min_nodes, msg.max_nodes = view.spec.min_nodes, view.spec.max_nodes
@@ -113,7 +119,7 @@ class ControlService(pb_grpc.ControlServicer):
             for node_id, n in held.items():
                 used[node_id] = used.get(node_id, 0) + n
         return pb.StatusResponse(
-            jobs=[job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
+            jobs=[await job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
             nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
                                used_slots=used.get(n.node_id, 0),
@@ -125,7 +131,7 @@ class ControlService(pb_grpc.ControlServicer):
         """Why ``spec`` cannot start on the nodes registered now ("" when it can, or etcd cannot say)."""
         try:
             cluster = await read_cluster(self.store, spec.name)
-        except TemporaryError:
+        except (TemporaryError, PermanentError):  # the job is submitted: a warning must not fail that
             return ""
         fit = [n for n in cluster.nodes if n.slots >= spec.workers_per_node and not n.cordoned]
         if len(fit) >= spec.min_nodes:
@@ -160,7 +166,8 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         f"checkpoint_dir {spec.checkpoint_dir} belongs to job {sharing[0]}; give this job its own "
                         f"(or elasticctl delete {sharing[0]} first)")
-        reached = checkpointed_step(spec.checkpoint_dir)
+        # Shared storage may hang: never read it on the event loop (leases are renewed there).
+        reached = await asyncio.to_thread(checkpointed_step, spec.checkpoint_dir, spec.name)
         if reached is not None and reached >= spec.total_steps and not request.force:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         f"checkpoint_dir {spec.checkpoint_dir} already holds a checkpoint at step {reached}, at or past "
@@ -322,7 +329,7 @@ class ControlService(pb_grpc.ControlServicer):
                 plans.append(Plan.from_json(kv.value))
             except MalformedRecord as err:
                 log.error("skipping malformed plan %s: %s", kv.key, err, extra=dict(job=request.job))
-        return pb.DescribeResponse(status=job_to_pb(view), spec_json=view.spec.to_json() if view.spec else "",
+        return pb.DescribeResponse(status=await job_to_pb(view), spec_json=view.spec.to_json() if view.spec else "",
                                    plans=[plan_to_pb(p) for p in sorted(plans, key=lambda p: p.generation)])
 
     async def _term(self, context: grpc.aio.ServicerContext) -> Term:

@@ -48,6 +48,10 @@ from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+#: Appended once to a stopped job's status message when its ranks have left (the guard against
+#: appending it again, whichever way they left).
+STOPPED_NOTE = "; the ranks "
+
 #: Every job's events are pruned to ``keep_events`` when this leader first sees the job and then
 #: this often (and every 100 progress events), whatever wrote them.
 PRUNE_EVERY_S = 300.0
@@ -56,6 +60,8 @@ PRUNE_EVERY_S = 300.0
 #: use at most a third of a core however fast changes come (at 4,000 nodes reporting every second
 #: they would otherwise run back to back), and a small cluster's pass of a few ms rests a few ms.
 PASS_REST = 2.0
+#: ... at most (a pass slowed by etcd retries must not hold the next one back for long).
+MAX_REST_S = 1.0
 
 
 class Fenced(Exception):
@@ -244,7 +250,7 @@ class Coordinator:
                     log.exception("reconcile pass failed; the next pass tries again")
                 if self._fenced.is_set():
                     break
-                await self._sleep(stop, term, rest_s=PASS_REST * (time.monotonic() - began))
+                await self._sleep(stop, term, rest_s=min(MAX_REST_S, PASS_REST * (time.monotonic() - began)))
             if self._fenced.is_set():
                 log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
         finally:
@@ -434,9 +440,17 @@ class Coordinator:
         self._wake.set()
 
     async def _apply(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool = False) -> None:
-        if time.monotonic() - self._pruned_at.get(view.name, -PRUNE_EVERY_S) >= PRUNE_EVERY_S:
-            self._pruned_at[view.name] = time.monotonic()
-            await self.prune_events(term, view.name)
+        try:
+            await self._apply_decision(term, view, d, slot_wait)
+        finally:  # after the decision: housekeeping never holds a job's decision back
+            if time.monotonic() - self._pruned_at.get(view.name, -PRUNE_EVERY_S) >= PRUNE_EVERY_S:
+                self._pruned_at[view.name] = time.monotonic()
+                try:
+                    await self.prune_events(term, view.name)
+                except (TemporaryError, PermanentError) as e:
+                    log.warning("events not pruned: %s", e, extra=dict(job=view.name))
+
+    async def _apply_decision(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool) -> None:
         if d is None:
             if not view.status.state.terminal:
                 await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
@@ -506,7 +520,9 @@ class Coordinator:
         keys-only read, one range delete); returns how many were deleted."""
         k, tx = self.store.keys, self.store.tx
         keys = await self.store.keys_under(k.events(job))
-        too_old = k.event(job, time.time_ns() - int(self.cfg.keep_events_s * 1e9))
+        # Event keys are write times in ns: 19 digits since 2001, so they sort as numbers. The cut
+        # must have 19 digits too, or a long keep_events_s would sort above every key.
+        too_old = k.event(job, max(time.time_ns() - int(self.cfg.keep_events_s * 1e9), 10**18))
         cut = max(keys[len(keys) - self.cfg.keep_events] if len(keys) > self.cfg.keep_events else "", too_old)
         gone = sum(1 for key in keys if key < cut)
         if not gone:
@@ -599,13 +615,13 @@ class Coordinator:
         """Once the ranks of a stopped job have left, say at which step they checkpointed (the step
         a resubmission resumes from), in the status and as an event; once."""
         reports = view.current_reports().values()
-        if (view.status.state is not JobState.STOPPED or view.plan is None or "checkpointed at" in view.status.message
+        if (view.status.state is not JobState.STOPPED or view.plan is None or STOPPED_NOTE in view.status.message
                 or len(reports) < len(view.plan.members) or not all(r.state.terminal for r in reports)):
             return
         exits = {r.exit_step for r in reports}
-        message = (f"{view.status.message}; the ranks checkpointed at step {exits.pop()} and exited"
-                   if len(exits) == 1 and -1 not in exits else f"{view.status.message}; the ranks were killed before "
-                   f"they checkpointed (a resubmission resumes from the last interval checkpoint)")
+        message = (f"{view.status.message}{STOPPED_NOTE}checkpointed at step {exits.pop()} and exited"
+                   if len(exits) == 1 and -1 not in exits else f"{view.status.message}{STOPPED_NOTE}were killed "
+                   f"before they checkpointed (a resubmission resumes from the last interval checkpoint)")
         await self._set_status(term, view, JobState.STOPPED, message, event=Event(
             at=time.time(), kind=EventKind.STOPPED, generation=view.plan.generation, message=message))
 

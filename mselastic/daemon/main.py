@@ -141,8 +141,8 @@ class Settings:
         for key in ("keep_events", "keep_report_generations"):
             if getattr(self, key) < 2:
                 raise _bad(key, f"must be >= 2 (got {getattr(self, key)})")
-        if not self.keep_events_s >= 60:
-            raise _bad("keep_events_s", f"must be >= 60 (got {self.keep_events_s})")
+        if not 60 <= self.keep_events_s <= 10 * 365 * 24 * 3600:  # NaN and inf fail too
+            raise _bad("keep_events_s", f"must be 60 s to 10 years (got {self.keep_events_s})")
         if self.progress_interval_s < 0:
             raise _bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
         if self.log_format not in ("text", "json"):

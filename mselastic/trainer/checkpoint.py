@@ -17,7 +17,9 @@ the previous one is used. The last ``keep`` checkpoints are kept.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import glob
 import hashlib
 import json
@@ -29,7 +31,7 @@ from typing import Any
 from mselastic.core.contract import LATEST_CHECKPOINT
 
 log = logging.getLogger("mselastic.trainer")
-_MANIFEST = re.compile(r"^ckpt-(\d{8,})\.json$")
+_MANIFEST = re.compile(r"^ckpt-(\d{8,})(-g\d{6,})?\.json$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,9 @@ class Manifest:
     cursor: int = 0
     seed: int = 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The job that wrote it ("" before this field existed, or under plain msrun): a job never
+    #: resumes another job's checkpoints.
+    job: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +94,17 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, rank: int, world_size: int, generation: int, keep: int = 3) -> None:
+    """Checkpoints of one job in its ``checkpoint_dir``, fenced by generation.
+
+    ``latest.json`` names the newest published manifest and the generation that owns the
+    directory. Rank 0 of a generation claims it when it loads (before its first save), and a
+    writer never moves it back to an older generation: the ranks of a generation that was
+    replaced while cut off (a partition, a stall) may still reach the shared storage, and their
+    saves are then withdrawn instead of published over the newer generation's. File names carry
+    the generation too, so two generations never write the same file."""
+
+    def __init__(self, directory: str, rank: int, world_size: int, generation: int, keep: int = 3,
+                 job: str = "") -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.dir = directory
@@ -97,11 +112,45 @@ class Checkpointer:
         self.world_size = world_size
         self.generation = generation
         self.keep = keep
+        self.job = job
         os.makedirs(directory, exist_ok=True)
 
     @classmethod
     def from_context(cls, ctx: Any) -> "Checkpointer":
-        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints)
+        job = ctx.job if ctx.generation else ""  # plain msrun (generation 0): no owner to check
+        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints, job)
+
+    def _latest(self) -> dict[str, Any]:
+        try:
+            with open(os.path.join(self.dir, LATEST_CHECKPOINT)) as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _publish(self, manifest: str | None) -> bool:
+        """Point latest at ``manifest`` (None: keep the pointer, claim the directory for this
+        generation), under a lock, unless a newer generation of this job owns it. False: refused.
+        Plain msrun (generation 0) is not fenced; another job's pointer is taken over (Submit
+        refuses a checkpoint_dir that a job still existing uses, so that job was deleted)."""
+        with open(os.path.join(self.dir, ".latest.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            current = self._latest()
+            owner, same_job = current.get("generation", 0), current.get("job", "") in ("", self.job)
+            if self.generation and same_job and isinstance(owner, int) and owner > self.generation:
+                return False
+            pointer = manifest or current.get("manifest")
+            if pointer is None:
+                return True
+            _write_atomic(os.path.join(self.dir, LATEST_CHECKPOINT),
+                          json.dumps({"manifest": pointer, "generation": self.generation, "job": self.job}))
+        return True
+
+    def claim(self) -> None:
+        """Rank 0 of a new generation: from now on no older generation publishes here."""
+        if self.writer and self.generation and not self._publish(None):
+            raise SystemExit(f"mselastic: generation {self._latest().get('generation')} already owns "
+                             f"{self.dir}; this generation ({self.generation}) was replaced")
 
     @property
     def writer(self) -> bool:
@@ -116,15 +165,22 @@ class Checkpointer:
             return None
         import mindspore as ms
 
-        name = f"ckpt-{step:08d}"
+        name = f"ckpt-{step:08d}-g{self.generation:06d}"
         path = os.path.join(self.dir, name + ".ckpt")
         ms.save_checkpoint(obj, path, crc_check=True)
         _fsync_file(path)
         manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
                             file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path), cursor=cursor,
-                            seed=seed, extra=extra or {})
+                            seed=seed, extra=extra or {}, job=self.job)
         _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
-        _write_atomic(os.path.join(self.dir, LATEST_CHECKPOINT), json.dumps({"manifest": name + ".json"}))
+        if not self._publish(name + ".json"):
+            # Replaced while cut off: withdraw the files, nobody may resume from them.
+            for suffix in (".json", ".ckpt"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.dir, name + suffix))
+            log.error("checkpoint of step %d withdrawn: generation %s owns %s, this one (%d) was replaced",
+                      step, self._latest().get("generation"), self.dir, self.generation)
+            return None
         dfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -139,7 +195,8 @@ class Checkpointer:
         return sorted((n for n in names if _MANIFEST.match(n)), reverse=True)
 
     def _prune(self) -> None:
-        for name in self.manifests()[self.keep:]:
+        """Keep the newest ``keep`` of this job's checkpoints (another job's files are not ours)."""
+        for name in [n for n in self.manifests() if self._owner(n) in ("", self.job)][self.keep:]:
             stem = name[: -len(".json")]
             for suffix in (".json", ".ckpt"):
                 try:
@@ -147,24 +204,38 @@ class Checkpointer:
                 except FileNotFoundError:
                     pass
 
+    def _owner(self, name: str) -> str:
+        try:
+            with open(os.path.join(self.dir, name)) as f:
+                job = json.load(f).get("job", "")
+            return job if isinstance(job, str) else ""
+        except (OSError, ValueError, AttributeError):
+            return ""
+
     def load(self) -> Resumed | None:
-        """The newest valid checkpoint, or None for a fresh start."""
+        """The newest valid checkpoint of this job, or None for a fresh start. Rank 0 then claims
+        the directory for this generation (see :meth:`claim`)."""
+        try:
+            return self._load()
+        finally:
+            self.claim()
+
+    def _load(self) -> Resumed | None:
         import mindspore as ms
 
         order = self.manifests()
-        try:
-            with open(os.path.join(self.dir, LATEST_CHECKPOINT)) as f:
-                pointed = json.load(f)["manifest"]
-            if pointed in order:
-                order.remove(pointed)
-                order.insert(0, pointed)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        latest = self._latest()
+        pointed = latest.get("manifest")
+        if pointed in order:
+            order.remove(pointed)
+            order.insert(0, pointed)
         skipped: list[tuple[str, str]] = []
         for name in order:
             try:
                 with open(os.path.join(self.dir, name)) as f:
                     m = Manifest(**json.load(f))
+                if m.job and self.job and m.job != self.job:
+                    raise ValueError(f"written by job {m.job}, not {self.job}")
                 path = os.path.join(self.dir, m.file)
                 if os.path.getsize(path) != m.size or _sha256(path) != m.sha256:
                     raise ValueError("checksum mismatch")

@@ -160,8 +160,10 @@ class StopResponse(_message.Message):
     def __init__(self, leftover_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AgentStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_etcd_s",)
+    CHECK_ETCD_S_FIELD_NUMBER: _ClassVar[int]
+    check_etcd_s: float
+    def __init__(self, check_etcd_s: _Optional[float] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "pid", "step", "loss", "finished")
