@@ -329,7 +329,11 @@ class Coordinator:
             kv = await self.store.get(k.cordon(node.node_id))
             if kv is None:
                 continue
-            rec = CordonRecord.from_json(kv.value)
+            try:
+                rec = CordonRecord.from_json(kv.value)
+            except MalformedRecord as e:  # logged by the view already; must not stop the pass
+                log.debug("cordon record of %s unreadable: %s", node.node_id, e)
+                continue
             done = dataclasses.replace(rec, drain=False)
             if await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
                                      tx.mod(k.cordon(node.node_id).encode()) == kv.mod_revision],
