@@ -204,6 +204,9 @@ def test_a_record_that_makes_the_coordinator_raise_stays_on_its_job(procs: Proce
     assert "IllegalTransition" in str(first["message"]) and "PENDING -> RESTARTING" in str(first["message"]), first
     r = elasticctl("events", "broken", endpoint=endpoint)
     assert r.returncode == 0 and "reconcile error" in r.stdout, r.stdout + r.stderr
+    shown = wait_for("the error as the job's status message", lambda: (s := etcd.status("broken")) and
+                     "reconcile error" in s.message and s, 10, 0.1)
+    assert shown.state is JobState.PENDING and "IllegalTransition" in shown.message  # the state is left alone
     holds_for("the other job training untouched, elasticd alive",
               lambda: worker_pids(procs, 1) == pids and procs.started[0].poll() is None, 4)
     assert (s := etcd.status(JOB)) is not None and s.state is JobState.RUNNING and s.generation == 1

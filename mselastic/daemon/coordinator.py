@@ -428,13 +428,13 @@ class Coordinator:
         if term is None:
             return
         k, tx = self.store.keys, self.store.tx
-        event = Event(at=time.time(), kind=EventKind.ERROR, generation=0,
-                      message=f"reconcile error (retry {n}, next in {delay:.0f}s): {text}"[:2000])
+        message = f"reconcile error (retry {n}, next in {delay:.0f}s): {text}"[:2000]
+        event = Event(at=time.time(), kind=EventKind.ERROR, generation=0, message=message)
         try:
-            # Only the event: the job's own records may be what cannot be read or written.
             if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
                                         [tx.put(k.event(job, time.time_ns()).encode(), event.to_json().encode())]):
                 self._fenced.set()
+            await self._show_error(term, job, message)
             if n % 20 == 1:  # a job that keeps failing must not grow its events without bound
                 await self.prune_events(term, job)
         except (TemporaryError, PermanentError) as e:
@@ -442,6 +442,24 @@ class Coordinator:
         except Fenced:
             self._fenced.set()
         self._wake.set()
+
+    async def _show_error(self, term: Term, job: str, message: str) -> None:
+        """The error as the job's status message too, state unchanged (compare-and-set), when the
+        status can be read: it may be the very record that is malformed, then the event alone says it."""
+        k, tx = self.store.keys, self.store.tx
+        kv = await self.store.get(k.status(job))
+        if kv is None:
+            return
+        try:
+            status = JobStatus.from_json(kv.value)
+        except MalformedRecord:
+            return
+        if status.state.terminal:
+            return
+        shown = dataclasses.replace(status, message=message, updated_at=time.time())
+        await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
+                              tx.mod(k.status(job).encode()) == kv.mod_revision],
+                             [tx.put(k.status(job).encode(), shown.to_json().encode())])
 
     async def _apply(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool = False) -> None:
         try:
