@@ -333,15 +333,18 @@ def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Proces
                          env={**os.environ, "MSELASTIC_RUN_ID": env["MSELASTIC_RUN_ID"]}, capture_output=True,
                          text=True, timeout=60, check=True)
     forger_pid = int(out.stdout)
-    time.sleep(0.5)
+    log_path = os.path.join(procs.log_dir, "elasticd-n0.log")
+
+    def dropped() -> bool:
+        with open(log_path) as f:
+            return f"heartbeat from pid {forger_pid}, not a process of this generation: dropped" in f.read()
+    wait_for("the forged beat read and dropped", dropped, 10, 0.05)  # before the kill: it must not hide it
     os.kill(victim, signal.SIGKILL)
     killed = time.time()
     failed = wait_for("generation 1 failed", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 10,
                       0.05)
     assert failed.state is GenerationState.FAILED and failed.failed_rank == 1, failed
     assert failed.detected_at - killed < 2, f"detected {failed.detected_at - killed:.1f}s after the kill"
-    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
-        assert f"heartbeat from pid {forger_pid}, not a process of this generation: dropped" in f.read()
     assert elasticctl("stop", JOB, endpoint=endpoint).returncode == 0
 
 

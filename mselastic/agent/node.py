@@ -141,8 +141,7 @@ class NodeAgent:
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
                     if any(not g.done.is_set() for g in self.generations.values()) and self._peers:
                         answered, reaching = await self._ask_peers()
-                        probe_s = min(1.0, self.cfg.lease_ttl_s / 6) / 2
-                        if reaching and await self.reaches_etcd(probe_s):
+                        if reaching and await self.reaches_etcd(self._probe_s / 2):
                             # etcd answers us too: a member failed over, the lease keeper catches up.
                             pass
                         elif reaching:
@@ -200,9 +199,14 @@ class NodeAgent:
         except (asyncio.TimeoutError, TemporaryError, PermanentError):
             return False
 
+    @property
+    def _probe_s(self) -> float:
+        """How long asking the peers (and etcd once more) may take: fencing stays well within the TTL."""
+        return min(1.0, self.cfg.lease_ttl_s / 6)
+
     async def _ask_peers(self) -> tuple[list[str], list[str]]:
         """(the peers that answered, those of them that reach etcd), asked at once, within TTL/6."""
-        probe_s = min(1.0, self.cfg.lease_ttl_s / 6)  # fence well within the TTL
+        probe_s = self._probe_s
 
         async def probe(node_id: str, address: str) -> tuple[str, bool | None]:
             async with self.cfg.tls.aio_channel(address) as ch:

@@ -185,6 +185,7 @@ class Coordinator:
         self.term: Term | None = None
         self.leading = asyncio.Event()
         self._pushed: dict[tuple[str, int, str], float] = {}
+        self._restopped: dict[tuple[str, int, str], float] = {}  # Stops sent again (see _restop)
         self._wake = asyncio.Event()
         self._fenced = asyncio.Event()
         #: The leader's cache of the cluster (None: passes read etcd directly, as a bench may).
@@ -656,10 +657,10 @@ class Coordinator:
             nodes = {}
             for node_id, rep in reps.items():
                 member = view.plan.member(node_id) if view.plan else None
-                key = (view.name, -generation, node_id)  # negative: not a Launch push
-                if rep.state.terminal or member is None or now - self._pushed.get(key, 0.0) < self.cfg.repush_after_s:
+                key = (view.name, generation, node_id)
+                if rep.state.terminal or member is None or now - self._restopped.get(key, 0.0) < self.cfg.repush_after_s:
                     continue
-                self._pushed[key] = now
+                self._restopped[key] = now
                 nodes[node_id] = member.agent_address
             if nodes:
                 log.warning("stopping generation %d again on %s: the job is %s", generation, ", ".join(sorted(nodes)),
@@ -676,6 +677,7 @@ class Coordinator:
         self._retry_at.pop(job, None)
         self._queued.discard(job)
         self._pushed = {k: v for k, v in self._pushed.items() if k[0] != job}
+        self._restopped = {k: v for k, v in self._restopped.items() if k[0] != job}
         metrics.forget_job(job)
 
     def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:
