@@ -356,6 +356,8 @@ class Generation:
         (pid, start time), the answer either way, so a reused pid is looked at again."""
         if pid <= 0 or self._msrun is None:
             return False
+        if any(rs.pid == pid for rs in self.ranks.values()):  # a rank found among msrun's children
+            return True
         try:
             proc = psutil.Process(pid)
             key = (pid, proc.create_time())
@@ -363,7 +365,8 @@ class Generation:
                 self._senders[key] = any(p.pid == self._msrun.pid for p in proc.parents())
             return self._senders[key]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return False
+            # A rank's last beat (planned_exit) is read after it exited: known senders still count.
+            return any(ok and key[0] == pid for key, ok in self._senders.items())
 
     def _on_beat(self, beat: Beat) -> None:
         rs = self.ranks.get(beat.rank)
