@@ -42,6 +42,11 @@ class ClusterFault(enum.Enum):
     #: peers; RECONNECT_ETCD removes the route.
     CUT_FROM_ETCD = "cut_from_etcd"
     RECONNECT_ETCD = "reconnect_etcd"
+    #: SIGSTOP the (first) etcd member: what a stalled disk fsync or a long pause does. It keeps its
+    #: connections but answers nothing; when it resumes, every lease it holds has expired at once.
+    FREEZE_ETCD = "freeze_etcd"
+    FREEZE_ETCD_LEADER = "freeze_etcd_leader"  # SIGSTOP the member leading the etcd cluster
+    THAW_ETCD = "thaw_etcd"  # SIGCONT every frozen member
 
 
 def _ip(*args: str) -> None:
@@ -70,6 +75,7 @@ class Cluster:
         self.etcd_server: EmbeddedEtcd | None = None  # the first member
         self.etcd_members: list[EmbeddedEtcd] = []
         self.etcd: Etcd | None = None
+        self.frozen: list[EmbeddedEtcd] = []
 
     # -- addresses and names ---------------------------------------------------
 
@@ -176,10 +182,23 @@ class Cluster:
             self.etcd_members[0].start()
         elif fault is ClusterFault.KILL_ETCD_LEADER:
             self.etcd_leader().stop(signal.SIGKILL)
+        elif fault in (ClusterFault.FREEZE_ETCD, ClusterFault.FREEZE_ETCD_LEADER):
+            member = self.etcd_members[0] if fault is ClusterFault.FREEZE_ETCD else self.etcd_leader()
+            assert member.proc is not None
+            os.killpg(member.proc.pid, signal.SIGSTOP)
+            self.frozen.append(member)
+        elif fault is ClusterFault.THAW_ETCD:
+            self.thaw()
         elif fault is ClusterFault.CUT_FROM_ETCD:  # etcd listens on the bridge's address only
             _ip("-n", self.nodes[node], "route", "add", "blackhole", f"{self.gateway}/32")
         elif fault is ClusterFault.RECONNECT_ETCD:
             _ip("-n", self.nodes[node], "route", "del", "blackhole", f"{self.gateway}/32")
+
+    def thaw(self) -> None:
+        for member in self.frozen:
+            if member.proc is not None:
+                os.killpg(member.proc.pid, signal.SIGCONT)
+        self.frozen = []
 
     def kill_node(self, i: int) -> None:
         """SIGKILL the node's elasticd; its msrun and workers die with it (parent-death signal)."""
@@ -188,6 +207,7 @@ class Cluster:
 
     def down(self) -> None:
         """Stop everything; safe to call more than once and after a partial ``up``."""
+        self.thaw()
         self.procs.stop_all()
         for m in self.etcd_members:
             m.stop()

@@ -234,7 +234,7 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) ->
     their relative order; a generation after a planned relaunch (drain, scale-up) or
     after ranks that exited on SIGTERM resumed exactly at the step those ranks
     checkpointed at (nothing recomputed); any other resumed from an interval checkpoint
-    at or after the previous resume and no later than the step the previous one
+    (or one taken on a SIGTERM earlier), every rank from the same, at or after the previous resume and no later than the step the previous one
     reached; the final generation reached exactly ``total_steps``; the event log has
     each relaunch with its reason, and after faults the job status has the last
     failure's detection time.
@@ -244,9 +244,11 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) ->
     events = sorted((json.loads(v) for v in etcd.prefix(etcd.keys.events(job)).values()), key=lambda e: e["at"])
     relaunches = {e["generation"]: e for e in events if e["kind"] in ("generation", "planned")}
     previous_resume, previous_reached, previous_exits = 0, 0, set()
+    checkpointed: set[int] = set()  # steps the ranks checkpointed at on a SIGTERM (besides the interval's)
     for before, after in zip([None, *plans], plans):
         reports = [r for m in after.members if (r := etcd.report(job, after.generation, m.node_id))]
-        resumed = {r.resumed_step for r in reports if r.resumed_step >= 0}
+        resumed = {r.resumed_step for r in reports if r.resumed_step >= 0} | \
+            {step for r in reports for step in r.resumed_steps.values()}
         assert len(resumed) <= 1, f"generation {after.generation}: ranks resumed from different steps {resumed}"
         assert after.generation in relaunches and after.reason in relaunches[after.generation]["message"]
         assert relaunches[after.generation]["kind"] == ("planned" if after.planned else "generation")
@@ -262,13 +264,14 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) ->
                 assert after.planned or after.restart_count == before.restart_count + 1
             else:
                 assert relaunches[after.generation]["detected_at"] > 0, "the relaunch event lacks the detection time"
-                assert step % interval == 0 and previous_resume <= step <= previous_reached, \
+                assert (step % interval == 0 or step in checkpointed) and previous_resume <= step <= previous_reached, \
                     f"generation {after.generation} resumed at {step} (previous: from {previous_resume} to " \
                     f"{previous_reached})"
             assert after.restart_count == before.restart_count + (0 if after.planned else 1)
             previous_resume = step
         previous_reached = max((r.step for r in reports), default=0)
         previous_exits = {r.exit_step for r in reports}
+        checkpointed |= previous_exits - {-1}
     assert previous_reached == total_steps, f"final step {previous_reached} != {total_steps}"
     status = etcd.status(job)
     assert status is not None and status.generation == plans[-1].generation

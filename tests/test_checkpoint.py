@@ -94,3 +94,62 @@ def test_another_jobs_checkpoints_are_never_resumed(tmp_path: os.PathLike[str]) 
     assert other.load() is None  # job a's step-30 checkpoint is not b's to resume
     assert other.save(make_opt(2), step=5, epoch=0) is not None  # a was deleted: b takes the directory over
     assert Checkpointer(d, rank=0, world_size=1, generation=5, job="a").load() is not None  # a's own, kept
+
+
+def _corrupt(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_checkpoints_that_all_fail_to_load_fail_loudly_instead_of_a_fresh_start(tmp_path: os.PathLike[str]) -> None:
+    d = str(tmp_path)
+    w = Checkpointer(d, rank=0, world_size=1, generation=1, job="j")
+    for step in (10, 20):
+        assert w.save(make_opt(step), step=step, epoch=0) is not None
+    for name in os.listdir(d):
+        if name.endswith(".ckpt"):
+            _corrupt(os.path.join(d, name))
+    with pytest.raises(SystemExit) as e:
+        Checkpointer(d, rank=0, world_size=1, generation=2, job="j").load()
+    assert "none can be resumed from" in str(e.value) and "ckpt-00000020-g000001.json: checksum mismatch" in str(e.value)
+    assert "ckpt-00000010-g000001.json: checksum mismatch" in str(e.value)
+    assert len([n for n in os.listdir(d) if n.endswith(".ckpt")]) == 2  # nothing pruned
+
+
+def test_random_state_is_restored_so_dropout_continues_as_if_never_interrupted(tmp_path: os.PathLike[str]) -> None:
+    """Functional dropout takes its seeds from MindSpore's per-operator counters: the manifest
+    carries them, and a resumed process draws the masks an uninterrupted one would have."""
+    from mindspore import ops
+
+    def masks(n: int) -> list[bytes]:
+        x = ms.Tensor(ms.numpy.ones((64,), ms.float32))
+        return [ops.dropout(x, p=0.5, training=True).asnumpy().tobytes() for _ in range(n)]
+
+    d, opt = str(tmp_path), make_opt(1)
+    ms.set_seed(7)
+    masks(3)
+    assert Checkpointer(d, rank=0, world_size=1, generation=1, job="j").save(opt, step=3, epoch=0) is not None
+    expected = masks(4)  # the uninterrupted run goes on
+    ms.set_seed(7)  # a fresh process: seeded again, nothing drawn yet
+    resumed = Checkpointer(d, rank=0, world_size=1, generation=2, job="j").load()
+    assert resumed is not None and resumed.manifest.rng["kernel_seed"]
+    assert masks(4) == expected
+    ms.set_seed(7)
+    assert masks(4) != expected  # without the restore the masks differ (the test can fail)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_its_litter_is_swept(tmp_path: os.PathLike[str]) -> None:
+    d = str(tmp_path)
+    w = Checkpointer(d, rank=0, world_size=1, generation=1, job="j")
+    assert w.save(make_opt(1), step=10, epoch=0) is not None
+    # What a SIGKILL inside the save of step 20 leaves: its parameters, half a manifest in a temp file.
+    ms.save_checkpoint(make_opt(2), os.path.join(d, "ckpt-00000020-g000001.ckpt"))
+    with open(os.path.join(d, "ckpt-00000020-g000001.json.tmp.12345"), "w") as f:
+        f.write('{"step": 20, "epo')
+    resumed = Checkpointer(d, rank=0, world_size=1, generation=2, job="j").load()
+    assert resumed is not None and resumed.manifest.step == 10
+    assert sorted(os.listdir(d)) == [".latest.lock", "ckpt-00000010-g000001.ckpt", "ckpt-00000010-g000001.json",
+                                     "latest.json"]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import collections
 import glob
+import hashlib
 import json
 import os
 import re
 import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -170,32 +172,48 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     assert abs(result["accuracy"] - ref["accuracy"]) <= 0.02
 
 
-def test_lone_sigterm_resumes_exactly_and_bit_identically(procs: Processes, etcd: Etcd, namespace: str,
-                                                          tmp_path: os.PathLike[str]) -> None:
-    """SIGTERM to rank 1 only: every rank checkpoints at the same step, the relaunch (same world
-    size) resumes there, and the final parameters equal an uninterrupted run's bit for bit."""
+def test_sigterm_torn_save_and_sigkill_resume_bit_identically_with_dropout(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """A model with dropout, at one world size, interrupted three ways: a SIGTERM to rank 1 only
+    (every rank checkpoints at the same step), a SIGKILL inside rank 0's save of step 20 (the
+    parameters written, the manifest half written: the previous checkpoint stays the newest), and a
+    SIGKILL from outside to rank 1 after step 25. Every relaunch resumes all ranks from one
+    checkpoint with MindSpore's random state restored, and the final parameters equal an
+    uninterrupted run's bit for bit."""
     tmp, total = str(tmp_path), 40
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
-    out = os.path.join(tmp, "out")
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total)
+    out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total,
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--dropout", "0.2"],
+                      env={"MSELASTIC_FAULT": "sigkill_in_save:rank=0:generation=2:step=20"},
+                      quarantine_after_failures=5)  # three failures of the only node: no cooldown
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     wait_for("step 13", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 13 and r, 180, 0.05)
     os.kill(worker_pids(procs, 1)[1], signal.SIGTERM)
     rep1 = wait_for("generation 1 stopped", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 30)
-    assert rep1.state is GenerationState.STOPPED and rep1.exit_step >= 13, rep1
+    assert rep1.state is GenerationState.STOPPED and 13 <= rep1.exit_step < 20, rep1
+    rep2 = wait_for("generation 2 killed in its save", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal
+                    and r, 120, 0.1)
+    assert rep2.state is GenerationState.FAILED and rep2.failed_rank == 0 and "SIGKILL" in rep2.reason, rep2
+    assert rep2.resumed_steps == {"0": rep1.exit_step, "1": rep1.exit_step}
+    wait_for("generation 3 past step 25", lambda: (r := etcd.report(JOB, 3, "n0")) and r.step >= 25, 120, 0.05)
+    os.kill(worker_pids(procs, 3)[1], signal.SIGKILL)
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     plans = check_history(etcd, JOB, total)
-    assert len(plans) == 2 and not plans[1].planned  # a SIGTERM nobody planned: a restart, but nothing lost
-    rep2 = etcd.report(JOB, 2, "n0")
-    assert rep2 is not None and rep2.resumed_step == rep1.exit_step
+    assert len(plans) == 4 and not any(p.planned for p in plans[1:])
+    rep3, rep4 = etcd.report(JOB, 3, "n0"), etcd.report(JOB, 4, "n0")
+    # The torn save of step 20 was never published: generation 3 resumed where generation 1 stopped.
+    assert rep3 is not None and rep3.resumed_steps == {"0": rep1.exit_step, "1": rep1.exit_step}, rep3
+    assert rep4 is not None and rep4.resumed_steps == {"0": 20, "1": 20}, rep4
+    assert not [n for n in os.listdir(ckpt) if ".tmp." in n or "-g000002" in n], os.listdir(ckpt)
 
     ref_dir = os.path.join(tmp, "reference")
-    plain_msrun(procs, ref_dir, total, workers=2, port=free_port())
+    plain_msrun(procs, ref_dir, total, workers=2, port=free_port(), extra_args=("--dropout", "0.2"))
     ours, theirs = params(out), params(ref_dir)
     assert ours.keys() == theirs.keys()
     for k in theirs:
-        assert np.array_equal(ours[k], theirs[k]), f"{k} differs after a resume at the same world size"
+        assert np.array_equal(ours[k], theirs[k]), f"{k} differs after resumes at the same world size"
 
 
 def test_stop_checkpoints_at_the_next_step(procs: Processes, etcd: Etcd, namespace: str,
@@ -225,3 +243,33 @@ def test_stop_checkpoints_at_the_next_step(procs: Processes, etcd: Etcd, namespa
     assert status.state is JobState.STOPPED
     assert status.message == f"stopped by operator; the ranks checkpointed at step {rep.exit_step} and exited"
     assert f"checkpointed at step {rep.exit_step}" in elasticctl("events", JOB, endpoint=endpoint).stdout
+
+
+def test_a_full_checkpoint_filesystem_fails_the_job_once_and_keeps_the_last_checkpoint(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """checkpoint_dir on a tmpfs that holds two LeNet checkpoints: the third save fails with ENOSPC.
+    The job FAILS with the reason (no restart: every relaunch would meet the same full disk), the
+    torn files are withdrawn and the newest complete checkpoint stays intact for a resubmission."""
+    tmp = str(tmp_path)
+    ckpt = os.path.join(tmp, "ckpt")
+    os.makedirs(ckpt)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=800k,mode=0755", "tmpfs", ckpt], check=True, timeout=10)
+    try:
+        endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+        spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), ckpt, 60)
+        assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+        status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
+        assert status.state is JobState.FAILED and status.generation == 1 and status.restart_count == 0, status
+        assert f"checkpoint_dir {ckpt} is full" in status.message and "step 30" in status.message, status.message
+        assert "ckpt-00000020-g000001.json" in status.message  # where a resubmission resumes
+        with open(os.path.join(ckpt, "latest.json")) as f:
+            latest = json.load(f)["manifest"]
+        with open(os.path.join(ckpt, latest)) as f:
+            manifest = json.load(f)
+        with open(os.path.join(ckpt, manifest["file"]), "rb") as f:
+            assert manifest["step"] == 20 and hashlib.sha256(f.read()).hexdigest() == manifest["sha256"]
+        assert not [n for n in os.listdir(ckpt) if "00000030" in n or ".tmp." in n], os.listdir(ckpt)
+        wait_for("nothing left", lambda: not worker_pids(procs, 1), 15)
+    finally:
+        procs.stop_all()
+        subprocess.run(["umount", "--lazy", ckpt], timeout=10)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -18,12 +20,12 @@ import pytest
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.trainer.faults import Fault, FaultPlan
 from tests.cluster import Cluster
-from tests.harness import check_history, elasticctl, generation_processes, lenet_spec, wait_for
+from tests.harness import check_history, elasticctl, generation_processes, lenet_spec, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
 TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 40, 25, 6
-RANK_FAULTS = [f for f in Fault if f not in (Fault.CORRUPT_CHECKPOINT, Fault.STUCK_STARTUP)]
+RANK_FAULTS = [f for f in Fault if f not in (Fault.CORRUPT_CHECKPOINT, Fault.STUCK_STARTUP, Fault.SIGKILL_IN_SAVE)]
 
 
 def start(cluster: Cluster, fault: str, **overrides: object) -> str:
@@ -109,22 +111,53 @@ def test_hang_detection_time_and_teardown(cluster: Cluster, digits: str) -> None
     wait_for("nothing left on any node", lambda: not generation_processes(cluster.procs, 1), 15)
 
 
-def test_corrupt_newest_checkpoint_falls_back_and_the_event_says_so(cluster: Cluster, digits: str) -> None:
-    start(cluster, f"corrupt_checkpoint:rank=0:generation=1:step={FAULT_STEP}")
+def _corrupt(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_rank_that_cannot_read_the_newest_checkpoint_makes_every_rank_resume_from_an_older_one(
+        cluster: Cluster, digits: str) -> None:
+    """Node n1 sees garbage where the newest checkpoint is (a bind mount in its own mount
+    namespace: a stale cache, a checkpoint_dir that is not really shared): both ranks resume from
+    the previous one, and say why. Then every checkpoint is damaged on disk: the relaunch fails the
+    job with the reasons instead of starting again from step 0, and nothing is pruned."""
+    ckpt = start(cluster, "")
     etcd = cluster.etcd
     assert etcd is not None
-    status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
-    assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, TOTAL)
-    for node in ("n0", "n1"):
-        second = etcd.report(JOB, 2, node)
-        # Step 20's checkpoint was damaged: generation 2 resumed from step 10 and said why.
-        assert second is not None and second.step == TOTAL and second.resumed_step == 10
-        assert "skipped unusable ckpt-00000020-g000001.json" in second.resume_note and "checksum" in second.resume_note
-    events = [json.loads(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
-    recovered = [e for e in events if e["kind"] == "recovered"]
-    assert len(recovered) == 1 and "resumed from step 10" in recovered[0]["message"]
-    assert "ckpt-00000020-g000001.json" in recovered[0]["message"]
+    wait_for("step 25", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 180, 0.1)
+    os.kill(worker_pids(cluster.procs, 1)[0], signal.SIGKILL)
+    wait_for("generation 1 gone on every node", lambda: not generation_processes(cluster.procs, 1), 15)
+    newest = committed_step(ckpt)
+    assert newest >= 20
+    garbage = os.path.join(cluster.tmp, "garbage")
+    with open(garbage, "wb") as f:
+        f.write(os.urandom(4096))
+    name = f"ckpt-{newest:08d}-g000001"
+    subprocess.run(["nsenter", "--mount", "--target", str(cluster.daemons[1].pid), "mount", "--bind", garbage,
+                    os.path.join(ckpt, name + ".ckpt")], check=True, timeout=10)
+    reports = {n: wait_for(f"generation 2 first step on {n}", lambda: (r := etcd.report(JOB, 2, n)) and r.first_step_at
+                           and r, 120, 0.2) for n in ("n0", "n1")}
+    assert reports["n0"].resumed_steps == {"0": newest - 10} and reports["n1"].resumed_steps == {"1": newest - 10}
+    assert f"{name}.json: rank 1: checksum mismatch" in reports["n1"].resume_note, reports["n1"].resume_note
+    assert f"{name}.json: 1 of 2 rank(s) could not load it" in reports["n0"].resume_note, reports["n0"].resume_note
+
+    wait_for("generation 2 past a checkpoint", lambda: (r := etcd.report(JOB, 2, "n1")) and r.step >= newest + 1,
+             120, 0.1)
+    os.kill(worker_pids(cluster.procs, 2)[1], signal.SIGKILL)
+    wait_for("generation 2 gone on every node", lambda: not generation_processes(cluster.procs, 2), 15)
+    damaged = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt"))
+    for n in damaged:
+        _corrupt(os.path.join(ckpt, n))
+    status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 120, 0.5)
+    assert status.state is JobState.FAILED and status.generation == 3 and status.restart_count == 2, status
+    assert "none can be resumed from by every rank" in status.message and "checksum mismatch" in status.message
+    assert "not starting again from step 0" in status.message
+    assert sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt")) == damaged  # nothing pruned
+    wait_for("nothing left on any node", lambda: not generation_processes(cluster.procs, 3), 15)
 
 
 def test_fault_spec_parsing() -> None:

@@ -297,11 +297,29 @@ def test_a_join_that_only_has_slots_of_another_job_does_not_scale_up() -> None:
     assert d.action is Action.NOTHING and not d.scale_up_nodes
 
 
+def test_a_rank_that_cannot_go_on_fails_the_job_without_a_restart_or_blame() -> None:
+    fatal = dataclasses.replace(rep(1, G.FAILED), cause=FailureCause.TRAINER_FATAL, failed_rank=1,
+                                reason="cannot go on: checkpoint_dir /c is full")
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": rep(0, G.FAILED), "n1": fatal}, [node(0), node(1)], now=10)
+    assert d.action is Action.FAIL and d.reason == "generation 1: rank 1 on node n1 cannot go on: checkpoint_dir /c is full"
+    assert d.node_failures is None and d.quarantined_until is None
+
+
+def test_ranks_that_resumed_from_different_steps_fail_the_job_loudly() -> None:
+    reps = {"n0": dataclasses.replace(rep(0, G.RUNNING), resumed_steps={"0": 20, "1": 20}),
+            "n1": dataclasses.replace(rep(1, G.RUNNING), resumed_steps={"2": 10, "3": 20})}
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), reps, [node(0), node(1)], now=10)
+    assert d.action is Action.FAIL and "rank(s) 2 from step 10; rank(s) 0, 1, 3 from step 20" in d.reason, d.reason
+    reps["n1"] = dataclasses.replace(rep(1, G.RUNNING), resumed_steps={"2": 20, "3": 20})
+    assert decide(SPEC, J.RUNNING, plan_on(0, 1), reps, [node(0), node(1)], now=10).action is Action.NOTHING
+
+
 def test_the_steps_in_order_and_each_one_alone() -> None:
     from mselastic.core import planner
 
-    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "launch_error", "relaunch_after_fault", "success",
-                                                   "restart", "scale_down", "drain", "scale_up"]
+    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "launch_error", "cannot_go_on", "mixed_resume",
+                                                   "relaunch_after_fault", "success", "restart", "scale_down", "drain",
+                                                   "scale_up"]
 
     def situation(plan: Plan | None, reports: list[GenerationReport], nodes: list[NodeRecord],
                   status: JobStatus | None = None) -> planner.Situation:
@@ -316,6 +334,11 @@ def test_the_steps_in_order_and_each_one_alone() -> None:
         "first_launch": situation(None, [], [node(0)]),
         "launch_error": situation(plan_on(0), [dataclasses.replace(rep(0, G.FAILED), cause=FailureCause.LAUNCH_SPEC)],
                                   [node(0)]),
+        "cannot_go_on": situation(plan_on(0, 1), [rep(0, G.FAILED), dataclasses.replace(
+            rep(1, G.FAILED), cause=FailureCause.TRAINER_FATAL)], [node(0), node(1)]),
+        "mixed_resume": situation(plan_on(0, 1), [dataclasses.replace(rep(0, G.RUNNING), resumed_steps={"0": 20}),
+                                                  dataclasses.replace(rep(1, G.RUNNING), resumed_steps={"1": 10})],
+                                  [node(0), node(1)]),
         "relaunch_after_fault": situation(plan_on(0, 1), [rep(1, G.FAILED)], [node(0), node(1)]),
         "success": situation(plan_on(0), [rep(0, G.SUCCEEDED)], [node(0)]),
         "restart": situation(plan_on(0), [rep(0, G.RUNNING)], [node(0)], st(restart_requested=1)),

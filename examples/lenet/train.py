@@ -30,15 +30,16 @@ import mindspore.dataset as ds  # noqa: E402
 import mindspore.dataset.transforms as T  # noqa: E402
 import mindspore.dataset.vision as V  # noqa: E402
 import numpy as np  # noqa: E402
-from mindspore import nn  # noqa: E402
+from mindspore import nn, ops  # noqa: E402
 from mindspore.common.initializer import Normal  # noqa: E402
 
 SEED = 1234
 
 
 class LeNet5(nn.Cell):
-    def __init__(self, num_class: int = 10) -> None:
+    def __init__(self, num_class: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout
         self.conv1 = nn.Conv2d(1, 6, 5, pad_mode="valid")
         self.conv2 = nn.Conv2d(6, 16, 5, pad_mode="valid")
         self.fc1 = nn.Dense(16 * 4 * 4, 120, weight_init=Normal(0.02))
@@ -52,7 +53,13 @@ class LeNet5(nn.Cell):
         x = self.pool(self.relu(self.conv1(x)))
         x = self.pool(self.relu(self.conv2(x)))
         x = self.flatten(x)
-        return self.fc3(self.relu(self.fc2(self.relu(self.fc1(x)))))
+        x = self.relu(self.fc1(x))
+        if self.dropout:  # functional: its seeds are MindSpore's counters, which checkpoints carry
+            x = ops.dropout(x, p=self.dropout, training=self.training)
+        x = self.relu(self.fc2(x))
+        if self.dropout:
+            x = ops.dropout(x, p=self.dropout, training=self.training)
+        return self.fc3(x)
 
 
 N_TRAIN = 1497  # rows in train-images-idx3-ubyte (examples/lenet/make_data.py)
@@ -81,6 +88,7 @@ def main() -> None:
     p.add_argument("--record-samples", action="store_true",
                    help="append the sample ids each rank consumes to OUT/samples_g<G>_r<R>.jsonl")
     p.add_argument("--step-sleep-s", type=float, default=0.0, help="pause after each step (tests pace the run)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layers (0: none)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -88,7 +96,8 @@ def main() -> None:
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     ms.set_seed(SEED)
 
-    net = LeNet5()
+    net = LeNet5(dropout=args.dropout)
+    net.set_train(True)
     # A schedule computed from global_step, not a per-step list: the list would be saved with the
     # optimizer and a resume with another total_steps (a job submitted again to train longer)
     # could not load it.
@@ -141,6 +150,7 @@ def main() -> None:
     np.savez(os.path.join(args.out, f"params_rank{ctx.rank}.npz"),
              **{p.name: p.asnumpy() for p in net.trainable_params()})
     if ctx.rank == 0:
+        net.set_train(False)
         correct = total = 0
         test = transform(ds.MnistDataset(args.data, usage="test", shuffle=False), 100)
         for x, y in test.create_tuple_iterator(num_epochs=1):

@@ -2,10 +2,11 @@
 
 The agent acts only on a plan that is newer than what it runs and equal to the
 plan committed in etcd (the coordinator's push may be stale or from a deposed
-leader). When etcd says its lease expired, everyone else considers the node dead,
-so it kills its own workers (self-fencing) and registers again. When etcd merely
-cannot be reached for a TTL, it asks its peers whether it is cut off (see
-:meth:`NodeAgent._hold`).
+leader). When etcd cannot be reached for most of a TTL, it asks its peers whether
+it is cut off, and stops its workers if so (self-fencing, see :meth:`NodeAgent._hold`).
+When etcd then says its lease expired with the workers still running (etcd was away
+for every node: a stall), it registers again and keeps the generations etcd still has
+committed; the coordinator adopts them (see ``Coordinator._excused``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class NodeAgent:
         self._lease: KeptLease | None = None
         self._peers: dict[str, str] = {}  # node id -> Agent address of the other nodes
         self._ctx = dict(node=cfg.node_id)
+        #: The lease expired with generations running: once registered again, keep only those that
+        #: are still the committed plan of a live job.
+        self._recheck = False
 
     # -- registration ------------------------------------------------------
 
@@ -77,11 +81,22 @@ class NodeAgent:
                 if stop.is_set():
                     break
                 on_registered()
+                if self._recheck:
+                    self._recheck = False
+                    await self._keep_committed(stop)
                 await self._hold(self._lease, stop)
                 if stop.is_set():
                     break
-                log.error("registration lease expired: self-fencing (stopping all local workers)", extra=self._ctx)
-                await self.stop_all(grace_s=0)
+                running = [g for g in self.generations.values() if not g.done.is_set()]
+                if running:
+                    # Not fenced while etcd was away (nobody reached it: a stall, an outage), so the
+                    # lease expired with etcd, not with this node. The coordinator gives the members of
+                    # a running generation time to register again and adopts it (see
+                    # Coordinator._excused); this agent keeps what etcd still has committed.
+                    log.warning("registration lease expired while etcd was unreachable from every node; the "
+                                "workers are healthy: registering again and keeping the committed generation(s) "
+                                "of %s", ", ".join(sorted(g.plan.job for g in running)), extra=self._ctx)
+                    self._recheck = True
         finally:
             if self._lease is not None:
                 await self._lease.release()
@@ -118,6 +133,33 @@ class NodeAgent:
                                             [tx.put(kv.key.encode(), closed.to_json().encode())]):
                         log.warning("closed the report of generation %d left open by the previous elasticd",
                                     rep.generation, extra=dict(self._ctx, job=rep.job, generation=rep.generation))
+
+    async def _keep_committed(self, stop: asyncio.Event) -> None:
+        """After the lease expired with workers running: stop every generation that is no longer the
+        plan committed for a live job (the coordinator relaunched without this node meanwhile, or
+        the job ended); the others go on, and the coordinator adopts them."""
+        k = self.store.keys
+        async for attempt in self.store.retry.reconnecting(stop):
+            with attempt:
+                for job, gen in list(self.generations.items()):
+                    if gen.done.is_set():
+                        continue
+                    plan_kv, status_kv = await self.store.get(k.plan(job)), await self.store.get(k.status(job))
+                    why = ""
+                    try:
+                        if plan_kv is None or Plan.from_json(plan_kv.value) != gen.plan:
+                            why = "a newer generation was committed meanwhile"
+                        elif status_kv is not None and JobStatus.from_json(status_kv.value).state.terminal:
+                            why = "the job ended meanwhile"
+                    except MalformedRecord as e:
+                        why = f"its record is unreadable ({e})"
+                    ctx = dict(self._ctx, job=job, generation=gen.plan.generation)
+                    if why:
+                        log.warning("stopping generation %d: %s", gen.plan.generation, why, extra=ctx)
+                        await self.stop(job, gen.plan.generation, grace_s=0)
+                    else:
+                        log.info("generation %d is still the committed plan: it goes on", gen.plan.generation,
+                                 extra=ctx)
 
     async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
         """Return once the lease has expired (or on stop), fencing meanwhile if partitioned.
@@ -192,12 +234,25 @@ class NodeAgent:
         """Whether etcd answers this node now, within ``within_s`` (one read, no retry): what a
         peer that cannot reach etcd asks. Not the lease keeper's view, which notices an outage
         only after most of a TTL (a peer asking earlier would be told "reachable" and fence)."""
+        async def read() -> bool:
+            try:
+                await asyncio.wait_for(self.store.once(lambda: self.store.client.get(self.store.keys.leader.encode())),
+                                       timeout=within_s)
+                return True
+            except (asyncio.TimeoutError, TemporaryError, PermanentError):
+                return False
+
+        # One read per member at once: the channel spreads calls over the members, and a frozen one
+        # (a stalled disk, a GC pause: it accepts connections but answers nothing) must not decide.
+        reads = [asyncio.create_task(read()) for _ in range(self.store.endpoint.count(",") + 1)]
         try:
-            await asyncio.wait_for(self.store.once(lambda: self.store.client.get(self.store.keys.leader.encode())),
-                                   timeout=within_s)
-            return True
-        except (asyncio.TimeoutError, TemporaryError, PermanentError):
+            for done in asyncio.as_completed(reads):
+                if await done:
+                    return True
             return False
+        finally:
+            for r in reads:
+                r.cancel()
 
     @property
     def _probe_s(self) -> float:

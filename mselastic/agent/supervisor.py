@@ -80,6 +80,10 @@ class RankState:
     #: Start-up phases reached (index into Beat.PHASES; a first step counts as past them all), and when.
     phase: int = -1
     phase_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: Step it resumed from (its ``start`` beat), -1 until then.
+    resumed_step: int = -1
+    #: Why it cannot go on (its ``fatal`` beat), "" if it did not say.
+    fatal: str = ""
 
 
 class LaunchError(Exception):
@@ -382,6 +386,11 @@ class Generation:
         rs.last_beat = time.monotonic()
         rs.step = max(rs.step, beat.step)
         rs.loss = beat.loss
+        if beat.kind == BeatKind.START:
+            rs.resumed_step = beat.resumed_step
+        if beat.kind == BeatKind.FATAL:
+            rs.fatal = beat.note or "no reason given"
+            log.error("rank %d cannot go on: %s", beat.rank, rs.fatal, extra={**self._ctx, "rank": beat.rank})
         if beat.kind == BeatKind.START and self.resumed_step < 0:
             self.resumed_step = beat.resumed_step
             if beat.note:
@@ -490,6 +499,11 @@ class Generation:
         dead = [rs for rs in self.ranks.values()
                 if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
         if dead:
+            self._drain_beats()  # a rank's fatal beat comes just before it exits
+            fatal = [rs for rs in self.ranks.values() if rs.fatal]
+            if fatal:
+                first = min(fatal, key=lambda r: r.rank)
+                return first.rank, f"cannot go on: {first.fatal}", FailureCause.TRAINER_FATAL
             first = min(dead, key=lambda r: (r.last_beat, r.rank))
             return first.rank, f"exited before finishing ({self._how_exited(first)})", FailureCause.RANK_EXITED
         if exited:
@@ -608,4 +622,5 @@ class Generation:
             job=self.spec.name, generation=self.plan.generation, node_id=self.node_id, state=self.state,
             failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
-            resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause)
+            resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause,
+            resumed_steps={str(r.rank): r.resumed_step for r in self.ranks.values() if r.resumed_step >= 0})

@@ -39,6 +39,9 @@ LATEST_CHECKPOINT = "latest.json"
 
 #: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
 PLANNED_EXIT_CODE = 75
+#: A worker that cannot go on and says why in a ``fatal`` beat first (EX_CONFIG): no checkpoint every
+#: rank can load, the checkpoint directory full. Relaunching would meet the same: the job fails.
+FATAL_EXIT_CODE = 78
 
 
 class BeatKind(str, enum.Enum):
@@ -50,12 +53,13 @@ class BeatKind(str, enum.Enum):
     CHECKPOINT = "checkpoint"
     FINISHED = "finished"  # total_steps reached
     PLANNED_EXIT = "planned_exit"  # checkpointed on an agreed SIGTERM at ``step``, leaving with code 75
+    FATAL = "fatal"  # cannot go on (``note`` says why), leaving with code 78: relaunching cannot help
 
 
 @dataclasses.dataclass(frozen=True)
 class Beat:
     """One heartbeat. ``kind``: phase (start-up: ``note`` names it, one of PHASES), start (after
-    resume), step, checkpoint, finished, planned_exit."""
+    resume), step, checkpoint, finished, planned_exit, fatal (``note``: why)."""
 
     kind: str
     rank: int

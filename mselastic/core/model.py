@@ -214,6 +214,9 @@ class GenerationReport:
     exit_step: int = -1
     #: For FAILED / STOPPED: why, as a kind (``reason`` says it in words).
     cause: FailureCause = FailureCause.NONE
+    #: Step each local rank resumed from (its ``start`` beat), by global rank: every rank of a
+    #: generation must resume from the same checkpoint (the coordinator fails the job otherwise).
+    resumed_steps: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

@@ -265,6 +265,35 @@ def launch_error(s: Situation) -> Decision | None:
                     fault=bad, kind=RelaunchReason.LAUNCH_ERROR)
 
 
+def cannot_go_on(s: Situation) -> Decision | None:
+    """A rank said it cannot go on (no checkpoint every rank can load, the checkpoint directory
+    full): a relaunch would meet the same, so the job fails with its reason, and no node is blamed."""
+    assert s.plan is not None
+    bad = next((r for r in s.failed if r.cause is FailureCause.TRAINER_FATAL), None)
+    if bad is None:
+        return None
+    return Decision(Action.FAIL, f"generation {s.plan.generation}: rank {bad.failed_rank} on node {bad.node_id} "
+                                 f"{bad.reason}", fault=bad, kind=RelaunchReason.RANK_FAILURE)
+
+
+def mixed_resume(s: Situation) -> Decision | None:
+    """Ranks of one generation resumed from different steps (their views of checkpoint_dir differ,
+    or a script loads on its own): their parameters differ and data parallel would average them, so
+    the job fails, loudly, instead of training a silently wrong model."""
+    steps: dict[int, list[str]] = {}
+    for r in s.current:
+        for rank, step in r.resumed_steps.items():
+            steps.setdefault(step, []).append(rank)
+    if len(steps) < 2:
+        return None
+    assert s.plan is not None
+    said = "; ".join(f"rank(s) {', '.join(sorted(ranks, key=int))} from step {step}"
+                     for step, ranks in sorted(steps.items()))
+    return Decision(Action.FAIL, f"generation {s.plan.generation}: the ranks resumed from different checkpoints "
+                                 f"({said}); check that checkpoint_dir is the same shared directory on every node",
+                    kind=RelaunchReason.RANK_FAILURE)
+
+
 def relaunch_after_fault(s: Situation) -> Decision | None:
     """A member failed or is lost: blame a node (quarantine it after repeated blame), then
     relaunch as g+1 on the survivors in their order with joined nodes appended, cut to a valid
@@ -378,7 +407,8 @@ def scale_up(s: Situation) -> Decision:
 
 #: The planner's rules, in order (see the module docstring): the first step that returns a decision wins.
 STEPS: tuple[Callable[[Situation], Decision | None], ...] = (
-    first_launch, launch_error, relaunch_after_fault, success, restart, scale_down, drain, scale_up)
+    first_launch, launch_error, cannot_go_on, mixed_resume, relaunch_after_fault, success, restart, scale_down,
+    drain, scale_up)
 
 
 def _kind(fault: GenerationReport | None) -> RelaunchReason:

@@ -82,6 +82,9 @@ class FailureCause(enum.Enum):
     #: ... because of the node (work_dir, msrun missing, master port busy): counts against the node.
     LAUNCH_NODE = "LAUNCH_NODE"
     NODE_LOST = "NODE_LOST"  # the node's registration expired (in a job's last failure, not in reports)
+    #: A rank said it cannot go on (no checkpoint every rank can load, the checkpoint directory full):
+    #: relaunching would meet the same, the job fails with the reason.
+    TRAINER_FATAL = "TRAINER_FATAL"
 
 
 def check_job_transition(old: JobState, new: JobState) -> None:

@@ -31,7 +31,7 @@ import grpc
 
 from mselastic import metrics
 from mselastic.wire import plan_to_pb
-from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Plan
+from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, NodeRecord, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
 from mselastic.core.planner import Action, Decision, PortRange, decide
@@ -62,6 +62,26 @@ PRUNE_EVERY_S = 300.0
 PASS_REST = 2.0
 #: ... at most (a pass slowed by etcd retries must not hold the next one back for long).
 MAX_REST_S = 1.0
+
+
+#: A member of a live plan whose registration is gone but whose agent answers that it still runs
+#: the generation (its lease expired with etcd, in a stall, not with the node) has this many lease
+#: TTLs to register again before it counts as lost.
+STALL_GRACE_TTLS = 2
+
+
+@dataclasses.dataclass
+class Absence:
+    """A plan member seen unregistered by this leader, and what its agent says."""
+
+    #: When this leader first saw it unregistered (its own monotonic clock).
+    since: float
+    member: Member
+    #: (job, generation) the agent runs (starting or running), as of its last answer; None: not
+    #: asked yet; empty: it does not answer, or runs nothing.
+    running: set[tuple[str, int]] | None = None
+    excused: bool = False
+    task: "asyncio.Task[None] | None" = None
 
 
 class Fenced(Exception):
@@ -199,6 +219,10 @@ class Coordinator:
         self._inflight: dict[str, Plan] = {}
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
         self._queued: set[str] = set()
+        #: Members of live plans seen unregistered, by node id (see :meth:`_excused`).
+        self._absent: dict[str, Absence] = {}
+        #: The last registration seen of each node (its slots, for an absent member).
+        self._seen: dict[str, NodeRecord] = {}
 
     # -- leadership ----------------------------------------------------------
 
@@ -256,7 +280,8 @@ class Coordinator:
                 log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
         finally:
             watcher.cancel()
-            tasks = list(self._tasks.values())
+            tasks = list(self._tasks.values()) + [a.task for a in self._absent.values() if a.task]
+            self._absent.clear()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(watcher, *tasks, return_exceptions=True)
@@ -287,6 +312,7 @@ class Coordinator:
         if informer is not None and not informer.synced.is_set():
             return  # the first list is under way; it wakes the loop when done
         cluster = informer.view() if informer is not None else await read_cluster(self.store)
+        cluster = self._excused(cluster)
         self.passes += 1
         now, mono = time.time(), time.monotonic()
         self._settle_inflight(cluster)
@@ -317,6 +343,79 @@ class Coordinator:
             self._start(view.name, self._apply(term, view, decision, slot_wait=for_slots))
         self._queued = queued
         await self._finish_drains(term, cluster, held)
+
+    def _excused(self, cluster: ClusterView) -> ClusterView:
+        """The cluster with the absent members that are excused for now added back (cordoned: no
+        new generation goes there meanwhile).
+
+        A lease expiry is evidence, not a verdict: when etcd stalls (a slow fsync, a long pause)
+        every lease expires at once, with every node and its workers healthy. So a member of a live
+        plan found unregistered is asked (``Agent.Status``, every TTL/3) whether it still runs its
+        generations; while it says so it has ``STALL_GRACE_TTLS`` lease TTLs (this leader's clock)
+        to register again, and the running generation is adopted: nothing is relaunched. An agent
+        that does not answer (a dead node, a partition) or no longer runs them (it fenced itself)
+        is lost at once; waiting for the first answer takes at most TTL/6."""
+        registered = {n.node_id for n in cluster.nodes}
+        self._seen.update((n.node_id, n) for n in cluster.nodes)
+        wanted: dict[str, list[tuple[str, int]]] = {}
+        members: dict[str, Member] = {}
+        for view in cluster.jobs.values():
+            if view.plan is None or view.status.state.terminal:
+                continue
+            for m in view.plan.members:
+                if m.node_id not in registered:
+                    wanted.setdefault(m.node_id, []).append((view.name, view.plan.generation))
+                    members.setdefault(m.node_id, m)
+        for node_id in list(self._absent):
+            if node_id not in wanted:
+                gone = self._absent.pop(node_id)
+                if gone.task is not None:
+                    gone.task.cancel()
+                if gone.excused and node_id in registered:
+                    log.warning("node %s registered again after %.1fs with its generation(s) intact: adopted",
+                                node_id, time.monotonic() - gone.since, extra=dict(node=node_id))
+        now, grace = time.monotonic(), STALL_GRACE_TTLS * self.cfg.lease_ttl_s
+        back: list[NodeRecord] = []
+        for node_id, gens in wanted.items():
+            a = self._absent.get(node_id)
+            if a is None:
+                a = self._absent[node_id] = Absence(now, members[node_id])
+                a.task = asyncio.create_task(self._ask_absent(a), name=f"absent-{node_id}")
+            waited = now - a.since
+            excused = waited <= grace and (a.running is None and waited <= self._probe_s
+                                           or a.running is not None and set(gens) <= a.running)
+            if excused and not a.excused:
+                log.warning("node %s is unregistered but its agent still runs %s: waiting up to %ds for it to "
+                            "register again (a stall of etcd expires every lease at once)", node_id,
+                            ", ".join(f"{j} generation {g}" for j, g in gens), grace, extra=dict(node=node_id))
+            elif a.excused and not excused:
+                log.warning("node %s lost: %s", node_id, f"not registered again within {grace}s" if waited > grace
+                            else "its agent no longer runs the generation or does not answer", extra=dict(node=node_id))
+            a.excused = excused
+            if excused:
+                seen = self._seen.get(node_id)
+                back.append(NodeRecord(node_id, a.member.agent_address, a.member.host,
+                                       slots=seen.slots if seen else a.member.local_workers,
+                                       version=seen.version if seen else "", cordoned=True))
+        return dataclasses.replace(cluster, nodes=cluster.nodes + back) if back else cluster
+
+    @property
+    def _probe_s(self) -> float:
+        return min(1.0, self.cfg.lease_ttl_s / 6)
+
+    async def _ask_absent(self, a: Absence) -> None:
+        """Ask an absent member's agent what it runs, every TTL/3, until it is forgotten."""
+        while True:
+            try:
+                res = await self.agents.stub(a.member.agent_address).Status(pb.AgentStatusRequest(),
+                                                                            timeout=self._probe_s)
+                running = {(g.job, g.generation) for g in res.generations
+                           if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING)}
+                a.running = running if res.node_id == a.member.node_id else set()
+            except grpc.aio.AioRpcError:
+                a.running = set()
+            self._wake.set()
+            await asyncio.sleep(self.cfg.lease_ttl_s / 3)
 
     async def _finish_drains(self, term: Term, cluster: ClusterView, held: dict[str, dict[str, int]]) -> None:
         """A draining node that no job holds any more is drained: it stays cordoned (no new

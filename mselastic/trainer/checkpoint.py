@@ -9,16 +9,28 @@ Layout in the job's checkpoint folder::
 
 A checkpoint is complete once its manifest exists: the ``.ckpt`` is written and
 fsynced first, then the manifest (temp file, fsync, rename), then the pointer,
-then the folder is fsynced. Only rank 0 writes (data parallel: every rank holds
-the same parameters). ``load`` takes the pointer's checkpoint, or else the
-newest manifest; one whose checksum or CRC fails is skipped with a warning and
-the previous one is used. The last ``keep`` checkpoints are kept.
+then the folder is fsynced; a save killed anywhere in between leaves the previous
+checkpoint the newest complete one. Only rank 0 writes (data parallel: every rank
+holds the same parameters). The manifest also carries MindSpore's random state,
+restored by ``load`` (dropout masks continue as if never interrupted).
+
+``load`` makes every rank resume from the same checkpoint: rank 0 proposes its
+candidates (the pointer's, then the newest first), each rank tries to load the
+proposal, and the first one every rank loaded is taken (two allreduces per
+proposal). A rank that cannot load one (a checksum or CRC failure, an I/O error,
+a directory that is not really shared) makes all of them go on to the previous
+one, and the reasons are reported. When checkpoints of the job exist but none
+loads on every rank, or the checkpoint directory is full, the rank leaves with
+``FATAL_EXIT_CODE`` and the reason: the job fails instead of starting again from
+step 0 (and pruning the checkpoints that could not be read). The last ``keep``
+checkpoints are kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import glob
 import hashlib
@@ -26,12 +38,54 @@ import json
 import logging
 import os
 import re
-from typing import Any
+import shutil
+import sys
+from typing import Any, Callable, NoReturn
 
 from mselastic.core.contract import LATEST_CHECKPOINT
 
 log = logging.getLogger("mselastic.trainer")
-_MANIFEST = re.compile(r"^ckpt-(\d{8,})(-g\d{6,})?\.json$")
+_MANIFEST = re.compile(r"^ckpt-(\d{8,})(?:-g(\d{6,}))?\.json$")
+#: Candidates rank 0 proposes, newest first, before the ranks give up agreeing on one.
+MAX_CANDIDATES = 8
+#: Steps and generations travel through the (float32) allreduce as two halves below 2**20: exact.
+_HALF = 1 << 20
+#: Errors that make a checkpoint unusable (the next older one is tried).
+_UNUSABLE = (OSError, ValueError, TypeError, RuntimeError, KeyError)
+
+
+def _stem(step: int, generation: int | None) -> str:
+    return f"ckpt-{step:08d}" + ("" if generation is None else f"-g{generation:06d}")
+
+
+def rng_state() -> dict[str, Any]:
+    """MindSpore's random state in a process: the global seed, the per-operator seed counters
+    (``mindspore.common.seed``; every random operator built after ``set_seed``, such as
+    ``ops.dropout`` at each call, takes its seeds from them) and the default generator's state."""
+    import mindspore as ms
+
+    seeds = sys.modules["mindspore.common.seed"]
+    state: dict[str, Any] = {"global_seed": ms.get_seed(),
+                             "kernel_seed": [[k[0], k[1], v] for k, v in seeds._KERNEL_SEED.items()]}
+    with contextlib.suppress(Exception):  # absent or unusable on some backends: the rest still counts
+        state["generator"] = bytes(ms.get_rng_state().asnumpy().tobytes()).hex()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Undo :func:`rng_state` (after the network is built: building it consumes seeds)."""
+    import mindspore as ms
+    import numpy as np
+
+    if not state:
+        return
+    seeds = sys.modules["mindspore.common.seed"]
+    if state.get("global_seed") is not None:
+        ms.set_seed(int(state["global_seed"]))  # (resets the counters, so they are restored after it)
+    seeds._KERNEL_SEED.clear()
+    seeds._KERNEL_SEED.update({(k, s): int(v) for k, s, v in state.get("kernel_seed", [])})
+    if state.get("generator"):
+        ms.set_rng_state(ms.Tensor(np.frombuffer(bytes.fromhex(state["generator"]), np.uint8)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +104,8 @@ class Manifest:
     #: The job that wrote it ("" before this field existed, or under plain msrun): a job never
     #: resumes another job's checkpoints.
     job: str = ""
+    #: MindSpore's random state when it was taken (:func:`rng_state`), restored by ``load``.
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +140,14 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str, text: str) -> None:
+def _write_atomic(path: str, text: str, midway: Callable[[], None] = lambda: None) -> None:
+    """Temp file, fsync, rename. ``midway`` runs with half of ``text`` written (a fault point)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(text)
+        f.write(text[: len(text) // 2])
+        f.flush()
+        midway()
+        f.write(text[len(text) // 2:])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -104,7 +164,7 @@ class Checkpointer:
     the generation too, so two generations never write the same file."""
 
     def __init__(self, directory: str, rank: int, world_size: int, generation: int, keep: int = 3,
-                 job: str = "") -> None:
+                 job: str = "", ctx: Any = None) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.dir = directory
@@ -113,12 +173,25 @@ class Checkpointer:
         self.generation = generation
         self.keep = keep
         self.job = job
+        #: The ElasticContext (its allreduce agrees on the checkpoint, its ``fatal`` reports);
+        #: None: this process alone (tests, tools), which decides by itself.
+        self.ctx = ctx
         os.makedirs(directory, exist_ok=True)
 
     @classmethod
     def from_context(cls, ctx: Any) -> "Checkpointer":
         job = ctx.job if ctx.generation else ""  # plain msrun (generation 0): no owner to check
-        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints, job)
+        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints, job, ctx)
+
+    def _fatal(self, reason: str) -> NoReturn:
+        if self.ctx is not None:
+            self.ctx.fatal(reason)
+        raise SystemExit(f"mselastic: {reason}")
+
+    def _fault_point(self, where: str, step: int) -> None:
+        fault = getattr(self.ctx, "fault", None)
+        if fault is not None:
+            fault.at_point(where, self.rank, self.generation, step)
 
     def _latest(self) -> dict[str, Any]:
         try:
@@ -151,6 +224,22 @@ class Checkpointer:
         if self.writer and self.generation and not self._publish(None):
             raise SystemExit(f"mselastic: generation {self._latest().get('generation')} already owns "
                              f"{self.dir}; this generation ({self.generation}) was replaced")
+        if self.writer and self.generation:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove what saves killed midway left (temp files, a ``.ckpt`` without its manifest) by
+        the generations before this one, which own nothing here any more."""
+        for path in glob.glob(os.path.join(self.dir, "*.tmp.*")):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        for path in glob.glob(os.path.join(self.dir, "ckpt-*-g*.ckpt")) + glob.glob(os.path.join(self.dir, "ckpt-*.tmp")):
+            stem = os.path.splitext(path)[0]
+            found = _MANIFEST.match(os.path.basename(stem) + ".json")
+            if (found and found.group(2) and int(found.group(2)) < self.generation
+                    and (path.endswith(".tmp") or not os.path.exists(stem + ".json"))):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
     @property
     def writer(self) -> bool:
@@ -165,19 +254,27 @@ class Checkpointer:
             return None
         import mindspore as ms
 
-        name = f"ckpt-{step:08d}-g{self.generation:06d}"
+        name = _stem(step, self.generation)
         path = os.path.join(self.dir, name + ".ckpt")
-        ms.save_checkpoint(obj, path, crc_check=True)
-        _fsync_file(path)
-        manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
-                            file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path), cursor=cursor,
-                            seed=seed, extra=extra or {}, job=self.job)
-        _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
+        try:
+            ms.save_checkpoint(obj, path, crc_check=True)
+            _fsync_file(path)
+            manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
+                                file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path),
+                                cursor=cursor, seed=seed, extra=extra or {}, job=self.job, rng=rng_state())
+            _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)),
+                          midway=lambda: self._fault_point("save", step))
+        except (OSError, RuntimeError) as e:
+            self._withdraw(name)
+            if not self._full(e):
+                raise
+            last = self._latest().get("manifest") or "none"
+            self._fatal(f"checkpoint_dir {self.dir} is full ({shutil.disk_usage(self.dir).free} bytes free): the "
+                        f"checkpoint of step {step} could not be written ({e}); free space there, then submit the "
+                        f"job again: it resumes from the newest complete checkpoint ({last})")
         if not self._publish(name + ".json"):
             # Replaced while cut off: withdraw the files, nobody may resume from them.
-            for suffix in (".json", ".ckpt"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self.dir, name + suffix))
+            self._withdraw(name)
             log.error("checkpoint of step %d withdrawn: generation %s owns %s, this one (%d) was replaced",
                       step, self._latest().get("generation"), self.dir, self.generation)
             return None
@@ -188,6 +285,25 @@ class Checkpointer:
             os.close(dfd)
         self._prune()
         return manifest
+
+    def _withdraw(self, name: str) -> None:
+        """Remove a checkpoint that was not published (its files, its manifest's temp file)."""
+        # (MindSpore writes ``<name>.tmp`` first and leaves it when the write fails.)
+        for path in [os.path.join(self.dir, name + s) for s in (".json", ".ckpt", ".tmp")] + \
+                glob.glob(os.path.join(self.dir, name + ".json.tmp.*")):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+    def _full(self, error: Exception) -> bool:
+        """Whether a failed save failed because the checkpoint filesystem is full (MindSpore's own
+        writer raises a RuntimeError without the errno: then the free space decides)."""
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        try:
+            newest = max((os.path.getsize(p) for p in glob.glob(os.path.join(self.dir, "ckpt-*.ckpt"))), default=0)
+            return shutil.disk_usage(self.dir).free < max(newest, 1 << 20)
+        except OSError:
+            return False
 
     def manifests(self) -> list[str]:
         """Manifest file names, newest step first."""
@@ -220,32 +336,89 @@ class Checkpointer:
         finally:
             self.claim()
 
-    def _load(self) -> Resumed | None:
-        import mindspore as ms
-
-        order = self.manifests()
-        latest = self._latest()
-        pointed = latest.get("manifest")
+    def _candidates(self) -> list[str]:
+        """This job's manifests this rank sees: the pointer's first, then the newest first."""
+        order = [n for n in self.manifests() if self._owner(n) in ("", self.job)]
+        pointed = self._latest().get("manifest")
         if pointed in order:
             order.remove(pointed)
             order.insert(0, pointed)
+        return order
+
+    def _read(self, name: str) -> tuple[Manifest, dict[str, Any]]:
+        """The manifest ``name`` and its parameters, checked (job, size, sha256, CRC); raises one of
+        ``_UNUSABLE``."""
+        import mindspore as ms
+
+        with open(os.path.join(self.dir, name)) as f:
+            m = Manifest(**json.load(f))
+        if m.job and self.job and m.job != self.job:
+            raise ValueError(f"written by job {m.job}, not {self.job}")
+        path = os.path.join(self.dir, m.file)
+        if os.path.getsize(path) != m.size or _sha256(path) != m.sha256:
+            raise ValueError("checksum mismatch")
+        return m, ms.load_checkpoint(path, crc_check=True)
+
+    def _load(self) -> Resumed | None:
+        if self.ctx is None or self.ctx.world_size == 1:
+            return self._load_alone(self._candidates())
+        return self._load_agreed(self._candidates())
+
+    def _resumed(self, m: Manifest, params: dict[str, Any], skipped: list[tuple[str, str]]) -> Resumed:
+        if skipped:
+            log.warning("resuming from %s (step %d) instead of newer %s", m.file, m.step,
+                        ", ".join(n for n, _ in skipped))
+        restore_rng_state(m.rng)
+        return Resumed(m, params, tuple(skipped))
+
+    def _none_usable(self, skipped: list[tuple[str, str]]) -> NoReturn:
+        why = "; ".join(f"{n}: {w}" for n, w in skipped) or "none proposed"
+        self._fatal(f"checkpoints of job {self.job or '(unnamed)'} exist in {self.dir} but none can be resumed from "
+                    f"by every rank ({why}); not starting again from step 0. Repair or remove them, then submit the job again")
+
+    def _load_alone(self, order: list[str]) -> Resumed | None:
         skipped: list[tuple[str, str]] = []
         for name in order:
             try:
-                with open(os.path.join(self.dir, name)) as f:
-                    m = Manifest(**json.load(f))
-                if m.job and self.job and m.job != self.job:
-                    raise ValueError(f"written by job {m.job}, not {self.job}")
-                path = os.path.join(self.dir, m.file)
-                if os.path.getsize(path) != m.size or _sha256(path) != m.sha256:
-                    raise ValueError("checksum mismatch")
-                params = ms.load_checkpoint(path, crc_check=True)
-            except (OSError, ValueError, TypeError, RuntimeError) as e:
+                return self._resumed(*self._read(name), skipped)
+            except _UNUSABLE as e:
                 log.warning("checkpoint %s unusable (%s); trying the previous one", name, e)
                 skipped.append((name, str(e)))
-                continue
-            if skipped:
-                log.warning("resuming from %s (step %d) instead of newer %s", name, m.step,
-                            ", ".join(n for n, _ in skipped))
-            return Resumed(m, params, tuple(skipped))
+        if skipped:
+            self._none_usable(skipped)
+        return None
+
+    def _load_agreed(self, order: list[str]) -> Resumed | None:
+        """Rank 0 proposes, every rank tries, the first checkpoint all of them loaded is taken."""
+        ctx, world = self.ctx, self.ctx.world_size
+        seen = ctx.allreduce([1.0 if order else 0.0])[0]
+        skipped: list[tuple[str, str]] = []
+        for i in range(MAX_CANDIDATES):
+            proposal = [0.0] * 5
+            if self.rank == 0 and i < len(order):
+                found = _MANIFEST.match(order[i])
+                assert found is not None
+                step, gen = int(found.group(1)), int(found.group(2)) + 1 if found.group(2) else 0
+                proposal = [1.0, step // _HALF, step % _HALF, gen // _HALF, gen % _HALF]
+            got = [int(v) for v in ctx.allreduce(proposal)]
+            if not got[0]:
+                break
+            gen = got[3] * _HALF + got[4]
+            name = _stem(got[1] * _HALF + got[2], gen - 1 if gen else None) + ".json"
+            loaded, why = None, ""
+            try:
+                loaded = self._read(name)
+            except _UNUSABLE as e:
+                why = str(e) or type(e).__name__
+                log.warning("rank %d cannot load checkpoint %s (%s): the ranks try the previous one", self.rank, name, why)
+            ok = int(ctx.allreduce([1.0 if loaded else 0.0])[0])
+            if ok == world and loaded is not None:
+                return self._resumed(*loaded, skipped)
+            skipped.append((name, f"rank {self.rank}: {why}" if why else f"{world - ok} of {world} rank(s) could not "
+                                                                          f"load it"))
+        if seen:
+            if not skipped:
+                skipped.append(("-", f"rank 0 sees no checkpoint of the job, {int(seen)} of {world} rank(s) do: "
+                                     f"checkpoint_dir is not the same directory on every node"))
+            self._none_usable(skipped)
         return None

@@ -191,25 +191,36 @@ class ElasticContext:
         waits up to that many steps."""
         if step % self.stop_check_interval_steps:
             return False
-        if self.world_size > 1:
-            # A SIGTERM that lands during the allreduce is seen at the next step boundary.
-            return self._allreduce_sum(1.0 if self.stop_requested else 0.0) > 0
-        return self.stop_requested
+        # A SIGTERM that lands during the allreduce is seen at the next step boundary.
+        return self.allreduce([1.0 if self.stop_requested else 0.0])[0] > 0
 
     def barrier(self) -> None:
         """Every rank waits here for the others (rank 0's checkpoint is committed after it)."""
-        if self.world_size > 1:
-            self._allreduce_sum(0.0)
+        self.allreduce([0.0])
 
-    def _allreduce_sum(self, value: float) -> float:
-        """(MindSpore's CPU AllReduce only sums.)"""
+    def allreduce(self, values: list[float]) -> list[float]:
+        """The element-wise sum over the ranks (MindSpore's CPU AllReduce sums float32 only: keep
+        each value an integer below 2**24 to have it exact)."""
         import mindspore as ms
         import numpy as np
         from mindspore import ops
 
+        if self.world_size == 1:
+            return list(values)
         if self._sum is None:
             self._sum = ops.AllReduce(ops.ReduceOp.SUM)
-        return float(self._sum(ms.Tensor(np.array([value], np.float32))).asnumpy()[0])
+        return [float(v) for v in self._sum(ms.Tensor(np.array(values, np.float32))).asnumpy()]
+
+    def fatal(self, reason: str) -> NoReturn:
+        """This rank cannot go on, and a relaunch would meet the same (no checkpoint every rank can
+        load, the checkpoint directory full): say why to the agent, then leave with
+        ``FATAL_EXIT_CODE``. The job fails with the reason instead of restarting for ever."""
+        log.error("rank %d: %s", self.rank, reason)
+        self.beat(BeatKind.FATAL, -1, note=reason[:500])
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(contract.FATAL_EXIT_CODE)
 
     def planned_exit(self, step: int) -> NoReturn:
         """After checkpointing on an agreed stop: wait for the checkpoint, leave with the planned-exit code.

@@ -31,6 +31,9 @@ class Fault(enum.Enum):
     #: Stuck before ``init()`` (a slow import, a blocked file system): sleeps and never reports a phase.
     #: Fires at start-up, so its ``step`` is ignored.
     STUCK_STARTUP = "stuck_startup"
+    #: SIGKILL inside the checkpoint save of ``step`` (the parameters written, the manifest half
+    #: written, nothing published): a torn save. Fires in the rank that saves (rank 0).
+    SIGKILL_IN_SAVE = "sigkill_in_save"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +70,18 @@ class FaultPlan:
             while True:
                 time.sleep(3600)
 
+    def at_point(self, where: str, rank: int, generation: int, step: int) -> None:
+        """A fault point inside the library (``where``: "save")."""
+        last = self.last_generation or self.generation
+        if (where == "save" and self.fault is Fault.SIGKILL_IN_SAVE and (rank, step) == (self.rank, self.step)
+                and self.generation <= generation <= last):
+            print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation} step {step}",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def maybe_inject(self, rank: int, generation: int, step: int, checkpoint_dir: str = "") -> None:
         last = self.last_generation or self.generation
-        if (self.fault is Fault.STUCK_STARTUP or (rank, step) != (self.rank, self.step)
+        if (self.fault in (Fault.STUCK_STARTUP, Fault.SIGKILL_IN_SAVE) or (rank, step) != (self.rank, self.step)
                 or not self.generation <= generation <= last):
             return
         print(f"mselastic: injecting fault {self.fault.value} at rank {rank} generation {generation} step {step}",

@@ -35,6 +35,7 @@ class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_CAUSE_LAUNCH_SPEC: _ClassVar[FailureCause]
     FAILURE_CAUSE_LAUNCH_NODE: _ClassVar[FailureCause]
     FAILURE_CAUSE_NODE_LOST: _ClassVar[FailureCause]
+    FAILURE_CAUSE_TRAINER_FATAL: _ClassVar[FailureCause]
 
 class GenerationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -77,6 +78,7 @@ FAILURE_CAUSE_SUPERVISOR_ERROR: FailureCause
 FAILURE_CAUSE_LAUNCH_SPEC: FailureCause
 FAILURE_CAUSE_LAUNCH_NODE: FailureCause
 FAILURE_CAUSE_NODE_LOST: FailureCause
+FAILURE_CAUSE_TRAINER_FATAL: FailureCause
 GENERATION_STATE_UNSPECIFIED: GenerationState
 GENERATION_STATE_STARTING: GenerationState
 GENERATION_STATE_RUNNING: GenerationState
