@@ -171,9 +171,10 @@ class Situation:
     @functools.cached_property
     def failed(self) -> list[GenerationReport]:
         """Members whose generation failed, or stopped on a SIGTERM nobody here sent (it is still
-        the plan), first detected first."""
+        the plan), first reported first (the order the reports reached etcd: one clock for every
+        node; the agents' own detection times only where that is unknown)."""
         return sorted((r for r in self.current if r.state in (GenerationState.FAILED, GenerationState.STOPPED)),
-                      key=lambda r: (r.detected_at or float("inf"), r.node_id))
+                      key=lambda r: (r.revision or float("inf"), r.detected_at or float("inf"), r.node_id))
 
     @functools.cached_property
     def lost(self) -> tuple[str, ...]:

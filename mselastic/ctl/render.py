@@ -165,6 +165,7 @@ def events_table(events: list[pb.Event]) -> str:
     for e in events:
         detail = e.message
         if e.detected_at:
-            detail += f" [detected {clock(e.detected_at)}, relaunched +{e.at - e.detected_at:.2f}s]"
+            # (the node's clock: not subtracted from the leader's ``at``, which another machine keeps)
+            detail += f" [detected {clock(e.detected_at)} on the node]"
         rows.append([clock(e.at), e.generation or "-", e.kind, detail])
     return grid(["TIME", "GEN", "KIND", "WHAT"], rows)

@@ -34,7 +34,7 @@ from mselastic.wire import plan_to_pb
 from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, NodeRecord, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
-from mselastic.core.planner import Action, Decision, PortRange, decide
+from mselastic.core.planner import MAX_QUARANTINE_S, Action, Decision, PortRange, decide
 from mselastic.core.states import FailureCause, JobState
 from mselastic.core.status import next_status
 from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
@@ -223,6 +223,13 @@ class Coordinator:
         self._absent: dict[str, Absence] = {}
         #: The last registration seen of each node (its slots, for an absent member).
         self._seen: dict[str, NodeRecord] = {}
+        #: One clock per decision (see :meth:`_on_my_clock`): the times this leader wrote in statuses
+        #: during its term, and another writer's times mapped to this leader's clock when first seen.
+        self._mine: set[float] = set()
+        self._anchors: dict[tuple[str, str, float], float] = {}
+        #: (job, generation) -> when (this leader's monotonic clock) it committed that generation
+        #: to recover from a fault: the recovery figure is measured from there.
+        self._relaunched: dict[tuple[str, int], float] = {}
 
     # -- leadership ----------------------------------------------------------
 
@@ -253,6 +260,9 @@ class Coordinator:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
+        self._mine.clear()
+        self._anchors.clear()
+        self._relaunched.clear()
         try:
             while not stop.is_set() and not term.lease.lost.is_set() and not self._fenced.is_set():
                 if watcher.done():  # the informer died of a bug: its cache is frozen, so start it again
@@ -327,6 +337,7 @@ class Coordinator:
                     queued.add(view.name)
                     queue_head = queue_head or view.name
                 continue
+            view = self._on_my_clock(view, now)
             try:
                 decision, for_slots = self._decide(view, cluster, held, queue_head, now, may_grow=not self._queued)
             except Exception as e:
@@ -398,6 +409,42 @@ class Coordinator:
                                        slots=seen.slots if seen else a.member.local_workers,
                                        version=seen.version if seen else "", cordoned=True))
         return dataclasses.replace(cluster, nodes=cluster.nodes + back) if back else cluster
+
+    def _on_my_clock(self, view: JobView, now: float) -> JobView:
+        """The job with the times its status holds on this leader's clock.
+
+        ``waiting_since`` (min_nodes_timeout_s), ``scale_up_since`` (scale_up_settle_s) and the
+        quarantine deadlines are wall-clock times written by a leader; another leader (after a
+        failover, on another machine) would compare them with its own clock, and a skew between the
+        two would shorten or lengthen the wait. So a time this leader did not write in its term is
+        taken to start when it first sees it (a wait restarts, a quarantine lasts its whole cooldown
+        again: at most one more wait, never a shorter one), and is written back on its clock with
+        the next status write."""
+        st = view.status
+
+        def since(what: str, stamp: float) -> float:
+            if not stamp or stamp in self._mine:
+                return stamp
+            return self._anchors.setdefault((view.name, what, stamp), now)
+
+        def until(node_id: str, stamp: float) -> float:
+            if stamp in self._mine or view.spec is None:
+                return stamp
+            over = st.node_failures.get(node_id, 0) - view.spec.quarantine_after_failures
+            cooldown = min(MAX_QUARANTINE_S, view.spec.quarantine_cooldown_s * 2 ** max(0, over))
+            return self._anchors.setdefault((view.name, f"quarantine:{node_id}", stamp), now + cooldown)
+
+        waiting, scale_up = since("waiting", st.waiting_since), since("scale_up", st.scale_up_since)
+        quarantine = {n: until(n, t) for n, t in st.quarantined_until.items()}
+        if (waiting, scale_up, quarantine) == (st.waiting_since, st.scale_up_since, st.quarantined_until):
+            return view
+        return dataclasses.replace(view, status=dataclasses.replace(st, waiting_since=waiting, scale_up_since=scale_up,
+                                                                    quarantined_until=quarantine))
+
+    def _wrote(self, status: JobStatus) -> None:
+        """Remember the times of a status this leader composed (they are on its clock)."""
+        self._mine.update(t for t in (status.waiting_since, status.scale_up_since, *status.quarantined_until.values())
+                          if t)
 
     @property
     def _probe_s(self) -> float:
@@ -613,7 +660,7 @@ class Coordinator:
         plan, step = view.plan, view.step
         if plan is None or view.status.state.terminal or step < 0:
             return
-        now = time.time()
+        now = time.monotonic()  # durations only; the event's time is the wall clock
         metrics.STEP.labels(view.name).set(step)
         metrics.WORLD_SIZE.labels(view.name).set(plan.world_size)
         metrics.GENERATION.labels(view.name).set(plan.generation)
@@ -627,7 +674,7 @@ class Coordinator:
         if self.cfg.progress_interval_s and step != last_step and now - last_at >= self.cfg.progress_interval_s:
             self._progress[view.name] = (now, step)
             k, tx = self.store.keys, self.store.tx
-            event = Event(at=now, kind=EventKind.PROGRESS, generation=plan.generation, message=f"step {step}", step=step,
+            event = Event(at=time.time(), kind=EventKind.PROGRESS, generation=plan.generation, message=f"step {step}", step=step,
                           world_size=plan.world_size, loss=view.loss)
             if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
                                         [tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())]):
@@ -680,6 +727,7 @@ class Coordinator:
         k, tx = self.store.keys, self.store.tx
         failure = self._failure(view, d)
         status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
+        self._wrote(status)
         event = Event(at=time.time(), kind=EventKind.PLANNED if d.plan.planned else EventKind.GENERATION, generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
                               f" (world size {d.plan.world_size}, master port {d.plan.master_port}): {d.reason}",
@@ -707,6 +755,8 @@ class Coordinator:
             return
         log.info("committed generation %d: %s", d.plan.generation, d.reason,
                  extra=dict(job=view.name, generation=d.plan.generation))
+        if failure is not None and (d.fault or d.lost_nodes):
+            self._relaunched[(view.name, d.plan.generation)] = time.monotonic()
         metrics.GENERATIONS.labels(view.name).inc()
         if view.plan is not None:
             metrics.RESTARTS.labels(view.name, (d.kind or RelaunchReason.INITIAL).value).inc()
@@ -795,18 +845,21 @@ class Coordinator:
         if f is None or plan is None or f.recover_s or f.generation >= plan.generation:
             return
         reports = view.current_reports().values()
-        firsts = [r.first_step_at for r in reports if r.first_step_at]
-        if not firsts or not f.detected_at:
-            return
-        recovered = dataclasses.replace(f, recover_s=round(min(firsts) - f.detected_at, 3))
+        relaunched = self._relaunched.get((view.name, plan.generation))
+        if relaunched is None or not any(r.first_step_at for r in reports):
+            return  # (committed by another leader: its clock is not ours to subtract from)
+        # One clock: from this leader's commit of the relaunch to its first sight of a first step
+        # (the agents' detection and teardown before it are the detection metric's).
+        recovered = dataclasses.replace(f, recover_s=max(0.001, round(time.monotonic() - relaunched, 3)))
+        del self._relaunched[(view.name, plan.generation)]
         metrics.RECOVERY.labels(view.name).observe(recovered.recover_s)
         resumed = max((r.resumed_step for r in reports), default=-1)
         notes = sorted({r.resume_note for r in reports if r.resume_note})
         await self._set_status(term, view, view.status.state, view.status.message, failure=recovered,
                                event=Event(at=time.time(), kind=EventKind.RECOVERED, generation=plan.generation,
                                            message=f"generation {plan.generation} resumed from step {resumed}, "
-                                                   f"first step {recovered.recover_s:.2f}s after the failure was "
-                                                   f"detected" + "".join(f"; {n}" for n in notes)))
+                                                   f"first step {recovered.recover_s:.2f}s after the relaunch was "
+                                                   f"committed" + "".join(f"; {n}" for n in notes)))
 
     async def _note_planned_resume(self, term: Term, view: JobView, plan: Plan) -> None:
         reports = view.current_reports().values()
@@ -855,6 +908,7 @@ class Coordinator:
         the status changed meanwhile (an operator's stop or restart, for instance); nothing is
         written and the next pass decides again. Raises Fenced when the leader key is not ours."""
         k, tx = self.store.keys, self.store.tx
+        self._wrote(status)
         kv = await self.store.txn_get(
             [tx.create(k.leader.encode()) == term.create_revision, self._status_unchanged(view)],
             [tx.put(k.status(view.name).encode(), status.to_json().encode()),
