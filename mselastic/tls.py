@@ -8,6 +8,8 @@ requires clients to present a certificate signed by ``cacert`` when one is given
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
 
 import grpc
 
@@ -46,11 +48,93 @@ class TlsFiles:
             certificate_chain=_read(self.cert, "TLS certificate") if self.cert else None)
 
     def aio_channel(self, address: str, options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
-        if self.enabled:
+        """A channel to ``address`` (``unix:PATH``: elasticd's local socket, never TLS)."""
+        if self.enabled and not address.startswith("unix:"):
             return grpc.aio.secure_channel(address, self.channel_credentials(), options=options)
         return grpc.aio.insecure_channel(address, options=options)
 
     def channel(self, address: str) -> grpc.Channel:
-        if self.enabled:
+        if self.enabled and not address.startswith("unix:"):
             return grpc.secure_channel(address, self.channel_credentials())
         return grpc.insecure_channel(address)
+
+
+#: The roles a certificate can carry (its subject's organisation), see mselastic.daemon.auth.
+ROLES = ("node", "admin", "viewer")
+
+
+def _write_private(path: str, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with open(fd, "wb") as f:
+        f.write(data)
+
+
+def make_ca(directory: str, name: str = "mselastic CA", days: int = 3650) -> tuple[str, str]:
+    """A CA in ``directory``: ca.pem (0644) and ca-key.pem (0600); refuses to overwrite one."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    cert_path, key_path = os.path.join(directory, "ca.pem"), os.path.join(directory, "ca-key.pem")
+    if os.path.exists(key_path):
+        raise TlsError(f"{key_path} exists already; a new CA would orphan every certificate it signed")
+    os.makedirs(directory, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    _write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()), 0o600)
+    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return cert_path, key_path
+
+
+def issue(directory: str, name: str, role: str, hosts: tuple[str, ...] = (), days: int = 825) -> tuple[str, str]:
+    """A certificate for ``name`` (its CN: a node's id, or a person's name) with ``role`` (its O),
+    signed by the CA in ``directory``: NAME.pem and NAME-key.pem (0600). A node's certificate also
+    serves (``hosts``: the addresses and names other nodes and elasticctl dial)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if role not in ROLES:
+        raise TlsError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if role == "node" and not hosts:
+        raise TlsError("a node certificate needs --host (the addresses others reach this node at)")
+    ca_cert = x509.load_pem_x509_certificate(_read(os.path.join(directory, "ca.pem"), "CA certificate"))
+    ca_key = serialization.load_pem_private_key(_read(os.path.join(directory, "ca-key.pem"), "CA key"), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name), x509.NameAttribute(NameOID.ORGANIZATION_NAME, role)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if role == "node" else [])
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
+    if hosts:
+        names: list[x509.GeneralName] = []
+        for h in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                names.append(x509.DNSName(h))
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    cert_path, key_path = os.path.join(directory, f"{name}.pem"), os.path.join(directory, f"{name}-key.pem")
+    _write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()), 0o600)
+    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return cert_path, key_path

@@ -49,6 +49,10 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: fl
 
 
 def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int) -> str:
+    """The spec, and its output folder made writable by the workers (they run as an unprivileged
+    user: nobody here, unless the system has an mselastic user)."""
+    os.makedirs(out_dir, exist_ok=True)
+    os.chmod(out_dir, 0o1777)
     with open(path, "w") as f:
         f.write(f'name = "{name}"\nscript = "{TRAIN}"\n'
                 f'args = ["--data", "{os.path.abspath(data)}", "--out", "{out_dir}", "--lr", "0.05"]\n'
@@ -108,21 +112,32 @@ class LocalNode:
         self.node_id = node_id
         self.etcd_endpoint = f"127.0.0.1:{free_port()}"
         self.endpoint = f"127.0.0.1:{free_port()}"
+        #: The local socket: where elasticctl acts as admin (the TCP port, without a certificate, may only look).
+        self.socket = os.path.join(work, "elasticd.sock")
+        self.admin = "unix:" + self.socket
         self.mark = uuid.uuid4().hex
         self.env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **{MARK_VAR: self.mark})
         self.daemon: subprocess.Popen[bytes] | None = None
-        self.channel = grpc.insecure_channel(self.endpoint)
+        self.channel = grpc.insecure_channel(self.admin)
         self.control = pb_grpc.ControlStub(self.channel)
         self.agent = pb_grpc.AgentStub(self.channel)
 
     def start(self) -> "LocalNode":
+        # The workers run as an unprivileged user; where this machine's Python is out of that
+        # user's reach (a pyenv in /root), the demo says so and runs them as root, out loud.
+        from mselastic.agent.users import cannot_run_python, resolve
+
+        why = cannot_run_python(resolve(""))
+        user = ["--worker-user", "root"] if why else []
+        if why:
+            say(f"workers run as root here: {why} (on a node they run as an unprivileged user: README, Security)")
         with open(os.path.join(self.work, "elasticd.log"), "wb") as log:
             self.daemon = subprocess.Popen(
                 [os.path.join(BIN, "elasticd"), "--config", os.devnull, "--namespace", "/mselastic",
                  "--metrics-listen", f"127.0.0.1:{free_port()}", "--node-id", self.node_id,
                  "--embedded-etcd-dir", os.path.join(self.work, "etcd"), "--etcd-endpoint", self.etcd_endpoint,
                  "--listen", self.endpoint, "--slots", "2", "--work-dir", os.path.join(self.work, "node"),
-                 "--lease-ttl-s", "5"],
+                 "--lease-ttl-s", "5", "--pass-env", MARK_VAR, "--socket", self.socket, *user],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         wait_for("elasticd to register and lead", self._leading, 60, 0.3)
         return self
@@ -134,7 +149,7 @@ class LocalNode:
             return False
 
     def elasticctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([os.path.join(BIN, "elasticctl"), "--endpoint", self.endpoint, *args],
+        return subprocess.run([os.path.join(BIN, "elasticctl"), "--endpoint", self.admin, *args],
                               capture_output=True, text=True, env=self.env, timeout=120)
 
     def job(self, name: str) -> pb.JobStatus | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import uuid
 from typing import Iterator
 
@@ -77,3 +78,28 @@ def cluster(procs: Processes, namespace: str, tmp_path: os.PathLike[str]) -> Ite
         yield c
     finally:
         c.down()
+
+
+@pytest.fixture(scope="session")
+def python_for_nobody() -> Iterator[None]:
+    """Tests that run something as nobody need this venv's Python within its reach, and a
+    pyenv under /root (mode 0700) is not: the folders on the way get o+x (others may pass, not
+    list) for the session, and their modes back afterwards, pass or fail."""
+    changed: list[tuple[str, int]] = []
+    for start in (os.path.realpath(sys.executable), os.path.realpath(os.path.dirname(sys.executable))):
+        d = os.path.dirname(start)
+        while True:
+            mode = os.stat(d).st_mode
+            if not mode & 0o001:
+                os.chmod(d, mode | 0o001)
+                changed.append((d, mode))
+            if d == "/":
+                break
+            d = os.path.dirname(d)
+    if changed:
+        print("made passable for the session:", ", ".join(d for d, _ in changed))
+    try:
+        yield
+    finally:
+        for d, mode in reversed(changed):
+            os.chmod(d, mode)

@@ -159,12 +159,21 @@ class Etcd:
 
 
 def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: str, slots: int = 2,
-                 lease_ttl_s: int = 3, metrics_listen: str = "") -> list[str]:
-    """An elasticd for tests: no config file, metrics only when asked (several share a host)."""
+                 lease_ttl_s: int = 3, metrics_listen: str = "", worker_user: str = "root") -> list[str]:
+    """An elasticd for tests: no config file, metrics only when asked (several share a host).
+    Workers run as root, said explicitly (pytest's temporary directories are private to root);
+    ``tests/test_e2e.py`` runs them as nobody."""
     return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,
             "--namespace", namespace, "--lease-ttl-s", str(lease_ttl_s), "--reconcile-interval-s", "0.5",
-            "--shutdown-grace-s", "3", "--progress-interval-s", "1", "--metrics-listen", metrics_listen]
+            "--shutdown-grace-s", "3", "--progress-interval-s", "1", "--metrics-listen", metrics_listen,
+            "--worker-user", worker_user, "--pass-env", TEST_MARK,  # (the mark finds this test's processes)
+            "--socket", local_socket(work_dir)]
+
+
+def local_socket(work_dir: str) -> str:
+    """The local socket of the test elasticd with this work dir (``unix:`` + it is an admin endpoint)."""
+    return os.path.join(work_dir, "elasticd.sock")
 
 
 def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: int, workers: int = 2,
@@ -193,11 +202,11 @@ def elasticctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
 
 
 def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str, *extra: str) -> str:
-    """One elasticd (node n0, 2 slots) on the session's etcd; returns its gRPC endpoint."""
+    """One elasticd (node n0, 2 slots) on the session's etcd; returns its local socket's endpoint."""
     port = free_port()
     procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace) + list(extra))
     wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
-    return f"127.0.0.1:{port}"
+    return "unix:" + local_socket(work)  # admin: the local socket (TCP without a certificate may only look)
 
 
 def generation_processes(procs: Processes, generation: int, job: str = "lenet") -> list[psutil.Process]:

@@ -149,10 +149,12 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
     assert rep is not None and rep.step == 80
 
 
-def test_a_node_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Cluster) -> None:
-    """Its peers answer it, but they reach etcd: it is the one cut off, so it stops its workers
-    within the TTL and the job goes on without it (before, peers answering meant "etcd is down,
-    train on", and it trained on beside the relaunched job)."""
+def test_a_rack_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Cluster) -> None:
+    """A rack of two nodes (n0, the leader, and n1, rank 0) loses its route to etcd but not to n2:
+    n1 asks its peers; n0 cannot reach etcd either, but n2 can, so n1 is on the cut side and stops
+    its workers within the TTL; n2 takes over the lead, finds n1 fenced (its agent runs nothing)
+    and the job goes on without it (before, peers answering meant "etcd is down, train on", and n1
+    trained on beside the relaunched job)."""
     cluster.up(3)
     cluster.start_node(0, slots=0)  # the coordinator, holding no ranks
     cluster.wait_registered(0)
@@ -166,6 +168,7 @@ def test_a_node_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
     # n1 runs rank 0, the rank that writes checkpoints: cut it, so that the check below can fail.
     on_n1 = {r: p for r, p in worker_pids(cluster.procs, 1).items() if r == 0}
     assert on_n1
+    cluster.inject(ClusterFault.CUT_FROM_ETCD, 0)
     cluster.inject(ClusterFault.CUT_FROM_ETCD, 1)
     cut = time.monotonic()
     try:
@@ -174,9 +177,11 @@ def test_a_node_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
         assert time.monotonic() - cut <= cluster.lease_ttl_s + 1.5
         plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation >= 2 and p, 20)
         assert [m.node_id for m in plan2.members] == ["n2"]
+        assert etcd.leader() == "n2"
         with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
-            assert "but reachable from n0, n2: this node is cut off, self-fencing" in f.read()
+            assert "but reachable from n2: this node is cut off, self-fencing" in f.read()
     finally:
+        cluster.inject(ClusterFault.RECONNECT_ETCD, 0)
         cluster.inject(ClusterFault.RECONNECT_ETCD, 1)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
@@ -222,6 +227,10 @@ def test_etcd_stall_and_outage_leave_a_healthy_job_alone(cluster: Cluster) -> No
     assert status.state is JobState.SUCCEEDED, status.message
     check_history(etcd, JOB, 200)
     assert status.generation == 1 and status.restart_count == 0
+    # The stall did what it does: both leases expired with etcd, and the generation was kept.
+    for i in (0, 1):
+        with open(os.path.join(cluster.procs.log_dir, f"elasticd-n{i}.log")) as f:
+            assert "registration lease expired with etcd" in f.read(), f"n{i}'s lease did not expire in the stall"
 
 
 def test_below_min_nodes_too_long_fails_cleanly(cluster: Cluster) -> None:

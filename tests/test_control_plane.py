@@ -20,7 +20,7 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from tests.cluster import Cluster
 from tests.harness import REPO, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, \
-    generation_processes, holds_for, lenet_spec, start_node, wait_for, worker_pids
+    generation_processes, holds_for, lenet_spec, local_socket, start_node, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -147,7 +147,7 @@ def test_a_stop_that_races_a_relaunch_is_not_undone(procs: Processes, etcd: Etcd
     n1 = procs.start("elasticd-n1", elasticd_cmd("n1", etcd.endpoint, ports[1], os.path.join(tmp, "w1"), namespace,
                                                  slots=2, lease_ttl_s=10))
     wait_for("n1 registered", lambda: etcd.get(etcd.keys.node("n1")), 30)
-    endpoint = f"127.0.0.1:{ports[0]}"
+    endpoint = "unix:" + local_socket(os.path.join(tmp, "w0"))
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
                       total_steps=400)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0

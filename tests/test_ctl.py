@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 
 import pytest
 
 from mselastic.store.embedded import free_port
-from tests.harness import Etcd, Processes, elasticctl, elasticd_cmd, lenet_spec, wait_for
+from tests.harness import VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, lenet_spec, local_socket, wait_for
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ def endpoint(procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike
     port = free_port()
     procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, str(tmp_path), namespace))
     wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
-    return f"127.0.0.1:{port}"
+    return "unix:" + local_socket(str(tmp_path))
 
 
 @pytest.mark.parametrize("override, field", [
@@ -155,6 +156,15 @@ def test_a_second_job_with_the_same_checkpoint_dir_is_refused(endpoint: str, etc
     assert elasticctl("stop", "first", endpoint=endpoint).returncode == 0
     assert elasticctl("delete", "first", endpoint=endpoint).returncode == 0
     assert elasticctl("submit", copy, endpoint=endpoint).returncode == 0  # the directory is free again
+    # Two submits at once with one new directory: the claim is part of the Submit transaction, so
+    # exactly one of them gets it, however the two interleave.
+    for i in range(3):
+        specs = [lenet_spec(os.path.join(tmp, f"race{i}{j}.toml"), f"race{i}{j}", tmp, os.path.join(tmp, f"dir{i}"),
+                            total_steps=10, workers=4) for j in range(2)]
+        cmds = [subprocess.Popen([os.path.join(VENV_BIN, "elasticctl"), "--endpoint", endpoint, "submit", spec],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in specs]
+        codes = [c.wait(timeout=60) for c in cmds]
+        assert sorted(codes) == [0, 1], [c.stderr.read() if c.stderr else "" for c in cmds]
 
 
 def test_a_week_of_events_is_pruned_and_reads_stay_quick(procs: Processes, etcd: Etcd, namespace: str,
@@ -171,7 +181,7 @@ def test_a_week_of_events_is_pruned_and_reads_stay_quick(procs: Processes, etcd:
     cmd = elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "w"), namespace)
     d = procs.start("elasticd-n0", cmd)
     wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
-    endpoint = f"127.0.0.1:{port}"
+    endpoint = "unix:" + local_socket(os.path.join(tmp, "w"))
     spec = lenet_spec(os.path.join(tmp, "job.toml"), "old", tmp, tmp, total_steps=10, workers=4)  # stays PENDING
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     d.terminate()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 import signal
+import tempfile
 import time
+from typing import Iterator
 
 import numpy as np
 import psutil
@@ -13,21 +17,55 @@ import pytest
 
 from mselastic.core.model import AGENT_RESTARTED
 from mselastic.core.states import GenerationState, JobState
-from tests.harness import Etcd, Processes, elasticctl, generation_processes, lenet_spec, start_node, wait_for, \
-    worker_pids
+from mselastic.store.embedded import free_port
+from tests.harness import Etcd, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec, local_socket, \
+    start_node, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"  # the harness helpers assume this job name
 
 
-def test_lenet_completes_with_identical_parameters(procs: Processes, etcd: Etcd, namespace: str,
-                                                   tmp_path: os.PathLike[str], digits: str) -> None:
-    tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+@pytest.fixture
+def shared_tmp() -> Iterator[str]:
+    """A folder the worker user may reach (pytest's own are private to root)."""
+    path = tempfile.mkdtemp(prefix="mselastic-e2e-", dir="/tmp")
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
+        procs: Processes, etcd: Etcd, namespace: str, shared_tmp: str, digits: str, python_for_nobody: None) -> None:
+    """elasticd (root) runs the job as nobody: msrun and every worker have nobody's uid, inherit
+    none of elasticd's own environment beyond the allowlist, and write files others cannot read;
+    a job env that sets a loader variable is refused; describe hides env values."""
+    tmp = shared_tmp
+    port = free_port()
+    cmd = elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "work"), namespace, worker_user="nobody")
+    procs.start("elasticd-n0", cmd, env={"ELASTICD_TEST_SECRET": "s3cret"})
+    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
+    endpoint = "unix:" + local_socket(os.path.join(tmp, "work"))
     out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=40)
+    os.makedirs(out, mode=0o777)
+    os.chmod(out, 0o777)
+    bad = lenet_spec(os.path.join(tmp, "bad.toml"), JOB, out, ckpt, total_steps=40, env={"LD_PRELOAD": "/tmp/x.so"})
+    r = elasticctl("submit", bad, endpoint=endpoint)
+    assert r.returncode == 2 and "LD_PRELOAD may not be set by a job" in r.stderr and len(r.stderr.splitlines()) == 1
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=40, env={"API_TOKEN": "t0ken"})
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 0, r.stderr
+    wait_for("step 5", lambda: (rep := etcd.report(JOB, 1, "n0")) and rep.step >= 5, 180, 0.2)
+    nobody = pwd.getpwnam("nobody").pw_uid
+    processes = generation_processes(procs, 1)
+    assert len(worker_pids(procs, 1)) == 2 and len(processes) >= 3  # msrun, its scheduler, the workers
+    for p in processes:
+        assert p.uids().real == nobody and p.uids().effective == nobody, (p.pid, p.cmdline()[:3], p.uids())
+        env = p.environ()
+        assert "ELASTICD_TEST_SECRET" not in env and env["API_TOKEN"] == "t0ken" and env["USER"] == "nobody"
+    described = elasticctl("describe", "job", JOB, "-o", "json", endpoint=endpoint).stdout
+    assert "t0ken" not in described and "API_TOKEN" in described
     status = wait_for("job to succeed",
                       lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, poll_s=0.5)
     assert status.state is JobState.SUCCEEDED, status.message
@@ -41,6 +79,12 @@ def test_lenet_completes_with_identical_parameters(procs: Processes, etcd: Etcd,
         assert np.array_equal(p0[name], p1[name]), f"{name} differs between ranks"
     report = etcd.report(JOB, 1, "n0")
     assert report is not None and report.state is GenerationState.SUCCEEDED and report.step == 40
+    # What the job wrote belongs to nobody and is not for others (elasticd's umask 027, inherited).
+    written = [os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.startswith("ckpt-")]
+    logs = os.path.join(tmp, "work", "logs", JOB, "g000001")
+    written += [os.path.join(logs, n) for n in os.listdir(logs)]
+    assert written and all(os.stat(f).st_uid == nobody for f in written if not f.endswith("msrun.log"))
+    assert all(os.stat(f).st_mode & 0o007 == 0 for f in written), {f: oct(os.stat(f).st_mode) for f in written}
     wait_for("generation 1 processes gone", lambda: not generation_processes(procs, 1), 15)
 
 

@@ -184,7 +184,9 @@ def test_sigterm_torn_save_and_sigkill_resume_bit_identically_with_dropout(
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
     out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total,
-                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--dropout", "0.2"],
+                      # (paced: the SIGTERM must land before step 20, the kill before step 30)
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--dropout", "0.2", "--step-sleep-s",
+                            "0.1"],
                       env={"MSELASTIC_FAULT": "sigkill_in_save:rank=0:generation=2:step=20"},
                       quarantine_after_failures=5)  # three failures of the only node: no cooldown
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0

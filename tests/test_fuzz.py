@@ -200,6 +200,10 @@ def test_every_rpc_refuses_hostile_input_with_a_code_and_never_dies(procs: Proce
         for service, desc in RPCS:
             fuzz_rpc(getattr(getattr(pb_grpc, f"{service}Stub")(channel), desc.name), desc,
                      outcomes.setdefault(f"{service}.{desc.name}", {}))
+        # Requests are small: one over the server's 1 MiB limit is refused before it is parsed.
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.ControlStub(channel).Submit(pb.SubmitRequest(spec_json="x" * (2 << 20)), timeout=5)
+        assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
     print("outcomes:", json.dumps(outcomes, sort_keys=True))
     # The budget was really spent (a request without fields has one example).
     assert all(sum(o.values()) >= 20 for rpc, o in outcomes.items() if rpc != "Agent.Status"), outcomes

@@ -5,15 +5,15 @@ and TLS on the gRPC port with real certificates."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import ipaddress
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import tomllib
 
+import grpc
 import pytest
 
 from mselastic.daemon.main import FIELDS, Settings, SettingsError, parse_args
@@ -85,6 +85,10 @@ def test_settings_precedence_defaults_file_environment_flags(tmp_path: os.PathLi
     ("tls_cert = '/nonexistent.pem'\ntls_key = '/nonexistent.key'\n", {}, "tls_cert (from CONFIG)"),
     ("log_format = 'xml'\n", {}, "log_format (from CONFIG): must be text or json"),
     ("slots = \"2\"\n", {}, "slots (from CONFIG): must be an integer (got '2')"),  # TOML is typed
+    ("listen = '0.0.0.0:7070'\n", {}, "listen (from CONFIG): 0.0.0.0:7070 is reachable from other machines, without TLS"),
+    ("insecure = 'yes'\n", {}, "insecure (from CONFIG): must be true or false (got 'yes')"),
+    ("", {"ELASTICD_INSECURE": "maybe"}, "insecure (from $ELASTICD_INSECURE): must be true or false"),
+    ("allow_env = 'LD PRELOAD'\n", {}, "allow_env (from CONFIG): 'LD PRELOAD' is not a variable name"),
 ])
 def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], content: str, env: dict[str, str],
                                                    words: str) -> None:
@@ -104,6 +108,7 @@ def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], co
     (["--slots", "two"], "elasticd: argument --slots: invalid int value: 'two'; see elasticd --help"),
     (["--work-dir", "/proc/x"], "elasticd: work_dir: '/proc/x' cannot be created (No such file or directory)"),
     (["--embedded-etcd-dir", "/proc/x/etcd"], "elasticd: embedded_etcd_dir: '/proc/x/etcd' cannot be created"),
+    (["--worker-user", "no-such-user-x"], "elasticd: worker_user: there is no user 'no-such-user-x' on this node"),
 ])
 def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str], words: str,
                                                                  tmp_path: os.PathLike[str]) -> None:
@@ -111,6 +116,39 @@ def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str],
                         "--work-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and words in r.stderr, r.stderr
     assert "usage:" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plaintext_elsewhere_than_loopback_needs_insecure_and_a_key_others_read_is_refused(
+        tmp_path: os.PathLike[str]) -> None:
+    s = parse_args(["--config", os.devnull, "--listen", "0.0.0.0:7070", "--insecure", "true"], environ={})
+    assert s.insecure and s.listen == "0.0.0.0:7070"
+    for host in ("127.0.0.1", "[::1]", "localhost"):
+        assert parse_args(["--config", os.devnull, "--listen", f"{host}:7070"], environ={}).listen == f"{host}:7070"
+    key, cert = os.path.join(str(tmp_path), "node.key"), os.path.join(str(tmp_path), "node.pem")
+    for path in (key, cert):
+        with open(path, "w") as f:
+            f.write("-----BEGIN-----\n")
+    os.chmod(key, 0o644)
+    with pytest.raises(SettingsError, match="tls_key .* may be read by others \\(mode 644\\): chmod 600 it"):
+        parse_args(["--config", os.devnull, "--tls-cert", cert, "--tls-key", key], environ={})
+    os.chmod(key, 0o600)
+    assert parse_args(["--config", os.devnull, "--tls-cert", cert, "--tls-key", key, "--listen", "0.0.0.0:7070"],
+                      environ={}).tls_key == key
+
+
+def test_the_worker_environment_is_built_and_a_job_may_not_set_loader_variables() -> None:
+    from mselastic.agent.users import forbidden_env, inherited_env
+
+    daemon = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "MS_SUBMODULE_LOG_v": "2", "HOME": "/root",
+              "ELASTICD_TLS_KEY": "/etc/mselastic/node.key", "AWS_SECRET_ACCESS_KEY": "x", "SSH_AUTH_SOCK": "/tmp/a",
+              "ASCEND_HOME_PATH": "/usr/local/Ascend", "SITE_X": "1", "SITE_Y": "2"}
+    assert inherited_env(daemon) == {"PATH": "/usr/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "MS_SUBMODULE_LOG_v": "2",
+                                     "ASCEND_HOME_PATH": "/usr/local/Ascend"}
+    assert set(inherited_env(daemon, frozenset({"SITE_*", "HOME"}))) >= {"SITE_X", "SITE_Y", "HOME"}
+    job = {"LD_PRELOAD": "/x.so", "PYTHONPATH": "/x", "PYTHONWARNINGS": "ignore::x.Y", "PATH": "/x", "BASH_ENV": "/x",
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "API_TOKEN": "t"}
+    assert forbidden_env(job) == ["BASH_ENV", "LD_PRELOAD", "PATH", "PYTHONPATH", "PYTHONWARNINGS"]
+    assert forbidden_env(job, frozenset({"PYTHONPATH"})) == ["BASH_ENV", "LD_PRELOAD", "PATH", "PYTHONWARNINGS"]
 
 
 def test_notify_ready_after_registration_then_watchdog_then_stopping(procs: Processes, etcd: Etcd, namespace: str,
@@ -140,75 +178,129 @@ def test_notify_ready_after_registration_then_watchdog_then_stopping(procs: Proc
         sock.close()
 
 
-def _certs(d: str) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    files: dict[str, str] = {}
-
-    def write(name: str, data: bytes) -> str:
-        files[name] = os.path.join(d, name)
-        with open(files[name], "wb") as f:
-            f.write(data)
-        return files[name]
-
-    def key_pem(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption())
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mselastic test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    write("ca.pem", ca.public_bytes(serialization.Encoding.PEM))
-    for name, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
-        k = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(ca_name).public_key(k.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                                                     if name == "server" else [usage]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        write(f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM))
-        write(f"{name}-key.pem", key_pem(k))
-    return files
-
-
 @pytest.mark.slow
-def test_tls_everywhere(procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
-    """elasticd serves only TLS with client certificates; elasticctl connects with etcdctl-style
-    flags or their variables; the leader launches a job on the agent over the same TLS."""
+def test_tls_everywhere_with_roles(procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """elasticd serves only TLS with client certificates made by `elasticctl certs`; the role is
+    the certificate's organisation: an admin submits (the job runs), a viewer only looks, a
+    certificate of another CA or none is refused, and only the leading node's certificate may
+    call Agent.Launch or Agent.Stop."""
+    from mselastic.tls import TlsFiles
+    from mselastic.v1 import elastic_pb2 as pb
+    from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+
     tmp = str(tmp_path)
-    c = _certs(tmp)
+    pki, other = os.path.join(tmp, "pki"), os.path.join(tmp, "other")
+    certs = [os.path.join(VENV_BIN, "elasticctl"), "certs"]
+    for args in (["ca", pki], ["issue", pki, "n0", "--role", "node", "--host", "127.0.0.1"],
+                 ["issue", pki, "n9", "--role", "node", "--host", "127.0.0.1"], ["issue", pki, "ops", "--role", "admin"],
+                 ["issue", pki, "dash", "--role", "viewer"], ["ca", other], ["issue", other, "ops", "--role", "admin"]):
+        r = subprocess.run([*certs, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    assert os.stat(os.path.join(pki, "ops-key.pem")).st_mode & 0o777 == 0o600
+    ca = os.path.join(pki, "ca.pem")
     port = free_port()
     procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "work"), namespace)
-                + ["--tls-cert", c["server.pem"], "--tls-key", c["server-key.pem"], "--tls-cacert", c["ca.pem"]])
+                + ["--tls-cert", os.path.join(pki, "n0.pem"), "--tls-key", os.path.join(pki, "n0-key.pem"),
+                   "--tls-cacert", ca])
     wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
-    ctl = [os.path.join(VENV_BIN, "elasticctl"), "--endpoints", f"127.0.0.1:{port}", "--timeout-s", "5"]
-    tls = ["--cacert", c["ca.pem"], "--cert", c["client.pem"], "--key", c["client-key.pem"]]
+    address = f"127.0.0.1:{port}"
+    ctl = [os.path.join(VENV_BIN, "elasticctl"), "--endpoints", address, "--timeout-s", "5"]
+
+    def who(name: str, where: str = pki) -> list[str]:
+        return ["--cacert", ca, "--cert", os.path.join(where, f"{name}.pem"), "--key",
+                os.path.join(where, f"{name}-key.pem")]
 
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*ctl, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+        return subprocess.run([*ctl, *args], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **(env or {})})
 
-    ok = run(*tls, "nodes")
+    ok = run(*who("ops"), "nodes")
     assert ok.returncode == 0 and "n0" in ok.stdout, ok.stderr
     plain = run("nodes")
     assert plain.returncode == 3 and len(plain.stderr.strip().splitlines()) == 1
-    no_client_cert = run("--cacert", c["ca.pem"], "nodes")
-    assert no_client_cert.returncode == 3
-    by_env = run("nodes", env={"ELASTICCTL_CACERT": c["ca.pem"], "ELASTICCTL_CERT": c["client.pem"],
-                               "ELASTICCTL_KEY": c["client-key.pem"]})
+    assert run("--cacert", ca, "nodes").returncode == 3  # no client certificate
+    assert run(*who("ops", other), "nodes").returncode == 3  # signed by another CA
+    by_env = run("nodes", env={"ELASTICCTL_CACERT": ca, "ELASTICCTL_CERT": os.path.join(pki, "ops.pem"),
+                               "ELASTICCTL_KEY": os.path.join(pki, "ops-key.pem")})
     assert by_env.returncode == 0 and "n0" in by_env.stdout
     spec = lenet_spec(os.path.join(tmp, "job.toml"), "lenet", os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"), 5)
-    assert run(*tls, "submit", spec).returncode == 0
+    # A viewer looks, and cannot act.
+    assert run(*who("dash"), "status").returncode == 0
+    for args in (["submit", spec], ["stop", "lenet"], ["drain", "n0"], ["scale", "lenet", "--max", "2"],
+                 ["restart", "lenet"], ["delete", "lenet"]):
+        r = run(*who("dash"), *args)
+        assert r.returncode == 1 and "needs the admin role; certificate dash has viewer" in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert etcd.status("lenet") is None
+    assert run(*who("ops"), "submit", spec).returncode == 0
     status = wait_for("job to end", lambda: (s := etcd.status("lenet")) and s.state.terminal and s, 180, 0.5)
     assert status.state.value == "SUCCEEDED", status.message
+    # Agent.Launch and Agent.Stop: the leading node's certificate only (not an admin's, not another node's).
+    for name, words in (("ops", "Launch needs the node role; certificate ops has admin"),
+                        ("n9", "Launch only from the leading node (n0), not n9")):
+        files = TlsFiles(ca, os.path.join(pki, f"{name}.pem"), os.path.join(pki, f"{name}-key.pem"))
+        with files.channel(address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.AgentStub(ch).Launch(pb.LaunchRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and words in (e.value.details() or ""), \
+                e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.AgentStub(ch).Stop(pb.StopRequest(job="lenet"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # The leader's own certificate passes the check (the plan itself is then judged: this empty one is
+    # not the plan committed in etcd).
+    files = TlsFiles(ca, os.path.join(pki, "n0.pem"), os.path.join(pki, "n0-key.pem"))
+    with files.channel(address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.AgentStub(ch).Launch(pb.LaunchRequest(), timeout=10)
+        assert e.value.code() != grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+
+
+
+def test_a_local_unprivileged_user_cannot_get_a_job_run(procs: Processes, etcd: Etcd, namespace: str,
+                                                        python_for_nobody: None) -> None:
+    """On the single-machine default (plaintext on loopback, the local socket 0600): a local user
+    (uid 65534) may look through the TCP port but not submit, stop or call the agent, and cannot
+    open the socket; nothing was created."""
+    base = tempfile.mkdtemp(prefix="mselastic-local-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        port = free_port()
+        work = os.path.join(base, "work")
+        procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace))
+        wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+        sock = os.path.join(work, "elasticd.sock")
+        assert os.stat(sock).st_mode & 0o777 == 0o600  # no mselastic group on this machine: root alone
+        spec = lenet_spec(os.path.join(base, "job.toml"), "intruder", base, os.path.join(base, "ckpt"), 5)
+        os.chmod(spec, 0o644)
+
+        def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(list(args), capture_output=True, text=True, timeout=60, user=65534, group=65534,
+                                  extra_groups=[], env={**os.environ, "HOME": base}, cwd=base)
+
+        ctl = os.path.join(VENV_BIN, "elasticctl")
+        r = as_nobody(ctl, "--endpoint", f"127.0.0.1:{port}", "submit", spec)
+        assert r.returncode == 1 and "Submit needs the admin role; plaintext TCP has viewer" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert as_nobody(ctl, "--endpoint", f"127.0.0.1:{port}", "status").returncode == 0  # looking is fine
+        r = as_nobody(ctl, "--endpoint", f"unix:{sock}", "status")
+        assert r.returncode == 3, r.stderr  # the socket cannot be opened
+        calls = (
+            "import grpc, sys\n"
+            "from mselastic.v1 import elastic_pb2 as pb, elastic_pb2_grpc as pbg\n"
+            f"ch = grpc.insecure_channel('127.0.0.1:{port}')\n"
+            "for name, call in (('Launch', lambda: pbg.AgentStub(ch).Launch(pb.LaunchRequest(), timeout=5)),\n"
+            "                   ('Stop', lambda: pbg.AgentStub(ch).Stop(pb.StopRequest(job='x'), timeout=5)),\n"
+            "                   ('Logs', lambda: list(pbg.AgentStub(ch).Logs(pb.LogsRequest(job='x'), timeout=5))),\n"
+            "                   ('StopJob', lambda: pbg.ControlStub(ch).StopJob(pb.StopJobRequest(job='x'), timeout=5))):\n"
+            "    try:\n"
+            "        call(); print(name, 'OK')\n"
+            "    except grpc.RpcError as e:\n"
+            "        print(name, e.code().name)\n")
+        r = as_nobody(os.path.join(VENV_BIN, "python"), "-c", calls)
+        assert r.stdout.split() == ["Launch", "PERMISSION_DENIED", "Stop", "PERMISSION_DENIED", "Logs",
+                                    "PERMISSION_DENIED", "StopJob", "PERMISSION_DENIED"], (r.stdout, r.stderr)
+        assert etcd.status("intruder") is None
+    finally:
+        procs.stop_all()
+        shutil.rmtree(base, ignore_errors=True)

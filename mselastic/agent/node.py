@@ -21,9 +21,10 @@ import grpc
 
 from mselastic import __version__
 from mselastic.agent.supervisor import Generation
+from mselastic.agent.users import WorkerUser
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import FailureCause, GenerationState
+from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
 from mselastic.tls import TlsFiles
@@ -43,6 +44,11 @@ class AgentConfig:
     lease_ttl_s: int
     report_interval_s: float = 1.0
     tls: TlsFiles = TlsFiles()
+    #: Who the workers run as (None: as elasticd itself), and the env names jobs may set anyway.
+    worker_user: WorkerUser | None = None
+    allow_env: frozenset[str] = frozenset()
+    #: elasticd's own variables the workers inherit besides the usual ones (names, or NAME* prefixes).
+    pass_env: frozenset[str] = frozenset()
 
 
 class NodeIdTaken(Exception):
@@ -68,6 +74,10 @@ class NodeAgent:
         #: The lease expired with generations running: once registered again, keep only those that
         #: are still the committed plan of a live job.
         self._recheck = False
+        #: In the current spell without renewals, peers answered and none of them reached etcd
+        #: either, or this node read etcd itself: the evidence that a lease expiry is etcd's (a
+        #: stall, an outage, a frozen member the renewals went to), not this node's cut.
+        self._not_cut_off = False
 
     # -- registration ------------------------------------------------------
 
@@ -88,14 +98,19 @@ class NodeAgent:
                 if stop.is_set():
                     break
                 running = [g for g in self.generations.values() if not g.done.is_set()]
-                if running:
+                if running and not (self._not_cut_off or not self._peers):
+                    log.error("registration lease expired, and this node may be the one cut off (no peer said etcd "
+                              "was down for it too): self-fencing (stopping all local workers)", extra=self._ctx)
+                    await self.stop_all(grace_s=0)
+                elif running:
                     # Not fenced while etcd was away (nobody reached it: a stall, an outage), so the
                     # lease expired with etcd, not with this node. The coordinator gives the members of
                     # a running generation time to register again and adopts it (see
                     # Coordinator._excused); this agent keeps what etcd still has committed.
-                    log.warning("registration lease expired while etcd was unreachable from every node; the "
-                                "workers are healthy: registering again and keeping the committed generation(s) "
-                                "of %s", ", ".join(sorted(g.plan.job for g in running)), extra=self._ctx)
+                    log.warning("registration lease expired with etcd (it was unreachable from every node, or "
+                                "reachable from this one); the workers are healthy: registering again and keeping "
+                                "the committed generation(s) of %s", ", ".join(sorted(g.plan.job for g in running)),
+                                extra=self._ctx)
                     self._recheck = True
         finally:
             if self._lease is not None:
@@ -149,8 +164,9 @@ class NodeAgent:
                     try:
                         if plan_kv is None or Plan.from_json(plan_kv.value) != gen.plan:
                             why = "a newer generation was committed meanwhile"
-                        elif status_kv is not None and JobStatus.from_json(status_kv.value).state.terminal:
-                            why = "the job ended meanwhile"
+                        elif status_kv is not None and (st := JobStatus.from_json(status_kv.value).state) is not \
+                                JobState.RUNNING:
+                            why = f"the job is {st.value} meanwhile"
                     except MalformedRecord as e:
                         why = f"its record is unreadable ({e})"
                     ctx = dict(self._ctx, job=job, generation=gen.plan.generation)
@@ -180,12 +196,13 @@ class NodeAgent:
             while not stop.is_set() and not lease.lost.is_set():
                 await _first(lease.lost, lease.unreachable, stop)
                 reported = False
+                self._not_cut_off = False
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
                     if any(not g.done.is_set() for g in self.generations.values()) and self._peers:
                         answered, reaching = await self._ask_peers()
                         if reaching and await self.reaches_etcd(self._probe_s / 2):
                             # etcd answers us too: a member failed over, the lease keeper catches up.
-                            pass
+                            self._not_cut_off = True
                         elif reaching:
                             log.error("etcd unreachable from here but reachable from %s: this node is cut off, "
                                       "self-fencing", ", ".join(reaching), extra=self._ctx)
@@ -193,7 +210,9 @@ class NodeAgent:
                         elif not answered:
                             log.error("etcd and every peer unreachable: partitioned, self-fencing", extra=self._ctx)
                             await self.stop_all(grace_s=0)
-                        elif not reported:
+                        else:
+                            self._not_cut_off = True
+                        if answered and not reaching and not reported:
                             reported = True
                             log.warning("etcd unreachable here and from the peers that answer (%s): etcd itself is "
                                         "down, training goes on", ", ".join(answered), extra=self._ctx)
@@ -215,7 +234,9 @@ class NodeAgent:
                         continue
                     if rec.node_id != self.cfg.node_id:
                         peers[rec.node_id] = rec.agent_address
-                self._peers = peers
+                # Merged, never shrunk by a read: right after an etcd stall the others may not have
+                # registered again yet, and a node that knows no peers cannot tell its own cut.
+                self._peers.update(peers)
                 await self._check_registered({kv.key for kv in kvs})
             except (TemporaryError, PermanentError):
                 pass
@@ -350,7 +371,8 @@ class NodeAgent:
             if current is not None and not current.done.is_set():
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0)
-            gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed)
+            gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
+                             user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env)
             self.generations[plan.job] = gen
             await gen.start()
             self._changed(gen)

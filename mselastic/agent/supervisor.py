@@ -28,6 +28,7 @@ import psutil
 
 from mselastic import metrics
 from mselastic.agent import procs
+from mselastic.agent.users import WorkerUser, forbidden_env, inherited_env
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.pdeathsig import with_parent_death
@@ -94,7 +95,8 @@ class LaunchError(Exception):
         self.cause = cause
 
 
-def preflight(spec: JobSpec, log_dir: str, msrun: str) -> None:
+def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None = None,
+              allow_env: frozenset[str] = frozenset()) -> None:
     """What msrun would otherwise fail on later, or never report: checked before anything starts.
 
     The script and the checkpoint directory come from the spec (the same on every node, on shared
@@ -103,20 +105,33 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str) -> None:
     def os_error(e: OSError) -> str:
         return e.strerror or str(e)
 
+    refused = forbidden_env(dict(spec.env), allow_env)
+    if refused:
+        raise LaunchError(FailureCause.LAUNCH_SPEC, f"env sets {', '.join(refused)}: loader and interpreter variables "
+                                                    f"run code in every worker; an admin may allow them (allow_env)")
     if not os.path.isfile(spec.script):
         why = "is a directory" if os.path.isdir(spec.script) else "does not exist"
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} {why}")
     if not os.access(spec.script, os.R_OK):
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} is not readable")
+    created = not os.path.isdir(spec.checkpoint_dir)
     try:
         os.makedirs(spec.checkpoint_dir, exist_ok=True)
+        if created and user is not None and user.switch:
+            os.chown(spec.checkpoint_dir, user.uid, user.gid)  # the workers write it
     except OSError as e:
         raise LaunchError(FailureCause.LAUNCH_SPEC,
                           f"checkpoint_dir {spec.checkpoint_dir} cannot be created: {os_error(e)}") from None
-    if not os.access(spec.checkpoint_dir, os.W_OK | os.X_OK):
-        raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable")
+    if not os.access(spec.checkpoint_dir, os.W_OK | os.X_OK) or (user is not None and not user.may_write(spec.checkpoint_dir)):
+        who = f" by the worker user {user.name} (uid {user.uid})" if user is not None and user.switch else ""
+        raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable{who}")
     try:
         os.makedirs(log_dir, exist_ok=True)
+        if user is not None and user.switch:
+            os.chown(log_dir, user.uid, user.gid)  # msrun and the workers write their logs there
+            parent = os.path.dirname(log_dir)
+            for d in (parent, os.path.dirname(parent), os.path.dirname(os.path.dirname(parent))):
+                os.chmod(d, os.stat(d).st_mode | 0o001)  # the worker user may pass (not list): work_dir/logs/<job>
     except OSError as e:
         raise LaunchError(FailureCause.LAUNCH_NODE, f"log directory {log_dir} cannot be created: {os_error(e)}") \
             from None
@@ -128,7 +143,9 @@ class Generation:
     """One plan's launch on this node: msrun, its scheduler and the local ranks."""
 
     def __init__(self, plan: Plan, spec: JobSpec, node_id: str, work_dir: str,
-                 on_change: Callable[["Generation", bool], None], poll_interval_s: float = 0.1) -> None:
+                 on_change: Callable[["Generation", bool], None], poll_interval_s: float = 0.1,
+                 user: WorkerUser | None = None, allow_env: frozenset[str] = frozenset(),
+                 pass_env: frozenset[str] = frozenset()) -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -160,6 +177,10 @@ class Generation:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
+        #: Who the workers run as (None: as elasticd itself), and the env names the admin allows.
+        self.user = user
+        self.allow_env = allow_env
+        self.pass_env = pass_env
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -168,7 +189,7 @@ class Generation:
         master port in use on node_rank 0, msrun failing to spawn) fails it at once, with the reason."""
         msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
         try:
-            preflight(self.spec, self.log_dir, msrun)
+            preflight(self.spec, self.log_dir, msrun, self.user, self.allow_env)
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
             return
@@ -195,7 +216,8 @@ class Generation:
         try:
             with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:
                 self._msrun = await asyncio.create_subprocess_exec(
-                    *with_parent_death(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    *with_parent_death(cmd, (self.user.uid, self.user.gid) if self.user and self.user.switch else None),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, env=self._env(), cwd=os.path.dirname(self.spec.script),
                     start_new_session=True)
         except OSError as e:
@@ -208,8 +230,12 @@ class Generation:
         self._task = asyncio.create_task(self._watch(), name=f"watch-{self.run_id}")
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.spec.env)
+        # Built, not inherited: the daemon's environment may hold what a job must not see (see
+        # mselastic.agent.users), and a job's env may not set loader or interpreter variables.
+        env = inherited_env(os.environ, self.pass_env)
+        env.update({k: v for k, v in self.spec.env.items() if k not in forbidden_env(dict(self.spec.env), self.allow_env)})
+        if self.user is not None and self.user.switch:
+            env.update(HOME=self.log_dir, USER=self.user.name, LOGNAME=self.user.name)
         venv_bin = os.path.dirname(sys.executable)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
         env.update({

@@ -33,9 +33,23 @@ DAEMON_VARS = frozenset({
     ENV_HEARTBEAT, ENV_RUN_ID,
 })
 
+def default_sockets() -> list[str]:
+    """Where elasticd's local socket is by default, in the order elasticctl looks: root's
+    elasticd (a service) puts it in /run/mselastic; another user's in its runtime directory."""
+    import os
+
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    mine = os.path.join(runtime, "mselastic", "elasticd.sock") if runtime else os.path.expanduser(
+        "~/.mselastic/elasticd.sock")
+    return ["/run/mselastic/elasticd.sock"] + ([mine] if os.geteuid() != 0 else [])
+
+
 #: In checkpoint_dir: the pointer to the newest complete manifest (``{"manifest": name}``); each
 #: manifest is a JSON object with the ``step`` it was taken at (see mselastic.trainer.checkpoint).
 LATEST_CHECKPOINT = "latest.json"
+
+#: A beat's note is cut to this many characters (a fatal reason names checkpoints and paths).
+NOTE_MAX = 2000
 
 #: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
 PLANNED_EXIT_CODE = 75
@@ -90,4 +104,4 @@ class Beat:
         return cls(kind=BeatKind(raw["kind"]), rank=int(raw["rank"]), pid=int(raw["pid"]),
                    generation=int(raw["generation"]), step=int(raw["step"]), loss=float(raw.get("loss", 0.0)),
                    resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)),
-                   note=str(raw.get("note", ""))[:500])
+                   note=str(raw.get("note", ""))[:NOTE_MAX])

@@ -217,9 +217,6 @@ class GenerationReport:
     #: Step each local rank resumed from (its ``start`` beat), by global rank: every rank of a
     #: generation must resume from the same checkpoint (the coordinator fails the job otherwise).
     resumed_steps: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: etcd mod revision of the report when it was read (set by the reader, never written): the
-    #: order reports reached etcd in, one clock for all nodes.
-    revision: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

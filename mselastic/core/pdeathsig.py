@@ -17,12 +17,15 @@ import signal
 _PR_SET_PDEATHSIG = 1
 
 
-def with_parent_death(cmd: list[str]) -> list[str]:
-    """``cmd`` prefixed so that it is SIGKILLed when the process that starts it dies."""
+def with_parent_death(cmd: list[str], user: tuple[int, int] | None = None) -> list[str]:
+    """``cmd`` prefixed so that it is SIGKILLed when the process that starts it dies; with
+    ``user`` (uid, gid), run as that user with its groups (setpriv sets the death signal after
+    changing the credentials, which would clear it)."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         raise RuntimeError("setpriv (util-linux) not found: install util-linux")
-    return [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+    switch = [f"--reuid={user[0]}", f"--regid={user[1]}", "--init-groups"] if user else []
+    return [setpriv, *switch, "--pdeathsig", "KILL", "--", *cmd]
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> None:

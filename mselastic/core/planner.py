@@ -171,10 +171,12 @@ class Situation:
     @functools.cached_property
     def failed(self) -> list[GenerationReport]:
         """Members whose generation failed, or stopped on a SIGTERM nobody here sent (it is still
-        the plan), first reported first (the order the reports reached etcd: one clock for every
-        node; the agents' own detection times only where that is unknown)."""
+        the plan), first detected first. (This compares the agents' clocks, it subtracts none: a
+        skew larger than the gap between two detections, milliseconds apart under NTP, can only
+        change which of two failing nodes is named first. The order the reports reach etcd is no
+        better: an agent tears the generation down before it writes its report.)"""
         return sorted((r for r in self.current if r.state in (GenerationState.FAILED, GenerationState.STOPPED)),
-                      key=lambda r: (r.revision or float("inf"), r.detected_at or float("inf"), r.node_id))
+                      key=lambda r: (r.detected_at or float("inf"), r.node_id))
 
     @functools.cached_property
     def lost(self) -> tuple[str, ...]:

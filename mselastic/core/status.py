@@ -24,7 +24,7 @@ def next_status(old: JobStatus, state: JobState, message: str, now: float, *, pl
     they are kept. A decision sets the note (what the job waits for, a pending scale-up); a
     plain write keeps it. ``waiting_since`` is 0 unless the job waits. What only operators
     set (a requested restart) and what only the recovery bookkeeping sets (the newest
-    planned resume recorded) are kept.
+    planned resume recorded) are kept. Quarantines over by ``now`` are dropped.
     """
     if state is not old.state:
         check_job_transition(old.state, state)
@@ -37,7 +37,7 @@ def next_status(old: JobStatus, state: JobState, message: str, now: float, *, pl
     return JobStatus(state=state, generation=plan.generation if plan else old.generation,
                      restart_count=plan.restart_count if plan else old.restart_count, message=message,
                      last_failure=failure, updated_at=now, waiting_since=waiting_since,
-                     node_failures=dict(failures), quarantined_until=dict(quarantine),
+                     node_failures=dict(failures), quarantined_until={n: t for n, t in quarantine.items() if t > now},
                      failures_counted_through=counted, note=note[0], scale_up_nodes=note[1],
                      scale_up_since=note[2], resumed_through=old.resumed_through,
                      restart_requested=old.restart_requested)

@@ -21,8 +21,12 @@ Examples::
 Connection (named like etcdctl's): --endpoints a:7070,b:7070 (any elasticd; the first that
 answers is used and changes are forwarded to the leader), --cacert/--cert/--key for TLS;
 environment: ELASTICCTL_ENDPOINTS, ELASTICCTL_CACERT, ELASTICCTL_CERT, ELASTICCTL_KEY.
+Default: the local elasticd's socket (unix:/run/mselastic/elasticd.sock: root and its group
+may open it; an elasticd of your own: $XDG_RUNTIME_DIR/mselastic/elasticd.sock or
+~/.mselastic/elasticd.sock), else 127.0.0.1:7070, where without a certificate one may only look.
 
-Exit codes: 0 done; 1 refused by the cluster (unknown job or node, job exists, wrong state),
+Exit codes: 0 done; 1 refused by the cluster (unknown job or node, job exists, wrong state,
+a role the caller does not have),
 or, for watch, the job ended other than SUCCEEDED; 2 bad arguments or a bad spec (nothing
 was sent); 3 no elasticd (or no elected leader) reachable.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import time
 import os
+import re
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -39,10 +44,11 @@ import grpc
 import tenacity
 
 from mselastic.wire import plan_from_pb
+from mselastic.core.contract import default_sockets
 from mselastic.core.kinds import EventKind
 from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
 from mselastic.ctl import render
-from mselastic.tls import TlsError, TlsFiles
+from mselastic.tls import ROLES, TlsError, TlsFiles, issue, make_ca
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -109,6 +115,14 @@ class Client:
                     raise _error(code, details, endpoint) from None
         raise CtlError("no leader answered; retry in a few seconds", EXIT_UNREACHABLE)
 
+    def node_id(self, address: str) -> str:
+        """The node id of the elasticd at ``address`` ("" when it does not answer)."""
+        with self.tls.channel(address) as ch:
+            try:
+                return str(pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=self.timeout_s).node_id)
+            except grpc.RpcError:
+                return ""
+
     def agent_logs(self, address: str, request: pb.LogsRequest) -> Any:
         """Stream a rank's log from the agent at ``address`` (yields LogChunks)."""
         with self.tls.channel(address) as ch:
@@ -145,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = _Parser(prog="elasticctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoints", "--endpoint", dest="endpoints",
-                   default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or "127.0.0.1:7070",
-                   help="comma-separated elasticd host:port (env ELASTICCTL_ENDPOINTS; default %(default)s)")
+                   default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
+                       ("unix:" + p for p in default_sockets() if os.path.exists(p)), "127.0.0.1:7070"),
+                   help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default "
+                        "%(default)s)")
     p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")
     p.add_argument("--cert", default=env("ELASTICCTL_CERT", ""), help="client certificate (PEM), with --key")
     p.add_argument("--key", default=env("ELASTICCTL_KEY", ""), help="client key (PEM), with --cert")
@@ -191,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
     s = cmd("restart", "relaunch a running job: checkpoint at the next step, resume there", "elasticctl restart lenet")
     s.add_argument("job")
+    s = cmd("certs", "make a CA (certs ca DIR) or a certificate it signs (certs issue DIR NAME --role ROLE)",
+            "elasticctl certs issue /etc/mselastic/pki node-a --role node --host 10.0.0.1", output=False)
+    s.add_argument("action", choices=("ca", "issue"))
+    s.add_argument("dir", help="where the CA is (ca.pem, ca-key.pem) and the certificate goes")
+    s.add_argument("name", nargs="?", default="", help="issue: the node id (role node) or who it is for (CN)")
+    s.add_argument("--role", choices=ROLES, default="", help="issue: node, admin or viewer (the certificate's O)")
+    s.add_argument("--host", action="append", default=[], help="issue, role node: an address or name the node is "
+                                                                "reached at (repeat)")
     s = cmd("delete", "forget a finished job's records (its checkpoints and logs stay); the name can be "
             "submitted again and resumes from the checkpoint_dir", "elasticctl delete lenet")
     s.add_argument("job")
@@ -246,7 +270,7 @@ def run(argv: list[str] | None, out: Any = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
     if not endpoints or any(":" not in e for e in endpoints):
-        raise CtlError(f"--endpoints {args.endpoints!r} must be host:port[,host:port...]", EXIT_USAGE)
+        raise CtlError(f"--endpoints {args.endpoints!r} must be host:port or unix:PATH[,...]", EXIT_USAGE)
     if bool(args.cert) != bool(args.key):
         raise CtlError("--cert and --key go together", EXIT_USAGE)
     for flag in ("cacert", "cert", "key"):
@@ -313,9 +337,13 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
         raise CtlError(f"generation {gen} of {a.job} has ranks 0..{plans[gen].world_size - 1}, not {a.rank}",
                        EXIT_REFUSED)
     request = pb.LogsRequest(job=a.job, rank=a.rank, generation=gen, follow=a.follow, tail_bytes=a.tail_bytes)
+    address = m.agent_address
+    local = next((e for e in c.endpoints if e.startswith("unix:")), "")
+    if local and c.node_id(local) == m.node_id:
+        address = local  # this node's own agent: through the socket, where logs may be read
     stream = getattr(out, "buffer", None)
     try:
-        for chunk in c.agent_logs(m.agent_address, request):
+        for chunk in c.agent_logs(address, request):
             if stream is not None:
                 stream.write(chunk.data)
                 stream.flush()
@@ -445,10 +473,29 @@ def cmd_report(c: Client, a: argparse.Namespace, out: Any) -> int:
     return EXIT_OK
 
 
+def cmd_certs(c: Client, a: argparse.Namespace, out: Any) -> int:
+    """Certificates without a PKI team: one CA, and node/admin/viewer certificates it signs."""
+    try:
+        if a.action == "ca":
+            cert, key = make_ca(a.dir)
+            out.write(f"CA: {cert} (give it to every node and elasticctl: tls_cacert / --cacert); key: {key} "
+                      f"(keep it off the nodes)\n")
+            return EXIT_OK
+        if not a.name or not a.role:
+            raise CtlError("certs issue needs a NAME and --role node|admin|viewer", EXIT_USAGE)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", a.name):
+            raise CtlError(f"certificate name {a.name!r}: letters, digits, '.', '_', '-' (a node id)", EXIT_USAGE)
+        cert, key = issue(a.dir, a.name, a.role, tuple(a.host))
+    except TlsError as e:
+        raise CtlError(str(e), EXIT_USAGE) from None
+    out.write(f"{a.role} certificate for {a.name}: {cert}, key {key} (mode 0600)\n")
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Any], int]] = {
     "status": cmd_status, "nodes": cmd_nodes, "jobs": cmd_jobs, "describe": cmd_describe, "events": cmd_events,
     "logs": cmd_logs, "submit": cmd_submit, "stop": cmd_stop, "restart": cmd_restart, "scale": cmd_scale,
-    "delete": cmd_delete,
+    "delete": cmd_delete, "certs": cmd_certs,
     "cordon": cmd_cordon, "drain": cmd_cordon, "uncordon": cmd_cordon, "watch": cmd_watch, "report": cmd_report,
 }
 

@@ -9,6 +9,7 @@ elasticctl follows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,6 +23,7 @@ import tenacity
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.kinds import EventKind
+from mselastic.agent.users import forbidden_env
 from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
 from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError
 from mselastic.core.states import JobState
@@ -99,10 +101,16 @@ async def job_to_pb(view: JobView) -> pb.JobStatus:
     return msg
 
 
+#: What Describe shows for the value of each variable of a job's env.
+HIDDEN = "(hidden)"
+
+
 class ControlService(pb_grpc.ControlServicer):
-    def __init__(self, store: Store, coordinator: Coordinator) -> None:
+    def __init__(self, store: Store, coordinator: Coordinator, allow_env: frozenset[str] = frozenset()) -> None:
         self.store = store
         self.coordinator = coordinator
+        #: Loader and interpreter variables a job's env may set anyway (elasticd's allow_env).
+        self.allow_env = allow_env
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         try:
@@ -154,6 +162,11 @@ class ControlService(pb_grpc.ControlServicer):
             spec = JobSpec.from_json(request.spec_json)
         except SpecError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refused = forbidden_env(dict(spec.env), self.allow_env)
+        if refused:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"env: {', '.join(refused)} may not be set by a job (loader and interpreter variables run "
+                        f"code in every worker); an admin may allow them with elasticd's allow_env")
         await self._require_leader(context)
         try:
             others = await read_cluster(self.store)
@@ -186,15 +199,26 @@ class ControlService(pb_grpc.ControlServicer):
         event = Event(at=time.time(), kind=EventKind.SUBMITTED, generation=0,
                       message=f"job {spec.name} submitted" + (f" (a job of this name ran generations up to {floor}; "
                                                               f"this one continues after them)" if floor else ""))
+        # The checkpoint_dir is claimed in the same transaction: two submits at once with one
+        # directory cannot both pass the check above.
+        claim = k.checkpoint_dir(spec.checkpoint_dir)
         try:
             unchanged = tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)
-            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged], [
+            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged,
+                                       tx.create(claim.encode()) == 0], [
                 tx.put(k.spec(spec.name).encode(), spec.to_json().encode()),
                 tx.put(k.status(spec.name).encode(), status.to_json().encode()),
                 tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
+                tx.put(claim.encode(), spec.name.encode()),
             ])
+            holder = None if ok else await self.store.get(claim)
         except TemporaryError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        if not ok and holder is not None and holder.value.decode(errors="replace") != spec.name:
+            other = holder.value.decode(errors="replace")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"checkpoint_dir {spec.checkpoint_dir} belongs to job {other}; give this job its own "
+                        f"(or elasticctl delete {other} first)")
         if not ok:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
         self.coordinator.wake()
@@ -329,7 +353,9 @@ class ControlService(pb_grpc.ControlServicer):
                 plans.append(Plan.from_json(kv.value))
             except MalformedRecord as err:
                 log.error("skipping malformed plan %s: %s", kv.key, err, extra=dict(job=request.job))
-        return pb.DescribeResponse(status=await job_to_pb(view), spec_json=view.spec.to_json() if view.spec else "",
+        # The env's values are not shown (tokens, passwords): the names are.
+        spec = dataclasses.replace(view.spec, env={k: HIDDEN for k in view.spec.env}) if view.spec else None
+        return pb.DescribeResponse(status=await job_to_pb(view), spec_json=spec.to_json() if spec else "",
                                    plans=[plan_to_pb(p) for p in sorted(plans, key=lambda p: p.generation)])
 
     async def _term(self, context: grpc.aio.ServicerContext) -> Term:
@@ -364,6 +390,10 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         if not ok:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"job {view.name} changed meanwhile; retry")
+        if view.spec is not None:  # the directory is free for another job now (its files stay)
+            claim = k.checkpoint_dir(view.spec.checkpoint_dir).encode()
+            with contextlib.suppress(TemporaryError):
+                await self.store.txn([tx.value(claim) == view.name.encode()], [tx.delete(claim)])
         self.coordinator.forget(view.name)
         log.info("job %s deleted after generation %d", view.name, last, extra=dict(job=view.name, generation=last))
         return pb.DeleteJobResponse(generation=last)

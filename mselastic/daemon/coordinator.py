@@ -31,7 +31,7 @@ import grpc
 
 from mselastic import metrics
 from mselastic.wire import plan_to_pb
-from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, NodeRecord, Plan
+from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
 from mselastic.core.planner import MAX_QUARANTINE_S, Action, Decision, PortRange, decide
@@ -139,19 +139,25 @@ class CoordinatorConfig:
     keep_events_s: float = 30 * 24 * 3600.0
     #: Generations of reports kept per job (a pass reads two, the history's checks all that are kept).
     keep_report_generations: int = 50
+    #: This node's local socket (``unix:PATH``): its own agent is reached there.
+    local_socket: str = ""
 
 
 class Agents:
-    """gRPC channels to the node agents, one per address."""
+    """gRPC channels to the node agents, one per address. This node's own agent is reached
+    through its local socket (``local``: its address -> ``unix:PATH``), where the node role is
+    granted without a certificate."""
 
-    def __init__(self, timeout_s: float, tls: TlsFiles = TlsFiles()) -> None:
+    def __init__(self, timeout_s: float, tls: TlsFiles = TlsFiles(), local: dict[str, str] | None = None) -> None:
         self.timeout_s = timeout_s
         self.tls = tls
+        self.local = local or {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> pb_grpc.AgentStub:
         if address not in self._channels:
-            self._channels[address] = self.tls.aio_channel(address, options=list(CHANNEL_OPTIONS.items()))
+            self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
+                                                           options=list(CHANNEL_OPTIONS.items()))
         return pb_grpc.AgentStub(self._channels[address])
 
     async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> None:
@@ -197,7 +203,8 @@ class Coordinator:
     def __init__(self, store: Store, cfg: CoordinatorConfig) -> None:
         self.store = store
         self.cfg = cfg
-        self.agents = Agents(cfg.push_timeout_s, cfg.tls)
+        self.agents = Agents(cfg.push_timeout_s, cfg.tls,
+                             {cfg.control_address: cfg.local_socket} if cfg.local_socket else None)
         self._progress: dict[str, tuple[float, int]] = {}  # job -> (time, step) of the last progress event
         self._rate: dict[str, tuple[float, int]] = {}  # job -> (time, step) the step rate is measured from
         self._progress_events: dict[str, int] = {}  # job -> progress events written by this leader
@@ -221,8 +228,6 @@ class Coordinator:
         self._queued: set[str] = set()
         #: Members of live plans seen unregistered, by node id (see :meth:`_excused`).
         self._absent: dict[str, Absence] = {}
-        #: The last registration seen of each node (its slots, for an absent member).
-        self._seen: dict[str, NodeRecord] = {}
         #: One clock per decision (see :meth:`_on_my_clock`): the times this leader wrote in statuses
         #: during its term, and another writer's times mapped to this leader's clock when first seen.
         self._mine: set[float] = set()
@@ -230,6 +235,8 @@ class Coordinator:
         #: (job, generation) -> when (this leader's monotonic clock) it committed that generation
         #: to recover from a fault: the recovery figure is measured from there.
         self._relaunched: dict[tuple[str, int], float] = {}
+        #: ... and when a pass first saw a first step of that generation (a job's task may be busy then).
+        self._first_step: dict[tuple[str, int], float] = {}
 
     # -- leadership ----------------------------------------------------------
 
@@ -263,6 +270,7 @@ class Coordinator:
         self._mine.clear()
         self._anchors.clear()
         self._relaunched.clear()
+        self._first_step.clear()
         try:
             while not stop.is_set() and not term.lease.lost.is_set() and not self._fenced.is_set():
                 if watcher.done():  # the informer died of a bug: its cache is frozen, so start it again
@@ -322,7 +330,7 @@ class Coordinator:
         if informer is not None and not informer.synced.is_set():
             return  # the first list is under way; it wakes the loop when done
         cluster = informer.view() if informer is not None else await read_cluster(self.store)
-        cluster = self._excused(cluster)
+        excused = self._excused(cluster)
         self.passes += 1
         now, mono = time.time(), time.monotonic()
         self._settle_inflight(cluster)
@@ -332,6 +340,9 @@ class Coordinator:
         queue_head = ""
         queued: set[str] = set()
         for view in cluster.jobs.values():
+            self._note_first_step(view, mono)
+            if view.name in excused:
+                continue
             if view.name in self._tasks or self._retry_at.get(view.name, 0.0) > mono:
                 if view.name in self._queued and view.plan is None:
                     queued.add(view.name)
@@ -355,19 +366,18 @@ class Coordinator:
         self._queued = queued
         await self._finish_drains(term, cluster, held)
 
-    def _excused(self, cluster: ClusterView) -> ClusterView:
-        """The cluster with the absent members that are excused for now added back (cordoned: no
-        new generation goes there meanwhile).
+    def _excused(self, cluster: ClusterView) -> set[str]:
+        """Jobs to leave alone in this pass: a member of their plan is unregistered but excused.
 
         A lease expiry is evidence, not a verdict: when etcd stalls (a slow fsync, a long pause)
         every lease expires at once, with every node and its workers healthy. So a member of a live
-        plan found unregistered is asked (``Agent.Status``, every TTL/3) whether it still runs its
-        generations; while it says so it has ``STALL_GRACE_TTLS`` lease TTLs (this leader's clock)
-        to register again, and the running generation is adopted: nothing is relaunched. An agent
-        that does not answer (a dead node, a partition) or no longer runs them (it fenced itself)
-        is lost at once; waiting for the first answer takes at most TTL/6."""
+        plan found unregistered is asked (``Agent.Status``) whether it still runs its generations;
+        while it says so it has ``STALL_GRACE_TTLS`` lease TTLs (this leader's clock) to register
+        again, and its jobs get no decision meanwhile (no relaunch, no planned change): the running
+        generation is adopted when it is back. A member whose agent says it runs nothing (it fenced
+        itself) is lost at once, one that does not answer twice in a row (a dead node, a partition)
+        within about a second; until the first answer it waits at most half a TTL."""
         registered = {n.node_id for n in cluster.nodes}
-        self._seen.update((n.node_id, n) for n in cluster.nodes)
         wanted: dict[str, list[tuple[str, int]]] = {}
         members: dict[str, Member] = {}
         for view in cluster.jobs.values():
@@ -386,14 +396,14 @@ class Coordinator:
                     log.warning("node %s registered again after %.1fs with its generation(s) intact: adopted",
                                 node_id, time.monotonic() - gone.since, extra=dict(node=node_id))
         now, grace = time.monotonic(), STALL_GRACE_TTLS * self.cfg.lease_ttl_s
-        back: list[NodeRecord] = []
+        held: set[str] = set()
         for node_id, gens in wanted.items():
             a = self._absent.get(node_id)
             if a is None:
                 a = self._absent[node_id] = Absence(now, members[node_id])
                 a.task = asyncio.create_task(self._ask_absent(a), name=f"absent-{node_id}")
             waited = now - a.since
-            excused = waited <= grace and (a.running is None and waited <= self._probe_s
+            excused = waited <= grace and (a.running is None and waited <= self.cfg.lease_ttl_s / 2
                                            or a.running is not None and set(gens) <= a.running)
             if excused and not a.excused:
                 log.warning("node %s is unregistered but its agent still runs %s: waiting up to %ds for it to "
@@ -404,11 +414,14 @@ class Coordinator:
                             else "its agent no longer runs the generation or does not answer", extra=dict(node=node_id))
             a.excused = excused
             if excused:
-                seen = self._seen.get(node_id)
-                back.append(NodeRecord(node_id, a.member.agent_address, a.member.host,
-                                       slots=seen.slots if seen else a.member.local_workers,
-                                       version=seen.version if seen else "", cordoned=True))
-        return dataclasses.replace(cluster, nodes=cluster.nodes + back) if back else cluster
+                held.update(job for job, _ in gens)
+        return held
+
+    def _note_first_step(self, view: JobView, mono: float) -> None:
+        key = (view.name, view.plan.generation) if view.plan else None
+        if key in self._relaunched and key not in self._first_step and any(
+                r.first_step_at for r in view.current_reports().values()):
+            self._first_step[key] = mono
 
     def _on_my_clock(self, view: JobView, now: float) -> JobView:
         """The job with the times its status holds on this leader's clock.
@@ -428,7 +441,8 @@ class Coordinator:
             return self._anchors.setdefault((view.name, what, stamp), now)
 
         def until(node_id: str, stamp: float) -> float:
-            if stamp in self._mine or view.spec is None:
+            # Over by this clock: over (a skew can end it early by the skew, never bring it back).
+            if stamp in self._mine or view.spec is None or stamp <= now:
                 return stamp
             over = st.node_failures.get(node_id, 0) - view.spec.quarantine_after_failures
             cooldown = min(MAX_QUARANTINE_S, view.spec.quarantine_cooldown_s * 2 ** max(0, over))
@@ -451,18 +465,22 @@ class Coordinator:
         return min(1.0, self.cfg.lease_ttl_s / 6)
 
     async def _ask_absent(self, a: Absence) -> None:
-        """Ask an absent member's agent what it runs, every TTL/3, until it is forgotten."""
+        """Ask an absent member's agent what it runs, every TTL/3 (after a failed call, at once
+        again), until it is forgotten. Two failed calls in a row: it does not answer."""
+        failed = 0
         while True:
             try:
                 res = await self.agents.stub(a.member.agent_address).Status(pb.AgentStatusRequest(),
                                                                             timeout=self._probe_s)
                 running = {(g.job, g.generation) for g in res.generations
                            if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING)}
-                a.running = running if res.node_id == a.member.node_id else set()
+                a.running, failed = (running if res.node_id == a.member.node_id else set()), 0
             except grpc.aio.AioRpcError:
-                a.running = set()
+                failed += 1
+                if failed >= 2:
+                    a.running = set()
             self._wake.set()
-            await asyncio.sleep(self.cfg.lease_ttl_s / 3)
+            await asyncio.sleep(self.cfg.lease_ttl_s / 3 if not failed else 0.1)
 
     async def _finish_drains(self, term: Term, cluster: ClusterView, held: dict[str, dict[str, int]]) -> None:
         """A draining node that no job holds any more is drained: it stays cordoned (no new
@@ -845,13 +863,12 @@ class Coordinator:
         if f is None or plan is None or f.recover_s or f.generation >= plan.generation:
             return
         reports = view.current_reports().values()
-        relaunched = self._relaunched.get((view.name, plan.generation))
-        if relaunched is None or not any(r.first_step_at for r in reports):
+        key = (view.name, plan.generation)
+        if key not in self._relaunched or key not in self._first_step:
             return  # (committed by another leader: its clock is not ours to subtract from)
         # One clock: from this leader's commit of the relaunch to its first sight of a first step
         # (the agents' detection and teardown before it are the detection metric's).
-        recovered = dataclasses.replace(f, recover_s=max(0.001, round(time.monotonic() - relaunched, 3)))
-        del self._relaunched[(view.name, plan.generation)]
+        recovered = dataclasses.replace(f, recover_s=max(0.001, round(self._first_step.pop(key) - self._relaunched.pop(key), 3)))
         metrics.RECOVERY.labels(view.name).observe(recovered.recover_s)
         resumed = max((r.resumed_step for r in reports), default=-1)
         notes = sorted({r.resume_note for r in reports if r.resume_note})

@@ -27,25 +27,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import grp
+import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import sys
 import tomllib
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import grpc
 
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
+from mselastic.agent.users import UserError, cannot_run_python, resolve
+from mselastic.core.contract import default_sockets
+from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
 from mselastic import metrics
 from mselastic.daemon import logs, systemd
+from mselastic.daemon.auth import Authorizer
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
 from mselastic.store.embedded import EmbeddedEtcd
-from mselastic.store.etcd import RetryPolicy, Store
+from mselastic.store.etcd import EtcdAuth, PermanentError, RetryPolicy, Store, TemporaryError
 from mselastic.store.keys import BadName, Keys, check_id
 from mselastic.tls import TlsError, TlsFiles
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -54,6 +61,8 @@ log = logging.getLogger("elasticd")
 
 
 DEFAULT_CONFIG = "/etc/mselastic/elasticd.toml"
+#: The largest gRPC request elasticd accepts.
+MAX_REQUEST_BYTES = 1 << 20
 ENV_PREFIX = "ELASTICD_"
 
 
@@ -108,8 +117,36 @@ class Settings:
     tls_key: str = ""
     #: CA that signed the peers' and clients' certificates; with tls_cert, clients must present one.
     tls_cacert: str = ""
+    #: etcd over TLS (named like etcdctl's --cacert, --cert, --key): the CA of etcd's certificate,
+    #: and a client certificate and key (etcd with --client-cert-auth takes its CN as the user).
+    #: Default with embedded_etcd_dir and tls_cert: the node's own TLS files, for both ends.
+    etcd_cacert: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    #: etcd's user and password (after `etcdctl auth enable`), when not a certificate's CN.
+    etcd_user: str = ""
+    etcd_password: str = ""
     #: "text" or "json".
     log_format: str = "text"
+    #: The user the workers run as (when elasticd is root). Default: mselastic if that user
+    #: exists, else nobody; "root" runs every job's script as root and must be written out.
+    worker_user: str = ""
+    #: Loader or interpreter variables (LD_*, PYTHON*, PATH, ...) a job's env may set anyway,
+    #: comma-separated: each lets a job run code of its choosing before its script.
+    allow_env: str = ""
+    #: elasticd's own environment variables the workers inherit besides locale, PATH, proxies,
+    #: PYTHONPATH, LD_LIBRARY_PATH and MS_*, GLOG_*, ASCEND_*, HCCL_*: names, or prefixes as NAME*.
+    pass_env: str = ""
+    #: Serve plaintext gRPC on an address other machines reach (no TLS): anyone who reaches it
+    #: can submit jobs. Only on a network where that is acceptable.
+    insecure: bool = False
+    #: The local Unix socket: whoever may open it is admin (elasticctl's default endpoint).
+    #: "": /run/mselastic/elasticd.sock for root, else $XDG_RUNTIME_DIR/mselastic/elasticd.sock
+    #: (or ~/.mselastic/elasticd.sock).
+    socket: str = ""
+    #: Group that may open the socket (mode 0660); "": the mselastic group if it exists, else
+    #: root alone (0600).
+    socket_group: str = ""
 
     def validate(self) -> "Settings":
         try:
@@ -152,7 +189,39 @@ class Settings:
         for key in ("tls_cert", "tls_key", "tls_cacert"):
             if getattr(self, key) and not os.path.isfile(getattr(self, key)):
                 raise _bad(key, f"{getattr(self, key)!r} is not a readable file")
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise _bad("etcd_cert" if not self.etcd_cert else "etcd_key", "etcd_cert and etcd_key go together")
+        if bool(self.etcd_user) != bool(self.etcd_password):
+            raise _bad("etcd_user" if not self.etcd_user else "etcd_password", "etcd_user and etcd_password go together")
+        for key in ("etcd_cacert", "etcd_cert", "etcd_key"):
+            if getattr(self, key) and not os.path.isfile(getattr(self, key)):
+                raise _bad(key, f"{getattr(self, key)!r} is not a readable file")
+        for key in ("tls_key", "etcd_key"):
+            path = getattr(self, key)
+            if path and os.stat(path).st_mode & 0o077:
+                raise _bad(key, f"{path} may be read by others (mode {os.stat(path).st_mode & 0o777:o}): chmod 600 it "
+                                f"(a key others can read is refused, as ssh does)")
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if not self.tls_cert and not self.insecure and not _loopback(host):
+            raise _bad("listen", f"{self.listen} is reachable from other machines, without TLS: anyone who reaches it "
+                                 f"could run jobs here. Give tls_cert, tls_key and tls_cacert, or listen on loopback, "
+                                 f"or set insecure = true on a network you trust")
+        for key in ("allow_env", "pass_env"):
+            for name in _names(getattr(self, key)):
+                if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*" + (r"\*?" if key == "pass_env" else ""), name):
+                    raise _bad(key, f"{name!r} is not a variable name" + (" (or NAME*)" if key == "pass_env" else ""))
         return self
+
+    @property
+    def etcd_auth(self) -> EtcdAuth:
+        """How elasticd proves itself to etcd (the node's TLS files for an embedded etcd with TLS)."""
+        if self.embedded_etcd_dir and self.tls_cert and not (self.etcd_cacert or self.etcd_cert):
+            return EtcdAuth(self.tls_cacert, self.tls_cert, self.tls_key, self.etcd_user, self.etcd_password)
+        return EtcdAuth(self.etcd_cacert, self.etcd_cert, self.etcd_key, self.etcd_user, self.etcd_password)
+
+    @property
+    def allowed_env(self) -> frozenset[str]:
+        return _names(self.allow_env)
 
     @property
     def tls(self) -> TlsFiles:
@@ -164,6 +233,19 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise SettingsError(f"{message}; see elasticd --help")
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(filter(None, (n.strip() for n in text.split(","))))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bad(key: str, message: str) -> SettingsError:
@@ -178,6 +260,12 @@ def _coerce(key: str, value: object, source: str, typed: bool = False) -> object
     and are parsed; a config file is typed TOML (``typed``): ``slots = "2"`` is refused."""
     kind = str(FIELDS[key].type)
     ok = True
+    if kind == "bool":
+        if isinstance(value, str) and not typed and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        if not isinstance(value, bool):
+            raise SettingsError(f"{key} (from {source}): must be true or false (got {value!r})")
+        return value
     if kind == "str":
         ok = isinstance(value, str)
     elif isinstance(value, bool) or (typed and isinstance(value, str)):
@@ -226,13 +314,33 @@ def build_parser() -> argparse.ArgumentParser:
         "tls_key": "this node's TLS key (PEM)",
         "tls_cacert": "CA of the peers' and clients' certificates (PEM)",
         "log_format": "text or json",
+        "etcd_cacert": "CA of etcd's certificate (PEM): etcd over TLS",
+        "etcd_cert": "client certificate for etcd (PEM; its CN is the etcd user with --client-cert-auth)",
+        "etcd_key": "its key (PEM, mode 0600)",
+        "etcd_user": "etcd user (auth enabled), with etcd_password",
+        "etcd_password": "etcd user's password",
+        "worker_user": "user the workers run as (default: mselastic if it exists, else nobody; root only if named)",
+        "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",
+        "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
+        "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
+        "socket_group": "group that may open the socket (default: mselastic if it exists, else root only)",
+        "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
     }
     for key, f in FIELDS.items():
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kinds: dict[str, Callable[[str], object]] = {"int": int, "float": float, "bool": _flag}
+        kind = kinds.get(str(f.type), str)
         default = getattr(d, key)
         p.add_argument("--" + key.replace("_", "-"), type=kind, default=None, dest=key,
                        help=f"{helps[key]} (env {ENV_PREFIX}{key.upper()}; default {default!r})")
     return p
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be true or false (got {text!r})")
 
 
 def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -258,7 +366,8 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
         s = Settings(**values)  # type: ignore[arg-type]
         host = s.listen.rpartition(":")[0]
         advertise = s.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
-        return dataclasses.replace(s, advertise_host=advertise, work_dir=os.path.abspath(s.work_dir)).validate()
+        return dataclasses.replace(s, advertise_host=advertise, work_dir=os.path.abspath(s.work_dir),
+                                   socket=s.socket or default_sockets()[-1]).validate()
     except SettingsError as e:
         key = str(e).split(":", 1)[0]
         if key in sources and "(from " not in str(e):
@@ -291,15 +400,69 @@ def _read_config(path: str) -> dict[str, object]:
     return data
 
 
+def _bind_socket(server: grpc.aio.Server, s: Settings) -> str:
+    """Listen on the local socket too (its folder made; a stale socket replaced, a live one
+    refused); returns its ``unix:`` target."""
+    path = os.path.abspath(s.socket)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.chmod(os.path.dirname(path), os.stat(os.path.dirname(path)).st_mode | 0o005)  # others may pass
+    except OSError as e:
+        raise _bad("socket", f"{os.path.dirname(path)} cannot be created ({e.strerror})") from None
+    if os.path.exists(path):
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # left by an elasticd that is gone
+            else:
+                raise _bad("socket", f"{path} is in use by a running elasticd; give this one another socket")
+    try:
+        if not server.add_insecure_port("unix:" + path):
+            raise RuntimeError("bind failed")
+    except RuntimeError as e:
+        raise _bad("socket", f"cannot listen on {path}: {e}") from None
+    return "unix:" + path
+
+
+def _share_socket(s: Settings) -> None:
+    """Mode 0660 for the socket group, 0600 without one."""
+    path = os.path.abspath(s.socket)
+    try:
+        gid = grp.getgrnam(s.socket_group or "mselastic").gr_gid
+    except KeyError:
+        if s.socket_group:
+            raise _bad("socket_group", f"there is no group {s.socket_group!r} on this node") from None
+        gid = -1
+    os.chown(path, -1, gid)
+    os.chmod(path, 0o660 if gid >= 0 else 0o600)
+
+
 async def serve(s: Settings) -> None:
+    # Logs, checkpoints and sockets are not for everyone: files 0640, directories 0750 (the
+    # workers inherit it through msrun).
+    os.umask(0o027)
+    try:
+        worker = resolve(s.worker_user)
+    except UserError as e:
+        raise _bad("worker_user", str(e)) from None
+    if worker.is_root:
+        log.warning("worker_user = root: every job's script runs as root on this node")
+    if s.insecure and not s.tls_cert:
+        log.warning("insecure = true: plaintext gRPC on %s; anyone who reaches it can run jobs on this cluster",
+                    s.listen)
     for key in ("work_dir", "embedded_etcd_dir"):  # checked here, not when parsing: creating them is an action
         path = getattr(s, key)
         if path and (why := _unusable_dir(path)):
             raise _bad(key, f"{path!r} {why}; give a directory elasticd may write (created if missing)")
+    if why := await asyncio.to_thread(cannot_run_python, worker):
+        raise _bad("worker_user", f"{why}; install mselastic where that user can read it (a system Python, "
+                                  f"/opt/mselastic) or name another worker_user")
     etcd = None
     endpoint = s.etcd_endpoint
     if s.embedded_etcd_dir:
-        etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2])).start()
+        tls = (s.tls_cert, s.tls_key, s.tls_cacert) if s.tls_cert and s.tls_cacert else None
+        etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
         endpoint = etcd.endpoint
         log.info("embedded etcd on %s (data in %s)", endpoint, s.embedded_etcd_dir)
     if s.metrics_listen:
@@ -308,8 +471,19 @@ async def serve(s: Settings) -> None:
         except OSError as e:
             raise SettingsError(f"metrics_listen: cannot listen on {s.metrics_listen}: {e.strerror}") from None
         log.info("metrics on http://%s/metrics", s.metrics_listen)
-    store = Store(endpoint, Keys(s.namespace))
-    server = grpc.aio.server()
+    store = Store(endpoint, Keys(s.namespace), auth=s.etcd_auth)
+
+    async def leader() -> str:
+        try:
+            kv = await store.get(store.keys.leader)
+            return LeaderRecord.from_json(kv.value).node_id if kv else ""
+        except (TemporaryError, PermanentError, MalformedRecord):
+            return ""
+
+    # Requests are small (a spec is bounded far below this); answers may be larger (events).
+    server = grpc.aio.server(interceptors=[Authorizer(s.insecure, leader)],
+                             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+    local = _bind_socket(server, s)
     try:
         port = (server.add_secure_port(s.listen, s.tls.server_credentials()) if s.tls_cert
                 else server.add_insecure_port(s.listen))
@@ -319,23 +493,26 @@ async def serve(s: Settings) -> None:
         raise SettingsError(f"listen: cannot listen on {s.listen}")
     address = f"{s.advertise_host}:{port}"
     agent = NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
-                                         slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls))
+                                         slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
+                                         worker_user=worker, allow_env=s.allowed_env, pass_env=_names(s.pass_env)))
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),
         tls=s.tls, progress_interval_s=s.progress_interval_s, keep_events=s.keep_events, keep_events_s=s.keep_events_s,
-        keep_report_generations=s.keep_report_generations))
+        keep_report_generations=s.keep_report_generations, local_socket=local))
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is
     # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.
-    control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0))
-    pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator), server)
+    control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0), auth=s.etcd_auth)
+    pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator, s.allowed_env), server)
     await server.start()
+    _share_socket(s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("elasticd %s serving on %s%s, etcd %s", s.node_id, address, " (TLS)" if s.tls_cert else "", endpoint)
+    log.info("elasticd %s serving on %s%s and %s, etcd %s; workers run as %s (uid %d)", s.node_id, address,
+             " (TLS)" if s.tls_cert else "", local, endpoint, worker.name, worker.uid)
 
     def registered() -> None:
         log.info("registered; ready")

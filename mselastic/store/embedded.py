@@ -43,13 +43,16 @@ class EmbeddedEtcd:
     """One etcd member; alone by default, or one of ``initial_cluster`` (name=peer URL, ...)."""
 
     def __init__(self, data_dir: str, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
-                 name: str = "default", initial_cluster: str = "") -> None:
+                 name: str = "default", initial_cluster: str = "", tls: tuple[str, str, str] | None = None) -> None:
+        """``tls``: (certificate, key, CA) to serve clients over TLS only, requiring a client
+        certificate signed by the CA (whose CN etcd takes as the user once auth is enabled)."""
         self.data_dir = data_dir
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.name = name
         self.initial_cluster = initial_cluster
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -64,7 +67,7 @@ class EmbeddedEtcd:
         """Start the member; with ``wait``, return once it accepts clients (a member of a new
         cluster only does so with a quorum: start them all, then :meth:`wait_ready` each)."""
         os.makedirs(self.data_dir, exist_ok=True)
-        client = f"http://{self.host}:{self.client_port}"
+        client = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer = self.peer_url
         cmd = [etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -75,6 +78,9 @@ class EmbeddedEtcd:
                # may not grow past 2 GiB (etcd then refuses writes with NOSPACE, not the disk).
                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
                "--quota-backend-bytes", str(2 * 1024**3)]
+        if self.tls:
+            cert, key, ca = self.tls
+            cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         self.proc = subprocess.Popen(with_parent_death(cmd), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

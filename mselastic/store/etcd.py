@@ -16,7 +16,11 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
+import aetcd.client
 import aetcd.exceptions as aerr
+import aetcd.rpc
+import aetcd.watcher
+import grpc
 import tenacity
 
 from mselastic.store.keys import Keys
@@ -99,6 +103,68 @@ def _kv(raw: Any) -> KV:
     return KV(raw.key.decode(), raw.value, raw.create_revision, raw.mod_revision, raw.lease)
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdAuth:
+    """How elasticd proves itself to etcd, named like etcdctl's flags: TLS (``cacert``; ``cert`` and
+    ``key`` for a client certificate, whose CN etcd takes as the user when it runs with
+    ``--client-cert-auth``), and/or a user and password (etcd's ``auth enable``)."""
+
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cacert or self.cert)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes | None:
+            if not path:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+        return grpc.ssl_channel_credentials(root_certificates=read(self.cacert), private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd 1.0 opens plaintext channels only, in ``connect`` (the one place a channel is made):
+    the same ``connect`` with TLS credentials. Everything else (stubs, the watcher, the token a
+    user and password get) is aetcd's."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._credentials = credentials
+
+    @aetcd.client._handle_errors
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
+                                                   options=list(self._options.items()))
+            if self._username is not None and self._password is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                self.metadata = (("token", resp.token),)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                  metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 CHANNEL_OPTIONS: dict[str, object] = {
     "grpc.lb_policy_name": "round_robin",
     "grpc.initial_reconnect_backoff_ms": 200,
@@ -111,7 +177,7 @@ class Store:
     """An etcd connection with the project's key layout and retry policy."""
 
     def __init__(self, endpoint: str, keys: Keys = Keys(), retry: RetryPolicy = RetryPolicy(),
-                 rpc_timeout_s: float = 2.0) -> None:
+                 rpc_timeout_s: float = 2.0, auth: EtcdAuth = EtcdAuth()) -> None:
         """``endpoint``: ``host:port``, or several separated by commas (the members of a cluster)."""
         endpoints = [e.strip() for e in endpoint.split(",")]
         for e in endpoints:
@@ -129,7 +195,13 @@ class Store:
         self.retry = dataclasses.replace(retry, endpoint=endpoint)
         # gRPC's default reconnect backoff grows to minutes; after an etcd restart the
         # leases must be renewed within a TTL, so reconnect within a second.
-        self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS)
+        user = dict(username=auth.user or None, password=auth.password or None) if auth.user else {}
+        if auth.tls:
+            self.client: aetcd.Client = _TlsClient(auth.credentials(), host=host, port=int(port), timeout=rpc_timeout_s,
+                                                   options=CHANNEL_OPTIONS, **user)
+        else:
+            self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS,
+                                       **user)
         self.tx = self.client.transactions
         #: Keys returned by reads so far (an empty read counts one): what ``make bench-scale`` reports.
         self.keys_read = 0
@@ -142,6 +214,9 @@ class Store:
         try:
             return await fn()
         except (aerr.ClientError, TimeoutError) as e:
+            if "invalid auth token" in str(e):  # etcd restarted: its tokens are gone; authenticate again
+                await self.client.close()
+                raise TemporaryError(str(e)) from e
             raise _classify(e) from e
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:

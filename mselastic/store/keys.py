@@ -13,6 +13,8 @@ All keys live under a namespace (default ``/mselastic``)::
     <ns>/events/<job>/<seq:012d>              Event JSON, the job's timeline
     <ns>/deleted/<job>                        DeletedJob JSON: the last generation of a deleted job, so a
                                               job submitted again under its name continues the numbering
+    <ns>/checkpoint_dirs/<sha256 of the path> the job that owns a checkpoint_dir (its name), claimed in the
+                                              Submit transaction, released by delete
 
 Reports, history and events grow with the job's life, so they live outside ``jobs/``:
 the reconcile pass reads ``jobs/`` whole on every pass and must stay small; of the
@@ -24,6 +26,8 @@ Names are checked so that no id can reach into another's keys.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import re
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -92,6 +96,11 @@ class Keys:
 
     def event(self, job: str, seq: int) -> str:
         return f"{self.events(job)}{seq:012d}"
+
+    def checkpoint_dir(self, path: str) -> str:
+        """Which job owns a checkpoint directory (``path`` normalized, hashed: a key for any path)."""
+        digest = hashlib.sha256(os.path.normpath(path).encode()).hexdigest()[:32]
+        return f"{self.namespace}/checkpoint_dirs/{digest}"
 
     def deleted(self, job: str) -> str:
         return f"{self.namespace}/deleted/{check_id('job name', job)}"

@@ -191,8 +191,7 @@ def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
                 if parsed_report is None:
                     continue
                 try:
-                    view.reports.setdefault(generation, {})[parsed_report[2]] = dataclasses.replace(
-                        decode(kv, GenerationReport.from_json), revision=kv.mod_revision)
+                    view.reports.setdefault(generation, {})[parsed_report[2]] = decode(kv, GenerationReport.from_json)
                 except (MalformedRecord, ValueError) as e:
                     log.error("malformed value at %s: %s", kv.key, e, extra={"job": view.name})
     return ClusterView(raw.revision, nodes, jobs, cordons, leader)

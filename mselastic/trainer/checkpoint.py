@@ -229,15 +229,17 @@ class Checkpointer:
 
     def _sweep(self) -> None:
         """Remove what saves killed midway left (temp files, a ``.ckpt`` without its manifest) by
-        the generations before this one, which own nothing here any more."""
-        for path in glob.glob(os.path.join(self.dir, "*.tmp.*")):
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        for path in glob.glob(os.path.join(self.dir, "ckpt-*-g*.ckpt")) + glob.glob(os.path.join(self.dir, "ckpt-*.tmp")):
-            stem = os.path.splitext(path)[0]
-            found = _MANIFEST.match(os.path.basename(stem) + ".json")
-            if (found and found.group(2) and int(found.group(2)) < self.generation
-                    and (path.endswith(".tmp") or not os.path.exists(stem + ".json"))):
+        the generations before this one, which own nothing here any more. Only files whose name
+        says an older generation: a newer one (this one was replaced) may be writing its own."""
+        for path in glob.glob(os.path.join(self.dir, "ckpt-*-g*")):
+            name = os.path.basename(path)
+            stem = name.split(".", 1)[0]
+            found = _MANIFEST.match(stem + ".json")
+            if not found or not found.group(2) or int(found.group(2)) >= self.generation:
+                continue
+            torn = ".tmp" in name[len(stem):] or (name.endswith(".ckpt") and not os.path.exists(
+                os.path.join(self.dir, stem + ".json")))
+            if torn:
                 with contextlib.suppress(OSError):
                     os.remove(path)
 
@@ -264,15 +266,16 @@ class Checkpointer:
                                 cursor=cursor, seed=seed, extra=extra or {}, job=self.job, rng=rng_state())
             _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)),
                           midway=lambda: self._fault_point("save", step))
+            published = self._publish(name + ".json")
         except (OSError, RuntimeError) as e:
             self._withdraw(name)
             if not self._full(e):
                 raise
             last = self._latest().get("manifest") or "none"
-            self._fatal(f"checkpoint_dir {self.dir} is full ({shutil.disk_usage(self.dir).free} bytes free): the "
-                        f"checkpoint of step {step} could not be written ({e}); free space there, then submit the "
-                        f"job again: it resumes from the newest complete checkpoint ({last})")
-        if not self._publish(name + ".json"):
+            self._fatal(f"checkpoint_dir {self.dir} is full ({self._free()} free): the checkpoint of step {step} "
+                        f"could not be written ({e}); free space there, then submit the job again: it resumes from "
+                        f"the newest complete checkpoint ({last})")
+        if not published:
             # Replaced while cut off: withdraw the files, nobody may resume from them.
             self._withdraw(name)
             log.error("checkpoint of step %d withdrawn: generation %s owns %s, this one (%d) was replaced",
@@ -293,6 +296,12 @@ class Checkpointer:
                 glob.glob(os.path.join(self.dir, name + ".json.tmp.*")):
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+    def _free(self) -> str:
+        try:
+            return f"{shutil.disk_usage(self.dir).free} bytes"
+        except OSError:
+            return "? bytes"
 
     def _full(self, error: Exception) -> bool:
         """Whether a failed save failed because the checkpoint filesystem is full (MindSpore's own
@@ -368,7 +377,11 @@ class Checkpointer:
         if skipped:
             log.warning("resuming from %s (step %d) instead of newer %s", m.file, m.step,
                         ", ".join(n for n, _ in skipped))
-        restore_rng_state(m.rng)
+        try:
+            restore_rng_state(m.rng)
+        except Exception as e:  # an old or foreign state: the resume goes on, only not bit-identical
+            log.warning("random state of %s not restored (%s): dropout and other random operators draw anew",
+                        m.file, e)
         return Resumed(m, params, tuple(skipped))
 
     def _none_usable(self, skipped: list[tuple[str, str]]) -> NoReturn:

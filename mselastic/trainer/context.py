@@ -20,7 +20,7 @@ import time
 from typing import Any, NoReturn
 
 from mselastic.core import contract
-from mselastic.core.contract import Beat, BeatKind
+from mselastic.core.contract import NOTE_MAX, Beat, BeatKind
 from mselastic.core.elastic import BatchLayout, batch_layout
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.trainer.faults import FaultPlan
@@ -216,7 +216,7 @@ class ElasticContext:
         load, the checkpoint directory full): say why to the agent, then leave with
         ``FATAL_EXIT_CODE``. The job fails with the reason instead of restarting for ever."""
         log.error("rank %d: %s", self.rank, reason)
-        self.beat(BeatKind.FATAL, -1, note=reason[:500])
+        self.beat(BeatKind.FATAL, -1, note=reason[:NOTE_MAX])
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,0 +1,136 @@
+"""Who the workers run as, and what they inherit.
+
+elasticd runs as root (it must signal and reap every process of a generation, and bind
+the ports it is given); the jobs it starts run the scripts operators submit, so they run
+as an unprivileged user: ``worker_user`` (default: ``mselastic`` when that system user
+exists, else ``nobody``). Running them as root takes ``worker_user = "root"``, written
+out. An elasticd that is not root starts its workers as itself.
+
+The workers' environment is built, not inherited: the daemon's variables on an
+allowlist (locale, time zone, PATH, proxies, MindSpore's, glog's and Ascend's own settings,
+PYTHONPATH / LD_LIBRARY_PATH, which only an admin can have set there, and the names the
+admin adds with ``pass_env``), then the job's
+``env``, then the daemon's ``MSELASTIC_*``. A job's ``env`` may not set loader or
+interpreter variables (``LD_*``, ``PYTHON*``, ``PATH``, ...: each can run code of its
+choosing inside every worker) unless the admin allows that name (``allow_env``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import pwd
+
+#: Daemon variables a worker inherits (besides ``LC_*``, ``MS_*``, ``GLOG_*``).
+INHERITED = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH",
+                       "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+                       "OMP_NUM_THREADS"})
+INHERITED_PREFIXES = ("LC_", "MS_", "GLOG_", "ASCEND_", "HCCL_")
+#: Names a job's env may not set unless the admin allows them: the dynamic loader's, the
+#: interpreters' (PYTHONWARNINGS and PYTHONSTARTUP import modules, PYTHONPATH picks them), the
+#: search path, and the shells' start-up files.
+FORBIDDEN_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY")
+FORBIDDEN = frozenset({"PATH", "BASH_ENV", "ENV", "IFS", "GCONV_PATH", "HOSTALIASES", "NODE_OPTIONS", "MALLOC_CONF",
+                       "GLIBC_TUNABLES"})
+#: Harmless interpreter variables a job may always set.
+HARMLESS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE"})
+
+
+def forbidden_env(env: dict[str, str], allowed: frozenset[str] = frozenset()) -> list[str]:
+    """The names in a job's ``env`` it may not set (sorted)."""
+    return sorted(name for name in env if name not in allowed and name not in HARMLESS
+                  and (name in FORBIDDEN or name.startswith(FORBIDDEN_PREFIXES)))
+
+
+def inherited_env(environ: dict[str, str] | os._Environ[str], extra: frozenset[str] = frozenset()) -> dict[str, str]:
+    """The daemon's variables a worker gets; ``extra`` (the admin's ``pass_env``): more names, or
+    prefixes written ``NAME*``."""
+    names = INHERITED | {e for e in extra if not e.endswith("*")}
+    prefixes = INHERITED_PREFIXES + tuple(e[:-1] for e in extra if e.endswith("*"))
+    return {k: v for k, v in environ.items() if k in names or k.startswith(prefixes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerUser:
+    name: str
+    uid: int
+    gid: int
+    #: Other groups it is in (for checking that it may write a directory).
+    groups: frozenset[int] = frozenset()
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    @property
+    def switch(self) -> bool:
+        """Whether starting a worker changes the user (elasticd is root and the worker user is not
+        elasticd's own)."""
+        return self.uid != os.geteuid()
+
+    def may_write(self, path: str) -> bool:
+        """Whether this user may create files in directory ``path`` (by its mode bits)."""
+        if self.uid == 0:
+            return True
+        st = os.stat(path)
+        if st.st_uid == self.uid:
+            return st.st_mode & 0o300 == 0o300
+        if st.st_gid == self.gid or st.st_gid in self.groups:
+            return st.st_mode & 0o030 == 0o030
+        return st.st_mode & 0o003 == 0o003
+
+
+class UserError(ValueError):
+    pass
+
+
+def resolve(name: str) -> WorkerUser:
+    """The worker user elasticd starts jobs as, by the ``worker_user`` setting ("" = the default)."""
+    me = pwd.getpwuid(os.geteuid())
+    if os.geteuid() != 0:
+        if name and name != me.pw_name:
+            raise UserError(f"elasticd runs as {me.pw_name}, which cannot start workers as {name}; run elasticd "
+                            f"as root, or leave worker_user empty (the workers then run as {me.pw_name})")
+        return _user(me)
+    if not name:
+        try:
+            return _user(pwd.getpwnam("mselastic"))
+        except KeyError:
+            name = "nobody"
+    try:
+        return _user(pwd.getpwnam(name))
+    except KeyError:
+        raise UserError(f"there is no user {name!r} on this node; create it (useradd --system {name}) or name "
+                        f"another") from None
+
+
+def cannot_run_python(user: WorkerUser) -> str:
+    """Why ``user`` cannot run this installation's Python ("" when it can): msrun and the workers
+    are this venv's interpreter, and a Python under a private home (a pyenv in /root) is out of
+    another user's reach."""
+    if not user.switch:
+        return ""
+    import shutil
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return "setpriv (util-linux) is not installed"
+    r = subprocess.run([setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--",
+                        sys.executable, "-c", "import sys, mselastic.trainer; print(sys.base_prefix)"],
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return f"user {user.name} cannot run {sys.executable}: {lines[-1] if lines else f'exit {r.returncode}'}"
+    if r.stdout.strip() != sys.base_prefix:
+        # It started, but could not reach its own installation and fell back to another Python's.
+        return (f"user {user.name} cannot reach this Python's installation {sys.base_prefix} (it ran with "
+                f"{r.stdout.strip() or '?'}'s library instead)")
+    return ""
+
+
+def _user(pw: pwd.struct_passwd) -> WorkerUser:
+    groups = frozenset(g.gr_gid for g in grp.getgrall() if pw.pw_name in g.gr_mem)
+    return WorkerUser(pw.pw_name, pw.pw_uid, pw.pw_gid, groups)
