@@ -49,10 +49,11 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: fl
 
 
 def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int) -> str:
-    """The spec, and its output folder made writable by the workers (they run as an unprivileged
-    user: nobody here, unless the system has an mselastic user)."""
-    os.makedirs(out_dir, exist_ok=True)
-    os.chmod(out_dir, 0o1777)
+    """The spec, and its output and checkpoint folders made writable by the workers (they run as
+    an unprivileged user: nobody here, unless the system has an mselastic user)."""
+    for d in (out_dir, ckpt_dir):  # (the demo's own folders: the workers' user may write them)
+        os.makedirs(d, exist_ok=True)
+        os.chmod(d, 0o1777)
     with open(path, "w") as f:
         f.write(f'name = "{name}"\nscript = "{TRAIN}"\n'
                 f'args = ["--data", "{os.path.abspath(data)}", "--out", "{out_dir}", "--lr", "0.05"]\n'

@@ -47,9 +47,14 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     procs.start("elasticd-n0", cmd, env={"ELASTICD_TEST_SECRET": "s3cret"})
     wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
     endpoint = "unix:" + local_socket(os.path.join(tmp, "work"))
-    out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
-    os.makedirs(out, mode=0o777)
-    os.chmod(out, 0o777)
+    # The job's folders are the worker user's: out made for it, checkpoint_dir made by it (under a
+    # folder of its own: root never creates or hands over a path a spec names).
+    nobody = pwd.getpwnam("nobody").pw_uid
+    out, jobs = os.path.join(tmp, "out"), os.path.join(tmp, "jobs")
+    for d in (out, jobs):
+        os.makedirs(d)
+        os.chown(d, nobody, -1)
+    ckpt = os.path.join(jobs, "lenet", "ckpt")
     bad = lenet_spec(os.path.join(tmp, "bad.toml"), JOB, out, ckpt, total_steps=40, env={"LD_PRELOAD": "/tmp/x.so"})
     r = elasticctl("submit", bad, endpoint=endpoint)
     assert r.returncode == 2 and "LD_PRELOAD may not be set by a job" in r.stderr and len(r.stderr.splitlines()) == 1
@@ -57,7 +62,6 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 0, r.stderr
     wait_for("step 5", lambda: (rep := etcd.report(JOB, 1, "n0")) and rep.step >= 5, 180, 0.2)
-    nobody = pwd.getpwnam("nobody").pw_uid
     processes = generation_processes(procs, 1)
     assert len(worker_pids(procs, 1)) == 2 and len(processes) >= 3  # msrun, its scheduler, the workers
     for p in processes:
@@ -83,6 +87,7 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     written = [os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.startswith("ckpt-")]
     logs = os.path.join(tmp, "work", "logs", JOB, "g000001")
     written += [os.path.join(logs, n) for n in os.listdir(logs)]
+    assert os.stat(ckpt).st_uid == nobody
     assert written and all(os.stat(f).st_uid == nobody for f in written if not f.endswith("msrun.log"))
     assert all(os.stat(f).st_mode & 0o007 == 0 for f in written), {f: oct(os.stat(f).st_mode) for f in written}
     wait_for("generation 1 processes gone", lambda: not generation_processes(procs, 1), 15)

@@ -129,11 +129,15 @@ def test_plaintext_elsewhere_than_loopback_needs_insecure_and_a_key_others_read_
         with open(path, "w") as f:
             f.write("-----BEGIN-----\n")
     os.chmod(key, 0o644)
+    tls = ["--tls-cert", cert, "--tls-key", key, "--tls-cacert", cert]
     with pytest.raises(SettingsError, match="tls_key .* may be read by others \\(mode 644\\): chmod 600 it"):
-        parse_args(["--config", os.devnull, "--tls-cert", cert, "--tls-key", key], environ={})
+        parse_args(["--config", os.devnull, *tls], environ={})
     os.chmod(key, 0o600)
-    assert parse_args(["--config", os.devnull, "--tls-cert", cert, "--tls-key", key, "--listen", "0.0.0.0:7070"],
-                      environ={}).tls_key == key
+    assert parse_args(["--config", os.devnull, *tls, "--listen", "0.0.0.0:7070"], environ={}).tls_key == key
+    with pytest.raises(SettingsError, match="tls_cert without tls_cacert would accept any client"):
+        parse_args(["--config", os.devnull, "--tls-cert", cert, "--tls-key", key], environ={})
+    with pytest.raises(SettingsError, match="a flag is visible to every user in the process list"):
+        parse_args(["--config", os.devnull, "--etcd-user", "me", "--etcd-password", "secret"], environ={})
 
 
 def test_the_worker_environment_is_built_and_a_job_may_not_set_loader_variables() -> None:
@@ -247,13 +251,17 @@ def test_tls_everywhere_with_roles(procs: Processes, etcd: Etcd, namespace: str,
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.AgentStub(ch).Stop(pb.StopRequest(job="lenet"), timeout=10)
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    # The leader's own certificate passes the check (the plan itself is then judged: this empty one is
-    # not the plan committed in etcd).
+    # The leader's own certificate passes the check; the plan itself is then judged: a generation
+    # that is not the one committed in etcd (what a deposed leader would push) is refused.
+    from mselastic.wire import plan_to_pb
+
+    committed = etcd.plan("lenet")
+    assert committed is not None
+    stale = plan_to_pb(dataclasses.replace(committed, generation=committed.generation + 1))
     files = TlsFiles(ca, os.path.join(pki, "n0.pem"), os.path.join(pki, "n0-key.pem"))
     with files.channel(address) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            pb_grpc.AgentStub(ch).Launch(pb.LaunchRequest(), timeout=10)
-        assert e.value.code() != grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+        res = pb_grpc.AgentStub(ch).Launch(pb.LaunchRequest(plan=stale), timeout=10)
+        assert not res.accepted and "is not the plan committed in etcd" in res.message, res
 
 
 

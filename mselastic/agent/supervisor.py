@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
+import shutil
 import socket
+import subprocess
 import struct
 import sys
 import time
@@ -114,19 +117,29 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} {why}")
     if not os.access(spec.script, os.R_OK):
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} is not readable")
-    created = not os.path.isdir(spec.checkpoint_dir)
-    try:
-        os.makedirs(spec.checkpoint_dir, exist_ok=True)
-        if created and user is not None and user.switch:
-            os.chown(spec.checkpoint_dir, user.uid, user.gid)  # the workers write it
-    except OSError as e:
-        raise LaunchError(FailureCause.LAUNCH_SPEC,
-                          f"checkpoint_dir {spec.checkpoint_dir} cannot be created: {os_error(e)}") from None
+    if user is not None and user.switch:
+        # Made by the worker user itself, as its own: root creating (and handing over) a path a
+        # spec names would let a job choose where it may write (a venv's site-packages...).
+        made = subprocess.run([shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
+                               "--init-groups", "--", "mkdir", "-p", "--", spec.checkpoint_dir],
+                              capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        if made.returncode != 0:
+            why = (made.stderr.strip().splitlines() or ["mkdir failed"])[-1].split(": ")[-1]
+            raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} cannot be created by "
+                                                        f"the worker user {user.name}: {why}")
+    else:
+        try:
+            os.makedirs(spec.checkpoint_dir, exist_ok=True)
+        except OSError as e:
+            raise LaunchError(FailureCause.LAUNCH_SPEC,
+                              f"checkpoint_dir {spec.checkpoint_dir} cannot be created: {os_error(e)}") from None
     if not os.access(spec.checkpoint_dir, os.W_OK | os.X_OK) or (user is not None and not user.may_write(spec.checkpoint_dir)):
         who = f" by the worker user {user.name} (uid {user.uid})" if user is not None and user.switch else ""
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable{who}")
     try:
         os.makedirs(log_dir, exist_ok=True)
+        # msrun's own log, made by root before the folder is handed over (its fd is inherited).
+        os.close(os.open(os.path.join(log_dir, "msrun.log"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o640))
         if user is not None and user.switch:
             os.chown(log_dir, user.uid, user.gid)  # msrun and the workers write their logs there
             parent = os.path.dirname(log_dir)
@@ -213,11 +226,26 @@ class Generation:
                "--join=True", "--tail_worker_log=99999",
                f"--cluster_time_out={int(self.spec.startup_timeout_s)}",
                self.spec.script, *self.spec.args]
+        who = self.user if self.user is not None and self.user.switch else None
+        if who is not None:
+            # The job's env reaches msrun through a file only the worker user reads, applied after
+            # setpriv switched: nothing runs as root with it (LD_PRELOAD, if an admin allows it).
+            envfile = os.path.join(self.log_dir, ".job-env.json")
+            try:
+                fd = os.open(envfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    os.fchown(f.fileno(), who.uid, who.gid)
+                    json.dump(self._job_env(), f)
+            except OSError as e:
+                await self._fail(-1, f"the job's environment could not be handed over in {self.log_dir}: {e}",
+                                 FailureCause.LAUNCH_NODE)
+                return
+            cmd = [sys.executable, "-m", "mselastic.agent.envexec", envfile, "--", *cmd]
         try:
-            with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:
+            with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:  # made in preflight, ours
                 self._msrun = await asyncio.create_subprocess_exec(
-                    *with_parent_death(cmd, (self.user.uid, self.user.gid) if self.user and self.user.switch else None),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    *with_parent_death(cmd, (who.uid, who.gid) if who else None), stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
                     stderr=asyncio.subprocess.STDOUT, env=self._env(), cwd=os.path.dirname(self.spec.script),
                     start_new_session=True)
         except OSError as e:
@@ -233,9 +261,10 @@ class Generation:
         # Built, not inherited: the daemon's environment may hold what a job must not see (see
         # mselastic.agent.users), and a job's env may not set loader or interpreter variables.
         env = inherited_env(os.environ, self.pass_env)
-        env.update({k: v for k, v in self.spec.env.items() if k not in forbidden_env(dict(self.spec.env), self.allow_env)})
         if self.user is not None and self.user.switch:
             env.update(HOME=self.log_dir, USER=self.user.name, LOGNAME=self.user.name)
+        else:
+            env.update(self._job_env())  # (switching: added after the switch, see start)
         venv_bin = os.path.dirname(sys.executable)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
         env.update({
@@ -254,6 +283,11 @@ class Generation:
             contract.ENV_RUN_ID: self.run_id,
         })
         return env
+
+    def _job_env(self) -> dict[str, str]:
+        """The job's env, without what it may not set (preflight refused a launch that sets any)."""
+        refused = forbidden_env(dict(self.spec.env), self.allow_env)
+        return {k: v for k, v in self.spec.env.items() if k not in refused}
 
     async def stop(self, grace_s: float) -> list[int]:
         """Stop every process of this generation. Returns leftovers.

@@ -32,7 +32,8 @@ INHERITED_PREFIXES = ("LC_", "MS_", "GLOG_", "ASCEND_", "HCCL_")
 #: search path, and the shells' start-up files.
 FORBIDDEN_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY")
 FORBIDDEN = frozenset({"PATH", "BASH_ENV", "ENV", "IFS", "GCONV_PATH", "HOSTALIASES", "NODE_OPTIONS", "MALLOC_CONF",
-                       "GLIBC_TUNABLES"})
+                       "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "TZDIR", "RES_OPTIONS", "LOCALDOMAIN", "MALLOC_TRACE",
+                       "GETCONF_DIR"})
 #: Harmless interpreter variables a job may always set.
 HARMLESS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE"})
 
@@ -111,16 +112,15 @@ def cannot_run_python(user: WorkerUser) -> str:
     another user's reach."""
     if not user.switch:
         return ""
-    import shutil
     import subprocess
     import sys
 
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        return "setpriv (util-linux) is not installed"
-    r = subprocess.run([setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--",
-                        sys.executable, "-c", "import sys, mselastic.trainer; print(sys.base_prefix)"],
-                       capture_output=True, text=True, timeout=60)
+    import shutil
+
+    r = subprocess.run([shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
+                        "--init-groups", "--", sys.executable, "-c",
+                        "import sys, mselastic.trainer; print(sys.base_prefix)"],
+                       capture_output=True, text=True, timeout=60, env=inherited_env(os.environ), cwd="/")
     if r.returncode != 0:
         lines = (r.stderr or r.stdout).strip().splitlines()
         return f"user {user.name} cannot run {sys.executable}: {lines[-1] if lines else f'exit {r.returncode}'}"

@@ -20,7 +20,9 @@ _PR_SET_PDEATHSIG = 1
 def with_parent_death(cmd: list[str], user: tuple[int, int] | None = None) -> list[str]:
     """``cmd`` prefixed so that it is SIGKILLed when the process that starts it dies; with
     ``user`` (uid, gid), run as that user with its groups (setpriv sets the death signal after
-    changing the credentials, which would clear it)."""
+    changing the credentials, which would clear it). The switch is setpriv's, not a fork that
+    calls setuid in elasticd: a forked copy of a process running gRPC's threads may crash before
+    it execs (seen: msrun and mkdir children dying with SIGSEGV), a vfork'ed setpriv does not."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         raise RuntimeError("setpriv (util-linux) not found: install util-linux")

@@ -54,8 +54,8 @@ LEADER_ONLY = frozenset({"/mselastic.v1.Agent/Launch", "/mselastic.v1.Agent/Stop
 class Caller:
     """Who called: the roles and, for a certificate, its common name ("" otherwise)."""
 
-    def __init__(self, roles: frozenset[Role], name: str = "", via: str = "") -> None:
-        self.roles, self.name, self.via = roles, name, via
+    def __init__(self, roles: frozenset[Role], name: str = "", via: str = "", certified: bool = False) -> None:
+        self.roles, self.name, self.via, self.certified = roles, name, via, certified
 
 
 def caller(context: grpc.aio.ServicerContext, insecure: bool) -> Caller:
@@ -73,7 +73,7 @@ def caller(context: grpc.aio.ServicerContext, insecure: bool) -> Caller:
         names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
         roles = frozenset(r for r in Role if r.value in orgs)
         name = names[0] if names else ""
-        return Caller(roles, name, via=f"certificate {name or '(no CN)'}")
+        return Caller(roles, name, via=f"certificate {name or '(no CN)'}", certified=True)
     if insecure:
         return Caller(ALL, via="plaintext (insecure = true)")
     return Caller(frozenset({Role.VIEWER}), via="plaintext TCP")
@@ -103,7 +103,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{method.rsplit('/', 1)[-1]} needs the {need} role; {who.via} has "
                                     f"{', '.join(sorted(r.value for r in who.roles)) or 'none'}{hint}")
-            if method in LEADER_ONLY and who.name and Role.NODE in who.roles:
+            if method in LEADER_ONLY and who.certified:
                 leader = await self.leader()
                 if who.name != leader:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -127,4 +127,4 @@ class Authorizer(grpc.aio.ServerInterceptor):
                     yield item
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
-        return handler
+        return None  # a client-streaming method (there is none) is not served unchecked

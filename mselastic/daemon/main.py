@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import tomllib
 from typing import Callable, NoReturn
@@ -42,7 +43,7 @@ import grpc
 
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
-from mselastic.agent.users import UserError, cannot_run_python, resolve
+from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, resolve
 from mselastic.core.contract import default_sockets
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
@@ -144,8 +145,8 @@ class Settings:
     #: "": /run/mselastic/elasticd.sock for root, else $XDG_RUNTIME_DIR/mselastic/elasticd.sock
     #: (or ~/.mselastic/elasticd.sock).
     socket: str = ""
-    #: Group that may open the socket (mode 0660); "": the mselastic group if it exists, else
-    #: root alone (0600).
+    #: Group that may open the socket (mode 0660; "": elasticd's user alone, 0600). Never a group
+    #: the worker user is in: every job's script would then administer the cluster.
     socket_group: str = ""
 
     def validate(self) -> "Settings":
@@ -196,11 +197,17 @@ class Settings:
         for key in ("etcd_cacert", "etcd_cert", "etcd_key"):
             if getattr(self, key) and not os.path.isfile(getattr(self, key)):
                 raise _bad(key, f"{getattr(self, key)!r} is not a readable file")
+        if self.tls_cert and not self.tls_cacert:
+            raise _bad("tls_cacert", "tls_cert without tls_cacert would accept any client; give the CA that signs the "
+                                     "nodes' and clients' certificates")
         for key in ("tls_key", "etcd_key"):
             path = getattr(self, key)
             if path and os.stat(path).st_mode & 0o077:
                 raise _bad(key, f"{path} may be read by others (mode {os.stat(path).st_mode & 0o777:o}): chmod 600 it "
                                 f"(a key others can read is refused, as ssh does)")
+            if path and os.stat(path).st_uid not in (0, os.geteuid()):
+                raise _bad(key, f"{path} belongs to uid {os.stat(path).st_uid}, not to elasticd's user: whoever owns "
+                                f"it may replace it")
         host = self.listen.rpartition(":")[0].strip("[]")
         if not self.tls_cert and not self.insecure and not _loopback(host):
             raise _bad("listen", f"{self.listen} is reachable from other machines, without TLS: anyone who reaches it "
@@ -323,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",
         "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
         "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
-        "socket_group": "group that may open the socket (default: mselastic if it exists, else root only)",
+        "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
         "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
     }
     for key, f in FIELDS.items():
@@ -360,6 +367,12 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
     for key in FIELDS:
         if getattr(a, key) is not None:
             values[key], sources[key] = getattr(a, key), "--" + key.replace("_", "-")
+    if sources.get("etcd_password", "").startswith("--"):
+        raise SettingsError("etcd_password (from --etcd-password): a flag is visible to every user in the process "
+                            "list; put it in the config file (mode 0600) or $ELASTICD_ETCD_PASSWORD")
+    if sources.get("etcd_password") == path and os.stat(path).st_mode & 0o044:
+        raise SettingsError(f"etcd_password (from {path}): the file may be read by others (mode "
+                            f"{os.stat(path).st_mode & 0o777:o}); chmod 600 it")
     if not values.get("node_id"):
         values["node_id"] = socket.gethostname().split(".")[0]
     try:
@@ -402,14 +415,21 @@ def _read_config(path: str) -> dict[str, object]:
 
 def _bind_socket(server: grpc.aio.Server, s: Settings) -> str:
     """Listen on the local socket too (its folder made; a stale socket replaced, a live one
-    refused); returns its ``unix:`` target."""
+    refused); returns its ``unix:`` target. The folder must be elasticd's own and writable by
+    nobody else: whoever could replace the socket there could redirect what is done to it."""
     path = os.path.abspath(s.socket)
+    folder = os.path.dirname(path)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.chmod(os.path.dirname(path), os.stat(os.path.dirname(path)).st_mode | 0o005)  # others may pass
+        os.makedirs(folder, exist_ok=True)
+        st = os.lstat(folder)
     except OSError as e:
-        raise _bad("socket", f"{os.path.dirname(path)} cannot be created ({e.strerror})") from None
-    if os.path.exists(path):
+        raise _bad("socket", f"{folder} cannot be created ({e.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise _bad("socket", f"{folder} must be a folder of elasticd's user that nobody else may write "
+                             f"(owner uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise _bad("socket", f"{path} exists and is not a socket; remove it or give another socket path")
         with socket.socket(socket.AF_UNIX) as probe:
             try:
                 probe.connect(path)
@@ -425,15 +445,20 @@ def _bind_socket(server: grpc.aio.Server, s: Settings) -> str:
     return "unix:" + path
 
 
-def _share_socket(s: Settings) -> None:
+def _share_socket(s: Settings, worker: WorkerUser) -> None:
     """Mode 0660 for the socket group, 0600 without one."""
     path = os.path.abspath(s.socket)
-    try:
-        gid = grp.getgrnam(s.socket_group or "mselastic").gr_gid
-    except KeyError:
-        if s.socket_group:
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):  # (its folder is ours alone: nothing replaced it)
+        raise _bad("socket", f"{path} is not the socket elasticd made")
+    gid = -1
+    if s.socket_group:
+        try:
+            gid = grp.getgrnam(s.socket_group).gr_gid
+        except KeyError:
             raise _bad("socket_group", f"there is no group {s.socket_group!r} on this node") from None
-        gid = -1
+        if gid == worker.gid or gid in worker.groups:
+            raise _bad("socket_group", f"the worker user {worker.name} is in group {s.socket_group}: every job's "
+                                       f"script could administer the cluster; give the socket another group")
     os.chown(path, -1, gid)
     os.chmod(path, 0o660 if gid >= 0 else 0o600)
 
@@ -506,7 +531,7 @@ async def serve(s: Settings) -> None:
     control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0), auth=s.etcd_auth)
     pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator, s.allowed_env), server)
     await server.start()
-    _share_socket(s)
+    _share_socket(s, worker)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
