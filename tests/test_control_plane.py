@@ -142,10 +142,10 @@ def test_a_stop_that_races_a_relaunch_is_not_undone(procs: Processes, etcd: Etcd
     tmp = str(tmp_path)
     ports = [free for free in (_free(), _free())]
     n0 = procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, ports[0], os.path.join(tmp, "w0"), namespace,
-                                                 slots=0, lease_ttl_s=10))
+                                                 slots=0, lease_ttl_s=10, insecure=True))
     wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
     n1 = procs.start("elasticd-n1", elasticd_cmd("n1", etcd.endpoint, ports[1], os.path.join(tmp, "w1"), namespace,
-                                                 slots=2, lease_ttl_s=10))
+                                                 slots=2, lease_ttl_s=10, insecure=True))
     wait_for("n1 registered", lambda: etcd.get(etcd.keys.node("n1")), 30)
     endpoint = "unix:" + local_socket(os.path.join(tmp, "w0"))
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),

@@ -225,3 +225,23 @@ def test_a_week_of_events_is_pruned_and_reads_stay_quick(procs: Processes, etcd:
 def test_numbers_beyond_the_wire_are_refused_with_one_line(args: list[str], words: str) -> None:
     r = elasticctl(*args, endpoint="127.0.0.1:1")  # refused before anything is sent
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and words in r.stderr, r.stderr
+
+
+def test_logs_are_never_read_through_a_symlink_or_a_fifo(endpoint: str, tmp_path: os.PathLike[str]) -> None:
+    """A worker (its own user) owns its log folder: a symlink it plants there must not make root
+    read another file, and a FIFO must not block elasticd's event loop."""
+    import grpc
+
+    from mselastic.v1 import elastic_pb2 as pb
+    from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+
+    logs = os.path.join(str(tmp_path), "logs", "fake", "g000001")
+    os.makedirs(logs)
+    os.symlink("/etc/hostname", os.path.join(logs, "worker_0.log"))
+    os.mkfifo(os.path.join(logs, "worker_1.log"))
+    with grpc.insecure_channel(endpoint) as ch:
+        for rank in (0, 1):
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.AgentStub(ch).Logs(pb.LogsRequest(job="fake", rank=rank, generation=1), timeout=5))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+        assert pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5).node_id == "n0"  # still serving

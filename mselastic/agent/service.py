@@ -6,6 +6,7 @@ import asyncio
 import glob
 import os
 import re
+import stat
 from typing import AsyncIterator
 
 import grpc
@@ -84,9 +85,18 @@ class AgentService(pb_grpc.AgentServicer):
                         + (f" generation {request.generation}" if request.generation else "")
                         + f" on node {self.agent.cfg.node_id}")
         generation = int(re.sub(r"\D", "", os.path.basename(os.path.dirname(path))))
-        with open(path, "rb") as f:
+        # The file is the worker user's: never through a symlink it made (elasticd reads as root),
+        # never a FIFO or device that would block the event loop.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{path} cannot be read safely: {e.strerror}")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{path} is not a regular file")
+        with os.fdopen(fd, "rb") as f:
             if request.tail_bytes:
-                f.seek(max(0, os.path.getsize(path) - request.tail_bytes))
+                f.seek(max(0, os.fstat(fd).st_size - request.tail_bytes))
             while True:
                 data = f.read(1 << 16)
                 if data:

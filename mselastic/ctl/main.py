@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elasticctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoints", "--endpoint", dest="endpoints",
                    default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
-                       ("unix:" + p for p in default_sockets() if os.path.exists(p)), "127.0.0.1:7070"),
+                       ("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), "127.0.0.1:7070"),
                    help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default "
                         "%(default)s)")
     p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")

@@ -143,6 +143,11 @@ class CoordinatorConfig:
     local_socket: str = ""
 
 
+#: What to do when another node's agent refuses this leader's push.
+_DENIED_HINT = ("; the nodes reach each other without node certificates: give them TLS (elasticctl certs issue "
+                "... --role node; tls_cert, tls_key, tls_cacert), or set insecure = true on a network you trust")
+
+
 class Agents:
     """gRPC channels to the node agents, one per address. This node's own agent is reached
     through its local socket (``local``: its address -> ``unix:PATH``), where the node role is
@@ -173,8 +178,10 @@ class Agents:
                                 extra=dict(job=plan.job, generation=plan.generation, node=node_id))
             except grpc.aio.AioRpcError as e:
                 metrics.GRPC_ERRORS.labels("Launch").inc()
-                log.warning("launch push to %s failed: %s", node_id, e.details(),
-                            extra=dict(job=plan.job, generation=plan.generation, node=node_id))
+                log.log(logging.ERROR if e.code() == grpc.StatusCode.PERMISSION_DENIED else logging.WARNING,
+                        "launch push to %s failed: %s%s", node_id, e.details(), _DENIED_HINT
+                        if e.code() == grpc.StatusCode.PERMISSION_DENIED else "",
+                        extra=dict(job=plan.job, generation=plan.generation, node=node_id))
 
         await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
                                if only is None or m.node_id in only))
