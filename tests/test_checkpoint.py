@@ -11,6 +11,7 @@ ms = pytest.importorskip("mindspore")
 from mindspore import nn  # noqa: E402
 
 from mselastic.trainer.checkpoint import Checkpointer  # noqa: E402
+from mselastic.trainer.faults import flip_byte  # noqa: E402
 
 
 def make_opt(seed: int) -> nn.Momentum:
@@ -96,14 +97,6 @@ def test_another_jobs_checkpoints_are_never_resumed(tmp_path: os.PathLike[str]) 
     assert Checkpointer(d, rank=0, world_size=1, generation=5, job="a").load() is not None  # a's own, kept
 
 
-def _corrupt(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_checkpoints_that_all_fail_to_load_fail_loudly_instead_of_a_fresh_start(tmp_path: os.PathLike[str]) -> None:
     d = str(tmp_path)
     w = Checkpointer(d, rank=0, world_size=1, generation=1, job="j")
@@ -111,7 +104,7 @@ def test_checkpoints_that_all_fail_to_load_fail_loudly_instead_of_a_fresh_start(
         assert w.save(make_opt(step), step=step, epoch=0) is not None
     for name in os.listdir(d):
         if name.endswith(".ckpt"):
-            _corrupt(os.path.join(d, name))
+            flip_byte(os.path.join(d, name))
     with pytest.raises(SystemExit) as e:
         Checkpointer(d, rank=0, world_size=1, generation=2, job="j").load()
     assert "none can be resumed from" in str(e.value) and "ckpt-00000020-g000001.json: checksum mismatch" in str(e.value)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from mselastic.core.states import FailureCause, GenerationState, JobState
-from mselastic.trainer.faults import Fault, FaultPlan
+from mselastic.trainer.faults import Fault, FaultPlan, flip_byte
 from tests.cluster import Cluster
 from tests.harness import check_history, elasticctl, generation_processes, lenet_spec, wait_for, worker_pids
 
@@ -111,14 +111,6 @@ def test_hang_detection_time_and_teardown(cluster: Cluster, digits: str) -> None
     wait_for("nothing left on any node", lambda: not generation_processes(cluster.procs, 1), 15)
 
 
-def _corrupt(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_rank_that_cannot_read_the_newest_checkpoint_makes_every_rank_resume_from_an_older_one(
         cluster: Cluster, digits: str) -> None:
     """Node n1 sees garbage where the newest checkpoint is (a bind mount in its own mount
@@ -151,7 +143,7 @@ def test_a_rank_that_cannot_read_the_newest_checkpoint_makes_every_rank_resume_f
     wait_for("generation 2 gone on every node", lambda: not generation_processes(cluster.procs, 2), 15)
     damaged = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt"))
     for n in damaged:
-        _corrupt(os.path.join(ckpt, n))
+        flip_byte(os.path.join(ckpt, n))
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 120, 0.5)
     assert status.state is JobState.FAILED and status.generation == 3 and status.restart_count == 2, status
     assert "none can be resumed from by every rank" in status.message and "checksum mismatch" in status.message

@@ -26,7 +26,7 @@ from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, M
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
-from mselastic.store.lease import KeptLease
+from mselastic.store.lease import KeptLease, probe_s
 from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -278,7 +278,7 @@ class NodeAgent:
     @property
     def _probe_s(self) -> float:
         """How long asking the peers (and etcd once more) may take: fencing stays well within the TTL."""
-        return min(1.0, self.cfg.lease_ttl_s / 6)
+        return probe_s(self.cfg.lease_ttl_s)
 
     async def _ask_peers(self) -> tuple[list[str], list[str]]:
         """(the peers that answered, those of them that reach etcd), asked at once, within TTL/6."""

@@ -21,6 +21,9 @@ import dataclasses
 import grp
 import os
 import pwd
+import shutil
+import subprocess
+import sys
 
 #: Daemon variables a worker inherits (besides ``LC_*``, ``MS_*``, ``GLOG_*``).
 INHERITED = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH",
@@ -112,11 +115,6 @@ def cannot_run_python(user: WorkerUser) -> str:
     another user's reach."""
     if not user.switch:
         return ""
-    import subprocess
-    import sys
-
-    import shutil
-
     r = subprocess.run([shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
                         "--init-groups", "--", sys.executable, "-c",
                         "import sys, mselastic.trainer; print(sys.base_prefix)"],

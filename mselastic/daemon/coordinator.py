@@ -39,7 +39,7 @@ from mselastic.core.states import FailureCause, JobState
 from mselastic.core.status import next_status
 from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
-from mselastic.store.lease import Election, Term
+from mselastic.store.lease import Election, Term, probe_s
 from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
@@ -467,10 +467,6 @@ class Coordinator:
         self._mine.update(t for t in (status.waiting_since, status.scale_up_since, *status.quarantined_until.values())
                           if t)
 
-    @property
-    def _probe_s(self) -> float:
-        return min(1.0, self.cfg.lease_ttl_s / 6)
-
     async def _ask_absent(self, a: Absence) -> None:
         """Ask an absent member's agent what it runs, every TTL/3 (after a failed call, at once
         again), until it is forgotten. Two failed calls in a row: it does not answer."""
@@ -478,7 +474,7 @@ class Coordinator:
         while True:
             try:
                 res = await self.agents.stub(a.member.agent_address).Status(pb.AgentStatusRequest(),
-                                                                            timeout=self._probe_s)
+                                                                            timeout=probe_s(self.cfg.lease_ttl_s))
                 running = {(g.job, g.generation) for g in res.generations
                            if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING)}
                 a.running, failed = (running if res.node_id == a.member.node_id else set()), 0

@@ -62,6 +62,8 @@ log = logging.getLogger("elasticd")
 
 
 DEFAULT_CONFIG = "/etc/mselastic/elasticd.toml"
+#: How a true/false setting is written in a flag or an environment variable.
+BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 #: The largest gRPC request elasticd accepts.
 MAX_REQUEST_BYTES = 1 << 20
 ENV_PREFIX = "ELASTICD_"
@@ -268,8 +270,8 @@ def _coerce(key: str, value: object, source: str, typed: bool = False) -> object
     kind = str(FIELDS[key].type)
     ok = True
     if kind == "bool":
-        if isinstance(value, str) and not typed and value.lower() in ("1", "true", "yes", "0", "false", "no"):
-            return value.lower() in ("1", "true", "yes")
+        if isinstance(value, str) and not typed and value.lower() in BOOLS:
+            return BOOLS[value.lower()]
         if not isinstance(value, bool):
             raise SettingsError(f"{key} (from {source}): must be true or false (got {value!r})")
         return value
@@ -343,10 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
+    if text.lower() in BOOLS:
+        return BOOLS[text.lower()]
     raise argparse.ArgumentTypeError(f"must be true or false (got {text!r})")
 
 

@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 UNREACHABLE_FRACTION = 0.6
 
 
+def probe_s(ttl_s: float) -> float:
+    """How long one question to another node about a lease may take (a peer asked whether it
+    reaches etcd, an unregistered member asked what it runs): well within the TTL."""
+    return min(1.0, ttl_s / 6)
+
+
 class KeptLease:
     def __init__(self, store: Store, ttl_s: int) -> None:
         if ttl_s < 2:

@@ -107,7 +107,11 @@ def _corrupt_newest(checkpoint_dir: str) -> None:
     """Flip a byte in the middle of the checkpoint ``latest.json`` points to."""
     with open(os.path.join(checkpoint_dir, "latest.json")) as f:
         manifest = json.load(f)["manifest"]
-    path = os.path.join(checkpoint_dir, manifest.replace(".json", ".ckpt"))
+    flip_byte(os.path.join(checkpoint_dir, manifest.replace(".json", ".ckpt")))
+
+
+def flip_byte(path: str) -> None:
+    """Damage a file the way a bad disk does: one byte in its middle inverted, on disk."""
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
         byte = f.read(1)
