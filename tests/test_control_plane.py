@@ -181,6 +181,32 @@ def test_a_stop_that_races_a_relaunch_is_not_undone(procs: Processes, etcd: Etcd
     assert n0.poll() is None and n1.poll() is None
 
 
+def test_a_node_that_refuses_the_leaders_pushes_fails_the_job_instead_of_leaving_it_running(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+    """Two elasticds on loopback without TLS and without ``insecure``: n1 gives n0's plaintext push
+    no node role (PERMISSION_DENIED). The job must not stay RUNNING with nothing running: it fails
+    after ``denied_push_fail_s`` with the reason and what to configure."""
+    tmp = str(tmp_path)
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, _free(), os.path.join(tmp, "w0"), namespace,
+                                            slots=0, lease_ttl_s=10))
+    wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+    n1 = procs.start("elasticd-n1", elasticd_cmd("n1", etcd.endpoint, _free(), os.path.join(tmp, "w1"), namespace,
+                                                 slots=2, lease_ttl_s=10))
+    wait_for("n1 registered", lambda: etcd.get(etcd.keys.node("n1")), 30)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                      total_steps=20)
+    r = elasticctl("submit", spec, endpoint="unix:" + local_socket(os.path.join(tmp, "w0")))
+    assert r.returncode == 0, r.stderr
+    committed = wait_for("generation 1 committed", lambda: (p := etcd.plan(JOB)) and p.generation == 1 and p, 20, 0.05)
+    assert committed.members[0].node_id == "n1"
+    status = wait_for("FAILED", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 40, 0.2)
+    assert status.state is JobState.FAILED, status
+    assert "node n1 refused generation 1" in status.message and "PERMISSION_DENIED" in status.message, status.message
+    assert "insecure = true" in status.message, status.message
+    assert etcd.report(JOB, 1, "n1") is None and not generation_processes(procs, 1)
+    assert n1.poll() is None
+
+
 def test_a_record_that_makes_the_coordinator_raise_stays_on_its_job(procs: Processes, etcd: Etcd, namespace: str,
                                                                      tmp_path: os.PathLike[str], digits: str) -> None:
     tmp = str(tmp_path)

@@ -129,6 +129,11 @@ class CoordinatorConfig:
     push_timeout_s: float = 10.0
     #: A member that has not reported on the current generation is pushed again after this long.
     repush_after_s: float = 3.0
+    #: A member whose agent keeps refusing the pushes for lack of rights (PERMISSION_DENIED,
+    #: UNAUTHENTICATED) or over a record it cannot read (FAILED_PRECONDITION) this long fails
+    #: the job, with the agent's reason: it will not accept a push until someone changes its
+    #: configuration, and the job must not stay RUNNING with a rank that never starts.
+    denied_push_fail_s: float = 15.0
     ports: PortRange = PortRange()
     tls: TlsFiles = TlsFiles()
     #: Record each running job's step in its events this often (0: never).
@@ -142,6 +147,9 @@ class CoordinatorConfig:
     #: This node's local socket (``unix:PATH``): its own agent is reached there.
     local_socket: str = ""
 
+
+#: Refusals a push will meet again until someone changes a configuration or a record.
+_LASTING = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
 
 #: What to do when another node's agent refuses this leader's push.
 _DENIED_HINT = ("; the nodes reach each other without node certificates: give them TLS (elasticctl certs issue "
@@ -165,26 +173,32 @@ class Agents:
                                                            options=list(CHANNEL_OPTIONS.items()))
         return pb_grpc.AgentStub(self._channels[address])
 
-    async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> None:
+    async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> dict[str, str]:
         """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised.
-        ``extra_timeout_s``: the agents first stop what runs there, with that grace period."""
+        ``extra_timeout_s``: the agents first stop what runs there, with that grace period.
+        Returns, by node id, every lasting refusal (see ``_LASTING``) with what to do about it;
+        a node that accepted maps to ``""``."""
         msg = pb.LaunchRequest(plan=plan_to_pb(plan))
 
-        async def one(address: str, node_id: str) -> None:
+        async def one(address: str, node_id: str) -> tuple[str, str | None]:
             try:
                 res = await self.stub(address).Launch(msg, timeout=self.timeout_s + extra_timeout_s)
                 if not res.accepted:
                     log.warning("launch refused by %s: %s", node_id, res.message,
                                 extra=dict(job=plan.job, generation=plan.generation, node=node_id))
+                    return node_id, None
+                return node_id, ""
             except grpc.aio.AioRpcError as e:
                 metrics.GRPC_ERRORS.labels("Launch").inc()
-                log.log(logging.ERROR if e.code() == grpc.StatusCode.PERMISSION_DENIED else logging.WARNING,
-                        "launch push to %s failed: %s%s", node_id, e.details(), _DENIED_HINT
-                        if e.code() == grpc.StatusCode.PERMISSION_DENIED else "",
-                        extra=dict(job=plan.job, generation=plan.generation, node=node_id))
+                lasting = e.code() in _LASTING
+                why = f"{e.code().name}: {e.details()}" + (_DENIED_HINT if e.code() != grpc.StatusCode.FAILED_PRECONDITION else "")
+                log.log(logging.ERROR if lasting else logging.WARNING, "launch push to %s failed: %s", node_id,
+                        why if lasting else e.details(), extra=dict(job=plan.job, generation=plan.generation, node=node_id))
+                return node_id, why if lasting else None
 
-        await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
-                               if only is None or m.node_id in only))
+        answers = await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
+                                         if only is None or m.node_id in only))
+        return {node_id: why for node_id, why in answers if why is not None}
 
     async def stop(self, job: str, generation: int, grace_s: float, addresses: dict[str, str]) -> dict[str, list[int]]:
         msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s)
@@ -220,6 +234,8 @@ class Coordinator:
         self.leading = asyncio.Event()
         self._pushed: dict[tuple[str, int, str], float] = {}
         self._restopped: dict[tuple[str, int, str], float] = {}  # Stops sent again (see _restop)
+        #: Members whose agent refuses the pushes for good: since when (monotonic), and why.
+        self._denied: dict[tuple[str, int, str], tuple[float, str]] = {}
         self._wake = asyncio.Event()
         self._fenced = asyncio.Event()
         #: The leader's cache of the cluster (None: passes read etcd directly, as a bench may).
@@ -674,7 +690,7 @@ class Coordinator:
             await self._note_recovery(term, view)
             await self._note(term, view, d)
             await self._note_progress(term, view)
-            await self._repush(view)
+            await self._repush(term, view)
 
     async def _note_progress(self, term: Term, view: JobView) -> None:
         """Job gauges on every pass; a ``progress`` event every ``progress_interval_s`` (for reports)."""
@@ -789,20 +805,42 @@ class Coordinator:
                    if d.plan.member(m.node_id) is None}
         self._mark_pushed(d.plan)
         stops = self.agents.stop(view.name, view.plan.generation, grace, dropped) if view.plan and dropped else None
-        await asyncio.gather(self.agents.launch(d.plan, extra_timeout_s=grace), *([stops] if stops else []))
+        answers, *_ = await asyncio.gather(self.agents.launch(d.plan, extra_timeout_s=grace), *([stops] if stops else []))
+        self._note_denials(d.plan, answers)
 
-    async def _repush(self, view: JobView) -> None:
-        """Push the committed plan again to members that have not reported on it (missed push)."""
+    async def _repush(self, term: Term, view: JobView) -> None:
+        """Push the committed plan again to members that have not reported on it (missed push);
+        fail the job when a member's agent has refused it for good for ``denied_push_fail_s``."""
         plan = view.plan
-        if plan is None or view.status.state.terminal:
+        if plan is None or view.status.state.terminal or view.spec is None:
             return
         reports = view.current_reports()
         now = time.monotonic()
+        for m in plan.members:
+            since, why = self._denied.get((plan.job, plan.generation, m.node_id), (now, ""))
+            if why and m.node_id not in reports and now - since >= self.cfg.denied_push_fail_s:
+                message = (f"node {m.node_id} refused generation {plan.generation} for {now - since:.0f} s "
+                           f"({why}); resubmit once its configuration is fixed")
+                if await self._set_status(term, view, JobState.FAILED, message):
+                    await self.agents.stop(view.name, plan.generation, view.spec.stop_grace_period_s,
+                                           {m.node_id: m.agent_address for m in plan.members})
+                return
         missing = [m for m in plan.members if m.node_id not in reports
                    and now - self._pushed.get((plan.job, plan.generation, m.node_id), 0) > self.cfg.repush_after_s]
         if missing:
             self._mark_pushed(plan, {m.node_id for m in missing})
-            await self.agents.launch(plan, only={m.node_id for m in missing})
+            self._note_denials(plan, await self.agents.launch(plan, only={m.node_id for m in missing}))
+
+    def _note_denials(self, plan: Plan, answers: dict[str, str]) -> None:
+        """Remember since when each member's agent refuses the pushes for good (see ``_repush``)."""
+        now = time.monotonic()
+        self._denied = {k: v for k, v in self._denied.items() if k[0] != plan.job or k[1] == plan.generation}
+        for node_id, why in answers.items():
+            key = (plan.job, plan.generation, node_id)
+            if not why:
+                self._denied.pop(key, None)
+            elif key not in self._denied:
+                self._denied[key] = (now, why)
 
     async def _note_stopped_at(self, term: Term, view: JobView) -> None:
         """Once the ranks of a stopped job have left, say at which step they checkpointed (the step
@@ -848,6 +886,7 @@ class Coordinator:
         self._queued.discard(job)
         self._pushed = {k: v for k, v in self._pushed.items() if k[0] != job}
         self._restopped = {k: v for k, v in self._restopped.items() if k[0] != job}
+        self._denied = {k: v for k, v in self._denied.items() if k[0] != job}
         metrics.forget_job(job)
 
     def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:
