@@ -805,8 +805,9 @@ class Coordinator:
                    if d.plan.member(m.node_id) is None}
         self._mark_pushed(d.plan)
         stops = self.agents.stop(view.name, view.plan.generation, grace, dropped) if view.plan and dropped else None
-        answers, *_ = await asyncio.gather(self.agents.launch(d.plan, extra_timeout_s=grace), *([stops] if stops else []))
-        self._note_denials(d.plan, answers)
+        launch = asyncio.ensure_future(self.agents.launch(d.plan, extra_timeout_s=grace))
+        await asyncio.gather(launch, *([stops] if stops else []))
+        self._note_denials(d.plan, launch.result())
 
     async def _repush(self, term: Term, view: JobView) -> None:
         """Push the committed plan again to members that have not reported on it (missed push);
