@@ -42,10 +42,13 @@ demo: $(STAMP) data
 test: $(STAMP) data systemd-tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 
-# systemd-analyze checks the unit in the tests: Debian's systemd package, installed when missing.
+# The tests check the unit with systemd-analyze and boot a real systemd in a container
+# (systemd-nspawn, a Debian rootfs made by debootstrap): Debian's packages, installed when missing.
 systemd-tools:
-	@command -v systemd-analyze >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
+	@command -v systemd-analyze >/dev/null && command -v systemd-nspawn >/dev/null && \
+		command -v debootstrap >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		systemd systemd-container debootstrap >/dev/null; }
 
 # Skip the slow end-to-end tests (CI always runs everything via `make test`).
 test-fast: $(STAMP) data systemd-tools

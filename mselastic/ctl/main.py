@@ -47,6 +47,7 @@ from mselastic.wire import plan_from_pb
 from mselastic.core.contract import default_sockets
 from mselastic.core.kinds import EventKind
 from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
+from mselastic import service
 from mselastic.ctl import render
 from mselastic.tls import ROLES, TlsError, TlsFiles, issue, make_ca
 from mselastic.v1 import elastic_pb2 as pb
@@ -215,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--role", choices=ROLES, default="", help="issue: node, admin or viewer (the certificate's O)")
     s.add_argument("--host", action="append", default=[], help="issue, role node: an address or name the node is "
                                                                 "reached at (repeat)")
+    s = cmd("install-unit", "install elasticd's systemd unit (ExecStart: the elasticd beside this elasticctl), the "
+            "mselastic user the jobs run as (sysusers.d) and /etc/mselastic/elasticd.toml if absent; starts nothing",
+            "elasticctl install-unit && systemctl enable --now elasticd", output=False)
+    s.add_argument("--root", default="/", help="install under this directory instead (an image being built); "
+                                               "then no user is created and systemd is not reloaded")
     s = cmd("delete", "forget a finished job's records (its checkpoints and logs stay); the name can be "
             "submitted again and resumes from the checkpoint_dir", "elasticctl delete lenet")
     s.add_argument("job")
@@ -473,6 +479,17 @@ def cmd_report(c: Client, a: argparse.Namespace, out: Any) -> int:
     return EXIT_OK
 
 
+def cmd_install_unit(c: Client, a: argparse.Namespace, out: Any) -> int:
+    try:
+        for line in service.install(a.root):
+            out.write(line + "\n")
+    except service.InstallError as e:
+        raise CtlError(str(e), EXIT_REFUSED) from None
+    out.write("next: edit /etc/mselastic/elasticd.toml (node_id, etcd_endpoint, ...), then systemctl enable --now "
+              "elasticd\n")
+    return EXIT_OK
+
+
 def cmd_certs(c: Client, a: argparse.Namespace, out: Any) -> int:
     """Certificates without a PKI team: one CA, and node/admin/viewer certificates it signs."""
     try:
@@ -495,7 +512,7 @@ def cmd_certs(c: Client, a: argparse.Namespace, out: Any) -> int:
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Any], int]] = {
     "status": cmd_status, "nodes": cmd_nodes, "jobs": cmd_jobs, "describe": cmd_describe, "events": cmd_events,
     "logs": cmd_logs, "submit": cmd_submit, "stop": cmd_stop, "restart": cmd_restart, "scale": cmd_scale,
-    "delete": cmd_delete, "certs": cmd_certs,
+    "delete": cmd_delete, "certs": cmd_certs, "install-unit": cmd_install_unit,
     "cordon": cmd_cordon, "drain": cmd_cordon, "uncordon": cmd_cordon, "watch": cmd_watch, "report": cmd_report,
 }
 

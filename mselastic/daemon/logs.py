@@ -1,13 +1,17 @@
 """Structured logs: every line names the job, generation, node and rank it is about.
 
 Callers pass those as ``extra={...}``; missing ones print as ``-``. ``--log-format
-json`` prints one JSON object per line for log collectors.
+json`` prints one JSON object per line for log collectors. Under systemd, when stderr is the
+journal (``$JOURNAL_STREAM`` names stderr's device and inode), records go to journald
+natively instead, with JOB, GENERATION, NODE and RANK as fields
+(``journalctl -u elasticd JOB=lenet``, ``-o json``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 FIELDS = ("job", "generation", "node", "rank")
@@ -34,12 +38,29 @@ class _Json(logging.Formatter):
         return json.dumps(out)
 
 
+def stderr_is_journal() -> bool:
+    """systemd's documented test: $JOURNAL_STREAM is ``device:inode`` of the journal stream, and
+    stderr is that stream (not redirected elsewhere by a wrapper)."""
+    try:
+        device, inode = (int(v) for v in os.environ.get("JOURNAL_STREAM", "").split(":"))
+        st = os.fstat(sys.stderr.fileno())
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (device, inode)
+
+
 def setup(node: str, fmt: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_Context(node))
-    if fmt == "json":
-        handler.setFormatter(_Json())
+    handler: logging.Handler
+    if stderr_is_journal():
+        from cysystemd.journal import JournaldLogHandler  # sends the record's extras as fields
+        handler = JournaldLogHandler(identifier="elasticd")
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_Context(node))
+    if isinstance(handler, logging.StreamHandler) and fmt == "json":
+        handler.setFormatter(_Json())
+    elif isinstance(handler, logging.StreamHandler):
         handler.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s %(name)s job=%(job)s gen=%(generation)s node=%(node)s rank=%(rank)s: %(message)s"))
     root = logging.getLogger()

@@ -11,7 +11,7 @@ Example (a node of a cluster with an existing etcd)::
 
 Settings come from, in rising order of precedence: defaults, the config file
 (/etc/mselastic/elasticd.toml, or --config / $ELASTICD_CONFIG; keys as the flags with
-'_' for '-', see systemd/elasticd.toml), ELASTICD_<KEY> environment variables, flags.
+'_' for '-', see mselastic/service/elasticd.toml), ELASTICD_<KEY> environment variables, flags.
 A bad value is refused at start with one line naming the key and where it came from
 (exit 2).
 

@@ -82,8 +82,11 @@ class EmbeddedEtcd:
             cert, key, ca = self.tls
             cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        # etcd speaks systemd's notify protocol itself: under elasticd's unit its READY=1 would be
+        # refused (NotifyAccess=main) and logged; it is elasticd that says when the node is ready.
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         self.proc = subprocess.Popen(with_parent_death(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         log.close()
         if wait:
             self.wait_ready(timeout_s)

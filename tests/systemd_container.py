@@ -1,0 +1,258 @@
+"""A real systemd (Debian bookworm's 252) as PID 1 of a systemd-nspawn container, for testing
+elasticd the way operators run it: installed from the wheel, started and stopped by systemctl,
+its logs read with journalctl.
+
+The image is built once and cached under ``build/systemd/image-<key>`` (the key hashes the
+package list, requirements.txt and IMAGE_VERSION): a minimal Debian (debootstrap, ~50 s) with
+a venv at ``/opt/mselastic/.venv`` holding the pinned dependencies, installed from a
+wheelhouse pip downloaded on the host (~40 s). The project itself is never in the image: each
+container installs the wheel built from the checkout (``pip install mselastic-*.whl[trainer]``
+with the wheelhouse as its only index) and runs ``elasticctl install-unit``.
+
+These machines' PID 1 is not systemd (no machined, no system bus, ``/run`` on disk, cgroup
+v1/v2 hybrid), which shapes how a container is started:
+
+- ``--register=no --keep-unit``: nothing asks the (absent) host systemd for anything; so no
+  ``machinectl`` or ``systemctl -M``: commands run inside through ``nsenter`` into the
+  container's PID 1 with a clean environment;
+- nspawn runs in a private mount namespace with a tmpfs over ``/run`` (it refuses to clean its
+  propagation directory on a disk file system);
+- nspawn and the container live in a dedicated cgroup (``unified`` and the v1 ``name=systemd``
+  hierarchy), removed depth-first at the end: a unit's host PIDs are its cgroup's
+  ``cgroup.procs`` under it;
+- ``--volatile=overlay``: the image stays pristine, writes go to a tmpfs and vanish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+from tests.harness import REPO, VENV_BIN, wait_for
+
+BUILD = os.path.join(REPO, "build", "systemd")
+IMAGE_VERSION = 1
+# libgomp1: MindSpore's CPU kernels need it (its own install notes); minbase does not have it.
+PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-venv,procps,iproute2,libgomp1"
+VENV = "/opt/mselastic/.venv"
+CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def cannot_boot() -> str:
+    """Why a container cannot be booted here ("" when it can)."""
+    if os.geteuid() != 0:
+        return "booting a systemd container needs root"
+    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "unshare"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (make systemd-tools installs it)"
+    if not all(os.path.isdir(d) for d in CGROUP_ROOTS) and not os.path.exists("/sys/fs/cgroup/cgroup.procs"):
+        return "no cgroup hierarchy nspawn can use"
+    if _mirror() == "":
+        return "no Debian mirror in apt's sources for debootstrap"
+    return ""
+
+
+def _mirror() -> str:
+    for path, key in (("/etc/apt/sources.list.d/debian.sources", "URIs:"), ("/etc/apt/sources.list", "deb")):
+        with contextlib.suppress(OSError):
+            with open(path) as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 1 and parts[0] == key:
+                        return parts[1]
+    return ""
+
+
+def _run(cmd: list[str], log: str, timeout: float, **kw: object) -> None:
+    with open(log, "ab") as out:
+        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, **kw)  # type: ignore[call-overload]
+    if r.returncode != 0:
+        with open(log, errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {r.returncode}); {log}:\n{tail}")
+
+
+def image() -> str:
+    """The rootfs (built on first use, then cached); safe to call from several processes."""
+    with open(os.path.join(REPO, "requirements.txt"), "rb") as f:
+        key = hashlib.sha256(f.read() + PACKAGES.encode() + str(IMAGE_VERSION).encode()).hexdigest()[:12]
+    top = os.path.join(BUILD, f"image-{key}")
+    rootfs = os.path.join(top, "rootfs")
+    os.makedirs(BUILD, exist_ok=True)
+    with open(os.path.join(BUILD, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(top, ".done")):
+            return rootfs
+        for old in glob.glob(os.path.join(BUILD, "image-*")):  # an older image: requirements changed
+            shutil.rmtree(old, ignore_errors=True)
+        os.makedirs(top)
+        log = os.path.join(top, "build.log")
+        t0 = time.monotonic()
+        _run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", rootfs, _mirror()], log, 900)
+        wheels = os.path.join(BUILD, "wheelhouse")
+        _run([os.path.join(VENV_BIN, "pip"), "download", "--quiet", "--only-binary=:all:", "--dest", wheels,
+              "-r", os.path.join(REPO, "requirements.txt")], log, 900)
+        shutil.copy(os.path.join(REPO, "requirements.txt"), os.path.join(wheels, "requirements.txt"))
+        # The venv is made and filled inside the image (its own python3), from the wheelhouse only.
+        inside = (f"mkdir -p {rootfs}/mnt/wheelhouse && mount --bind {wheels} {rootfs}/mnt/wheelhouse && "
+                  f"mount -t proc proc {rootfs}/proc && mount --rbind /dev {rootfs}/dev && "
+                  f"chroot {rootfs} /usr/bin/python3 -m venv {VENV} && "
+                  f"chroot {rootfs} {VENV}/bin/pip install --quiet --no-index --find-links /mnt/wheelhouse "
+                  f"-r /mnt/wheelhouse/requirements.txt")
+        _run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", inside], log, 900,
+             env={"PATH": CLEAN_PATH, "HOME": "/root", "LANG": "C.UTF-8"})
+        with open(os.path.join(rootfs, "etc", "hostname"), "w") as f:
+            f.write("mselastic-test\n")
+        with open(os.path.join(top, ".done"), "w") as f:
+            f.write(f"built in {time.monotonic() - t0:.0f} s\n")
+        return rootfs
+
+
+def wheel(out_dir: str) -> str:
+    """The project's wheel, built from the checkout (``python -m build``)."""
+    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out_dir, REPO],
+         os.path.join(out_dir, "build.log"), 300, cwd=REPO)
+    (found,) = glob.glob(os.path.join(out_dir, "mselastic-*.whl"))
+    return found
+
+
+class Container:
+    """One booted container (``with Container(...) as c``): its own systemd, its own network
+    namespace (only ``lo``, or a veth on ``bridge``), the image under a throw-away overlay."""
+
+    def __init__(self, name: str, rootfs: str, log_dir: str, binds_ro: dict[str, str] | None = None,
+                 bridge: str = "") -> None:
+        self.name, self.rootfs, self.log_dir = name, rootfs, log_dir
+        self.binds_ro = binds_ro or {}
+        self.bridge = bridge
+        self.cgroup = f"mselastic-test-{name}-{os.getpid()}"
+        self.nspawn: subprocess.Popen[bytes] | None = None
+        self.init_pid = 0
+
+    def __enter__(self) -> "Container":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        args = ["-D", self.rootfs, "--boot", f"--machine={self.name}", "--register=no", "--keep-unit",
+                "--console=read-only", "--volatile=overlay"]
+        args += [f"--network-bridge={self.bridge}"] if self.bridge else ["--private-network"]
+        args += [f"--bind-ro={host}:{inside}" for host, inside in self.binds_ro.items()]
+        for root in CGROUP_ROOTS:
+            os.makedirs(os.path.join(root, self.cgroup), exist_ok=True)
+        # Join the dedicated cgroups, hide the host's on-disk /run behind a tmpfs in a private
+        # mount namespace, then become nspawn (same PID).
+        script = ("".join(f"echo $$ > {root}/{self.cgroup}/cgroup.procs; " for root in CGROUP_ROOTS)
+                  + "exec unshare --mount --propagation private -- sh -c "
+                    "'mount -t tmpfs -o mode=755 tmpfs /run && exec systemd-nspawn \"$@\"' sh \"$@\"")
+        log = open(os.path.join(self.log_dir, f"nspawn-{self.name}.log"), "ab")
+        self.nspawn = subprocess.Popen(["sh", "-c", script, "sh", *args], stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.init_pid = wait_for("the container's systemd", self._find_init, 20, 0.02)
+        state = wait_for("the container booted", lambda: self._booted(), 60, 0.1)
+        if state == "degraded":
+            failed = self.run("systemctl", "--failed", "--no-pager", check=False).stdout
+            raise AssertionError(f"container {self.name} booted degraded:\n{failed}")
+
+    def _find_init(self) -> int | None:
+        assert self.nspawn is not None
+        if self.nspawn.poll() is not None:
+            with open(os.path.join(self.log_dir, f"nspawn-{self.name}.log"), errors="replace") as f:
+                raise AssertionError(f"nspawn exited {self.nspawn.returncode}:\n{f.read()[-2000:]}")
+        for pid in _descendants(self.nspawn.pid):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() == "systemd":
+                        return pid
+        return None
+
+    def _booted(self) -> str | None:
+        state = self.run("systemctl", "is-system-running", check=False, timeout=10).stdout.strip()
+        return state if state in ("running", "degraded") else None
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 120, input: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """A command inside the container (all its namespaces, a clean environment)."""
+        extra = [f"{k}={v}" for k, v in (env or {}).items()]
+        r = subprocess.run(["nsenter", "-t", str(self.init_pid), "-a", "env", "-i", f"PATH={VENV}/bin:{CLEAN_PATH}",
+                            "LANG=C.UTF-8", *extra, *cmd], capture_output=True, text=True, timeout=timeout,
+                           input=input)
+        if check and r.returncode != 0:
+            raise AssertionError(f"in {self.name}: {' '.join(cmd)} -> exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def write(self, path: str, text: str) -> None:
+        self.run("sh", "-c", f"mkdir -p \"$(dirname {path})\" && cat > {path}", input=text)
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.run("systemctl", "show", unit, "-p", ",".join(props)).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def unit_pids(self, unit: str) -> list[int]:
+        """Host PIDs of every process in the unit's cgroup (and below)."""
+        pids: list[int] = []
+        for path in glob.glob(os.path.join(CGROUP_ROOTS[0], self.cgroup, "payload", "system.slice", unit, "**",
+                                           "cgroup.procs"), recursive=True):
+            with contextlib.suppress(OSError):
+                with open(path) as f:
+                    pids += [int(p) for p in f.read().split()]
+        return pids
+
+    def journal(self, unit: str) -> list[dict[str, str]]:
+        out = self.run("journalctl", "-u", unit, "-o", "json", "--no-pager").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        """Halt the container (nspawn turns SIGTERM into an orderly shutdown), SIGKILL after 20 s;
+        then remove its cgroups."""
+        p = self.nspawn
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for root in CGROUP_ROOTS:
+            top = os.path.join(root, self.cgroup)
+            for _ in range(50):
+                if not os.path.isdir(top):
+                    break
+                for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
+                if os.path.isdir(top):
+                    time.sleep(0.1)
+
+
+def _descendants(pid: int) -> Iterator[int]:
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for children in glob.glob(f"/proc/{p}/task/*/children"):
+            with contextlib.suppress(OSError):
+                with open(children) as f:
+                    for c in f.read().split():
+                        yield int(c)
+                        todo.append(int(c))

@@ -1,0 +1,295 @@
+"""elasticd under a real systemd, installed from the wheel: a container booted with systemd 252
+as PID 1 (tests/systemd_container.py), ``pip install mselastic-*.whl[trainer]`` into the
+image's venv, ``elasticctl install-unit``, then systemctl, journalctl and real LeNet jobs
+running as the ``mselastic`` user under the unit's hardening.
+
+One container serves the module (booting and installing cost ~10 s); each test submits its
+own job. The unit gets one test drop-in: WatchdogSec=3, so that a hang is seen in seconds and
+a healthy training run outlives many watchdog periods."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from tests.harness import DATA_DIR, REPO, wait_for
+from tests.systemd_container import VENV, Container, cannot_boot, image, wheel
+
+WHY_NOT = cannot_boot()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(WHY_NOT) and not os.environ.get("CI"),
+                                                   reason=f"no systemd container here: {WHY_NOT}")]
+UNIT = "elasticd.service"
+JOBS = "/var/lib/mselastic/jobs"
+CONFIG = """node_id = "n0"
+embedded_etcd_dir = "/var/lib/mselastic/etcd"
+slots = 2
+lease_ttl_s = 3
+shutdown_grace_s = 20.0
+"""
+DROP_IN = """[Service]
+WatchdogSec=3
+"""
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    assert not WHY_NOT, f"CI must boot a systemd container: {WHY_NOT}"
+    tmp = str(tmp_path_factory.mktemp("systemd"))
+    dist = os.path.join(tmp, "dist")
+    os.makedirs(dist)
+    whl = os.path.basename(wheel(dist))
+    binds = {dist: "/mnt/dist", os.path.join(REPO, "build", "systemd", "wheelhouse"): "/mnt/wheelhouse",
+             os.path.join(REPO, "examples"): "/srv/examples", DATA_DIR: "/srv/data"}
+    with Container("n0", image(), tmp, binds) as c:
+        # The wheel, from a wheelhouse only (the image already holds the pinned dependencies).
+        c.run(f"{VENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/mnt/wheelhouse",
+              f"/mnt/dist/{whl}[trainer]")
+        where = c.run(f"{VENV}/bin/python", "-c", "import mselastic.trainer as t; print(t.__file__)").stdout
+        assert where.startswith(f"{VENV}/lib/python3.11/site-packages/mselastic/"), where  # the wheel's copy
+        out = c.run("elasticctl", "install-unit").stdout
+        assert f"ExecStart={VENV}/bin/elasticd" in out and "ran systemd-sysusers" in out, out
+        c.write("/etc/mselastic/elasticd.toml", CONFIG)
+        c.write(f"/etc/systemd/system/{UNIT}.d/test.conf", DROP_IN)
+        c.run("systemctl", "daemon-reload")
+        c.run("install", "-d", "-o", "mselastic", "-g", "mselastic", "-m", "0750", JOBS)
+        yield c
+        journal = c.run("journalctl", "-u", UNIT, "--no-pager", "-o", "short-monotonic", check=False).stdout
+        with open(os.path.join(tmp, "journal-elasticd.log"), "w") as f:
+            f.write(journal)
+
+
+def ctl(c: Container, *args: str, check: bool = True) -> Any:
+    r = c.run("elasticctl", *args, check=check)
+    return json.loads(r.stdout) if "-o" in args and r.returncode == 0 else r
+
+
+def submit(c: Container, name: str, total_steps: int, **overrides: Any) -> None:
+    fields = dict(name=name, script="/srv/examples/lenet/train.py",
+                  args=["--data", "/srv/data", "--out", f"{JOBS}/{name}/out", "--lr", "0.05", "--record-samples",
+                        "--step-sleep-s", "0.05"],
+                  workers_per_node=2, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
+                  global_batch_size=32, checkpoint_dir=f"{JOBS}/{name}/ckpt", checkpoint_interval_steps=10,
+                  keep_checkpoints=3, hang_timeout_s=60, stop_grace_period_s=10)
+    fields.update(overrides)
+    c.write(f"/root/{name}.toml", "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
+    c.run("elasticctl", "submit", f"/root/{name}.toml")
+
+
+def job(c: Container, name: str) -> dict[str, Any]:
+    status = ctl(c, "status", name, "-o", "json")
+    found = next(j for j in status["jobs"] if j["job"] == name)
+    return dict(found, state=found["state"].removeprefix("JOB_STATE_"))
+
+
+def ended(c: Container, name: str, timeout_s: float = 180) -> dict[str, Any]:
+    return wait_for(f"{name} over", lambda: (j := job(c, name)) and j["state"] in ("SUCCEEDED", "FAILED", "STOPPED")
+                    and j, timeout_s, 0.5)
+
+
+def step(c: Container, name: str) -> int:
+    return int(job(c, name).get("step", -1))
+
+
+def started(c: Container) -> float:
+    """systemctl start returns once elasticd said READY=1 (registered in etcd)."""
+    t0 = time.monotonic()
+    c.run("systemctl", "start", UNIT)
+    took = time.monotonic() - t0
+    nodes = ctl(c, "nodes", "-o", "json")
+    assert [n["node_id"] for n in nodes["nodes"]] == ["n0"], nodes  # registered when start returned
+    assert c.show(UNIT, "ActiveState")["ActiveState"] == "active"
+    return took
+
+
+def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_unit(node: Container) -> None:
+    c = node
+    took = started(c)
+    print(f"systemctl start returned after {took:.2f} s, elasticd registered")
+    score = c.run("systemd-analyze", "security", UNIT, "--no-pager").stdout.strip().splitlines()[-1]
+    print(score)
+    assert float(score.split("elasticd.service:")[1].split()[0]) <= 4.9, score
+    submit(c, "hardened", total_steps=30)
+    wait_for("training", lambda: step(c, "hardened") >= 2, 120, 0.5)
+    # The workers: uid mselastic, in the unit's cgroup (host PIDs), and not root.
+    uids = {int(c.run("stat", "-c", "%u", f"/proc/{p}").stdout) for p in _in_container(c, _worker_pids(c))}
+    mselastic_uid = int(c.run("id", "-u", "mselastic").stdout)
+    assert uids == {mselastic_uid}, uids
+    done = ended(c, "hardened")
+    assert done["state"] == "SUCCEEDED", done
+    result = json.loads(c.run("cat", f"{JOBS}/hardened/out/result_g1.json").stdout)
+    assert result["final_step"] == 30 and result["resumed_from"] == 0, result
+    # The watchdog (3 s) saw a healthy elasticd through the whole run.
+    props = c.show(UNIT, "NRestarts", "ActiveState", "WatchdogUSec")
+    assert props == {"NRestarts": "0", "ActiveState": "active", "WatchdogUSec": "3s"}, props
+    # Journal entries carry the job, generation, node and rank as fields.
+    entries = [e for e in c.journal(UNIT) if e.get("JOB") == "hardened"]
+    assert entries and all(e.get("NODE") == "n0" for e in entries), entries[:3]
+    assert any(e.get("GENERATION") == "1" for e in entries), [e.get("GENERATION") for e in entries]
+    assert all("RANK" in e for e in entries)
+
+
+def test_elasticd_killed_is_restarted_no_old_worker_survives_and_the_job_resumes(node: Container) -> None:
+    c = node
+    if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
+        started(c)
+    before = int(c.show(UNIT, "NRestarts")["NRestarts"])
+    submit(c, "killed", total_steps=40)
+    wait_for("training", lambda: step(c, "killed") >= 12, 120, 0.5)
+    old = _worker_pids(c)
+    assert old
+    c.run("systemctl", "kill", "--kill-whom=main", "-s", "SIGKILL", UNIT)
+    wait_for("restarted", lambda: int(c.show(UNIT, "NRestarts")["NRestarts"]) == before + 1
+             and c.show(UNIT, "ActiveState")["ActiveState"] == "active", 30, 0.2)
+    assert not [p for p in old if os.path.exists(f"/proc/{p}")], "a worker of the old elasticd survived"
+    done = ended(c, "killed")
+    assert done["state"] == "SUCCEEDED" and done["generation"] >= 2, done
+    result = json.loads(c.run("cat", f"{JOBS}/killed/out/result_g{done['generation']}.json").stdout)
+    assert result["final_step"] == 40 and 10 <= result["resumed_from"] < 40, result
+
+
+def test_systemctl_stop_checkpoints_at_the_next_step_leaves_nothing_and_a_start_resumes_there(
+        node: Container) -> None:
+    c = node
+    if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
+        started(c)
+    submit(c, "stopped", total_steps=60)
+    wait_for("training", lambda: step(c, "stopped") >= 13, 120, 0.5)
+    pids = c.unit_pids(UNIT)
+    t0 = time.monotonic()
+    c.run("systemctl", "stop", UNIT)
+    print(f"systemctl stop took {time.monotonic() - t0:.1f} s")
+    assert c.show(UNIT, "ActiveState")["ActiveState"] == "inactive"
+    assert c.unit_pids(UNIT) == [] and not [p for p in pids if os.path.exists(f"/proc/{p}")]
+    trained = _steps(c, "stopped", 1)
+    assert trained and 13 <= max(trained) < 60, trained[-3:]
+    started(c)  # the job is still RUNNING in etcd: the new elasticd relaunches it
+    done = ended(c, "stopped")
+    assert done["state"] == "SUCCEEDED", done
+    result = json.loads(c.run("cat", f"{JOBS}/stopped/out/result_g{done['generation']}.json").stdout)
+    # Zero steps lost, none recomputed: the relaunch resumed from the step the ranks stopped at.
+    assert result["resumed_from"] == max(trained) and result["final_step"] == 60, (result, max(trained))
+
+
+def _steps(c: Container, name: str, generation: int) -> list[int]:
+    """The steps rank 0 of a generation trained (its samples record)."""
+    out = c.run("cat", f"{JOBS}/{name}/out/samples_g{generation}_r0.jsonl").stdout
+    return sorted(json.loads(line)["step"] for line in out.splitlines() if line.strip())
+
+
+def test_a_hung_elasticd_is_restarted_by_the_watchdog(node: Container) -> None:
+    c = node
+    if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
+        started(c)
+    before = int(c.show(UNIT, "NRestarts")["NRestarts"])
+    main = _host_pid(c, int(c.show(UNIT, "MainPID")["MainPID"]))
+    os.kill(main, signal.SIGSTOP)  # hung: no event loop, no WATCHDOG=1 (systemd's SIGABRT waits, SIGKILL does not)
+    wait_for("restarted by the watchdog", lambda: int(c.show(UNIT, "NRestarts")["NRestarts"]) == before + 1
+             and c.show(UNIT, "ActiveState")["ActiveState"] == "active", 30, 0.2)
+    log = c.run("journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout
+    assert "Watchdog timeout" in log, log[-2000:]
+
+
+def _worker_pids(c: Container) -> list[int]:
+    """Host PIDs of the unit's MindSpore ranks (MS_ROLE=MS_WORKER in their environment)."""
+    found = []
+    for p in c.unit_pids(UNIT):
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                if b"MS_ROLE=MS_WORKER\0" in f.read():
+                    found.append(p)
+        except OSError:
+            continue
+    return found
+
+
+def _in_container(c: Container, host_pids: list[int]) -> list[int]:
+    """The container's PIDs of host PIDs (the last NSpid)."""
+    out = []
+    for p in host_pids:
+        with open(f"/proc/{p}/status") as f:
+            out += [int(line.split()[-1]) for line in f if line.startswith("NSpid:")]
+    return out
+
+
+def _host_pid(c: Container, pid: int) -> int:
+    for p in c.unit_pids(UNIT):
+        if _in_container(c, [p]) == [pid]:
+            return p
+    raise AssertionError(f"no host PID for the container's {pid}")
+
+
+BRIDGE_NET = "10.213.0"
+
+
+def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os.PathLike[str]) -> None:
+    """Two containers on a bridge, each node with its own systemd and elasticd; etcd on the host's
+    end of the bridge; every connection (elasticd<->elasticd, elasticd->etcd, elasticctl) over
+    TLS with certificates from ``elasticctl certs``, as the README's three-node setup does."""
+    assert not WHY_NOT, f"CI must boot a systemd container: {WHY_NOT}"
+    from mselastic.store.embedded import EmbeddedEtcd
+    from tests.harness import VENV_BIN
+    import subprocess
+    tmp = str(tmp_path)
+    pki = os.path.join(tmp, "pki")
+    ctl_host = os.path.join(VENV_BIN, "elasticctl")
+    subprocess.run([ctl_host, "certs", "ca", pki], check=True, capture_output=True, timeout=60)
+    for name, ip in (("n0", f"{BRIDGE_NET}.10"), ("n1", f"{BRIDGE_NET}.11"), ("etcd", f"{BRIDGE_NET}.1")):
+        subprocess.run([ctl_host, "certs", "issue", pki, name, "--role", "node", "--host", ip], check=True,
+                       capture_output=True, timeout=60)
+    subprocess.run([ctl_host, "certs", "issue", pki, "ops", "--role", "admin"], check=True, capture_output=True,
+                   timeout=60)
+    bridge = f"msbr{os.getpid() % 100000}"
+    dist = os.path.join(tmp, "dist")
+    os.makedirs(dist)
+    whl = os.path.basename(wheel(dist))
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True, timeout=10)
+    etcd = None
+    try:
+        subprocess.run(["ip", "addr", "add", f"{BRIDGE_NET}.1/24", "dev", bridge], check=True, timeout=10)
+        subprocess.run(["ip", "link", "set", bridge, "up"], check=True, timeout=10)
+        etcd = EmbeddedEtcd(os.path.join(tmp, "etcd"), host=f"{BRIDGE_NET}.1",
+                            tls=(f"{pki}/etcd.pem", f"{pki}/etcd-key.pem", f"{pki}/ca.pem")).start()
+        binds = {dist: "/mnt/dist", os.path.join(REPO, "build", "systemd", "wheelhouse"): "/mnt/wheelhouse",
+                 os.path.join(REPO, "examples"): "/srv/examples", DATA_DIR: "/srv/data", pki: "/etc/mselastic/pki"}
+        with Container("n0", image(), tmp, binds, bridge=bridge) as n0, \
+                Container("n1", image(), tmp, binds, bridge=bridge) as n1:
+            for c, name in ((n0, "n0"), (n1, "n1")):
+                ip = f"{BRIDGE_NET}.{10 + int(name[1])}"
+                c.run("ip", "addr", "add", f"{ip}/24", "dev", "host0")
+                c.run("ip", "link", "set", "host0", "up")
+                c.run(f"{VENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/mnt/wheelhouse",
+                      f"/mnt/dist/{whl}[trainer]")
+                c.run("elasticctl", "install-unit")
+                c.write("/etc/mselastic/elasticd.toml", (
+                    f'node_id = "{name}"\netcd_endpoint = "{etcd.endpoint}"\nlisten = "{ip}:7070"\nslots = 1\n'
+                    f'lease_ttl_s = 3\ntls_cert = "/etc/mselastic/pki/{name}.pem"\n'
+                    f'tls_key = "/etc/mselastic/pki/{name}-key.pem"\ntls_cacert = "/etc/mselastic/pki/ca.pem"\n'
+                    f'etcd_cacert = "/etc/mselastic/pki/ca.pem"\netcd_cert = "/etc/mselastic/pki/{name}.pem"\n'
+                    f'etcd_key = "/etc/mselastic/pki/{name}-key.pem"\n'))
+                c.run("install", "-d", "-o", "mselastic", "-g", "mselastic", "-m", "0750", JOBS)
+                c.run("systemctl", "start", UNIT)  # returns once registered in the host's etcd
+            submit(n0, "pair", total_steps=30, workers_per_node=1, min_nodes=2, max_nodes=2)
+            done = ended(n0, "pair")
+            assert done["state"] == "SUCCEEDED" and done["generation"] == 1 and done["world_size"] == 2, done
+            result = json.loads(n0.run("cat", f"{JOBS}/pair/out/result_g1.json").stdout) if n0.run(
+                "test", "-e", f"{JOBS}/pair/out/result_g1.json", check=False).returncode == 0 else \
+                json.loads(n1.run("cat", f"{JOBS}/pair/out/result_g1.json").stdout)
+            assert result["final_step"] == 30 and result["world_size"] == 2, result
+            # From the host over the bridge: the admin certificate may look; no certificate is refused.
+            admin = [ctl_host, "--endpoint", f"{BRIDGE_NET}.10:7070", "--cacert", f"{pki}/ca.pem"]
+            r = subprocess.run([*admin, "--cert", f"{pki}/ops.pem", "--key", f"{pki}/ops-key.pem", "nodes", "-o",
+                                "json"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and {n["node_id"] for n in json.loads(r.stdout)["nodes"]} == {"n0", "n1"}, r
+            r = subprocess.run([*admin, "nodes"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 3, (r.returncode, r.stderr)
+            for c in (n0, n1):
+                assert c.show(UNIT, "NRestarts")["NRestarts"] == "0"
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=10)
