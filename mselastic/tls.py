@@ -138,3 +138,17 @@ def issue(directory: str, name: str, role: str, hosts: tuple[str, ...] = (), day
                                                serialization.NoEncryption()), 0o600)
     _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return cert_path, key_path
+
+
+def private_pki(directory: str, name: str, host: str) -> tuple[str, str, str]:
+    """(certificate, key, CA) for a service only this machine's root may talk to (the embedded
+    etcd): a CA and one certificate that both serves ``host`` and authenticates its client,
+    made on first use in ``directory`` (mode 0700), reused afterwards."""
+    cert, key, ca = (os.path.join(directory, f) for f in (f"{name}.pem", f"{name}-key.pem", "ca.pem"))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    if not os.path.exists(os.path.join(directory, "ca-key.pem")):
+        make_ca(directory, name=f"mselastic {name} CA (this machine only)")
+    if not (os.path.exists(cert) and os.path.exists(key)):
+        issue(directory, name, "node", (host,))
+    return cert, key, ca

@@ -168,15 +168,21 @@ class LocalNode:
                 return g.generation, {r.rank: r for r in g.ranks}
         return 0, {}
 
+    def etcdctl(self, *args: str) -> bytes:
+        """etcdctl against the embedded etcd, with the client certificate elasticd made for it
+        (it takes no client without one, see elasticd's embedded_etcd_dir)."""
+        pki = os.path.join(self.work, "etcd", "pki")
+        out = subprocess.run([os.path.join(BIN, "etcdctl"), f"--endpoints=https://{self.etcd_endpoint}",
+                              f"--cacert={pki}/ca.pem", f"--cert={pki}/etcd.pem", f"--key={pki}/etcd-key.pem", *args],
+                             capture_output=True, timeout=10)
+        return out.stdout
+
     def etcd_get(self, key: str) -> bytes | None:
-        out = subprocess.run([os.path.join(BIN, "etcdctl"), f"--endpoints={self.etcd_endpoint}", "get", key,
-                              "--print-value-only"], capture_output=True, timeout=10)
-        return out.stdout.strip() or None
+        return self.etcdctl("get", key, "--print-value-only").strip() or None
 
     def etcd_values(self, prefix: str) -> list[bytes]:
-        out = subprocess.run([os.path.join(BIN, "etcdctl"), f"--endpoints={self.etcd_endpoint}", "get", prefix,
-                              "--prefix", "--print-value-only"], capture_output=True, timeout=10)
-        return [line for line in out.stdout.splitlines() if line.strip()]
+        return [line for line in self.etcdctl("get", prefix, "--prefix", "--print-value-only").splitlines()
+                if line.strip()]
 
     def stop(self) -> list[int]:
         """Stop elasticd (it stops its workers and etcd); kill and return any marked leftovers."""

@@ -99,7 +99,10 @@ def image() -> str:
         os.makedirs(top)
         log = os.path.join(top, "build.log")
         t0 = time.monotonic()
-        _run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", rootfs, _mirror()], log, 900)
+        # In a mount namespace of its own: the proc/sys mounts debootstrap makes in the rootfs go
+        # with it, also when it is stopped half-way.
+        _run(["unshare", "--mount", "--propagation", "private", "--", "debootstrap", "--variant=minbase",
+              f"--include={PACKAGES}", "bookworm", rootfs, _mirror()], log, 900)
         wheels = os.path.join(BUILD, "wheelhouse")
         _run([os.path.join(VENV_BIN, "pip"), "download", "--quiet", "--only-binary=:all:", "--dest", wheels,
               "-r", os.path.join(REPO, "requirements.txt")], log, 900)
@@ -131,12 +134,15 @@ class Container:
     """One booted container (``with Container(...) as c``): its own systemd, its own network
     namespace (only ``lo``, or a veth on ``bridge``), the image under a throw-away overlay."""
 
+    _count = 0
+
     def __init__(self, name: str, rootfs: str, log_dir: str, binds_ro: dict[str, str] | None = None,
                  bridge: str = "") -> None:
         self.name, self.rootfs, self.log_dir = name, rootfs, log_dir
         self.binds_ro = binds_ro or {}
         self.bridge = bridge
-        self.cgroup = f"mselastic-test-{name}-{os.getpid()}"
+        Container._count += 1  # two containers may share a name (a module's n0 and a test's n0)
+        self.cgroup = f"mselastic-test-{name}-{os.getpid()}-{Container._count}"
         self.nspawn: subprocess.Popen[bytes] | None = None
         self.init_pid = 0
 
@@ -222,21 +228,26 @@ class Container:
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
     def stop(self) -> None:
-        """Halt the container (nspawn turns SIGTERM into an orderly shutdown), SIGKILL after 20 s;
-        then remove its cgroups."""
+        """Halt the container (nspawn turns SIGTERM into an orderly shutdown, which stops
+        elasticd's jobs with their grace), then SIGKILL whatever is left in its cgroup and
+        remove the cgroups; raise if anything could not be removed."""
         p = self.nspawn
         if p is not None and p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=60)
+        kill = os.path.join(CGROUP_ROOTS[0], self.cgroup, "cgroup.kill")  # every process below, at once
+        if os.path.exists(kill):
+            with contextlib.suppress(OSError):
+                with open(kill, "w") as f:
+                    f.write("1")
+        if p is not None:
+            p.wait(timeout=30)
+        left = []
         for root in CGROUP_ROOTS:
             top = os.path.join(root, self.cgroup)
-            for _ in range(50):
+            for _ in range(100):
                 if not os.path.isdir(top):
                     break
                 for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
@@ -244,6 +255,10 @@ class Container:
                         os.rmdir(d)
                 if os.path.isdir(top):
                     time.sleep(0.1)
+            if os.path.isdir(top):
+                left.append(top)
+        if left:
+            raise AssertionError(f"container {self.name}: cgroups still there after SIGKILL: {left}")
 
 
 def _descendants(pid: int) -> Iterator[int]:

@@ -267,17 +267,21 @@ def test_tls_everywhere_with_roles(procs: Processes, etcd: Etcd, namespace: str,
 
 def test_a_local_unprivileged_user_cannot_get_a_job_run(procs: Processes, etcd: Etcd, namespace: str,
                                                         python_for_nobody: None) -> None:
-    """On the single-machine default (plaintext on loopback, the local socket 0600): a local user
-    (uid 65534) may look through the TCP port but not submit, stop or call the agent, and cannot
-    open the socket; nothing was created."""
+    """On the single-machine default (an embedded etcd, plaintext gRPC on loopback, the local
+    socket 0600): a local user (uid 65534) may look through the TCP port but not submit, stop or
+    call the agent, cannot open the socket, and cannot reach etcd behind elasticd's back (it
+    takes clients with the certificate only root can read); nothing was created."""
     base = tempfile.mkdtemp(prefix="mselastic-local-", dir="/tmp")
     try:
         os.chmod(base, 0o755)
-        port = free_port()
+        port, etcd_port = free_port(), free_port()
         work = os.path.join(base, "work")
-        procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace))
-        wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+        procs.start("elasticd-n0", elasticd_cmd("n0", f"127.0.0.1:{etcd_port}", port, work, namespace)
+                    + ["--embedded-etcd-dir", os.path.join(work, "etcd")])
         sock = os.path.join(work, "elasticd.sock")
+        root_ctl = [os.path.join(VENV_BIN, "elasticctl"), "--endpoint", f"unix:{sock}"]
+        wait_for("n0 serving", lambda: subprocess.run([*root_ctl, "nodes"], capture_output=True,
+                                                      timeout=30).returncode == 0, 30, 0.1)
         assert os.stat(sock).st_mode & 0o777 == 0o600  # no mselastic group on this machine: root alone
         spec = lenet_spec(os.path.join(base, "job.toml"), "intruder", base, os.path.join(base, "ckpt"), 5)
         os.chmod(spec, 0o644)
@@ -308,7 +312,58 @@ def test_a_local_unprivileged_user_cannot_get_a_job_run(procs: Processes, etcd: 
         r = as_nobody(os.path.join(VENV_BIN, "python"), "-c", calls)
         assert r.stdout.split() == ["Launch", "PERMISSION_DENIED", "Stop", "PERMISSION_DENIED", "Logs",
                                     "PERMISSION_DENIED", "StopJob", "PERMISSION_DENIED"], (r.stdout, r.stderr)
-        assert etcd.status("intruder") is None
+        # etcd itself: plaintext is refused, TLS without a client certificate too, and the
+        # certificate elasticd made for it cannot be read.
+        etcdctl = [os.path.join(VENV_BIN, "etcdctl"), "--dial-timeout=2s", "--command-timeout=3s"]
+        key = f"{namespace}/jobs/intruder/spec"
+        for how in ([f"--endpoints=127.0.0.1:{etcd_port}"],
+                    [f"--endpoints=https://127.0.0.1:{etcd_port}", "--insecure-skip-tls-verify"]):
+            r = as_nobody(*etcdctl, *how, "put", key, "{}")
+            assert r.returncode != 0 and "OK" not in r.stdout, (how, r.stdout, r.stderr)
+        r = as_nobody("cat", os.path.join(work, "etcd", "pki", "etcd-key.pem"))
+        assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
+        r = subprocess.run([*root_ctl, "jobs", "-o", "json"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "intruder" not in r.stdout, r.stdout
     finally:
         procs.stop_all()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_install_unit_writes_unit_user_and_config_keeps_an_edited_config_and_stays_under_root(
+        tmp_path: os.PathLike[str]) -> None:
+    """elasticctl install-unit --root (an image being built): the unit pointing at this venv's
+    elasticd, the sysusers.d entry, the sample config (0640) once; never out of the root."""
+    tmp = str(tmp_path)
+    ctl = os.path.join(VENV_BIN, "elasticctl")
+    root = os.path.join(tmp, "image")
+    os.makedirs(root)
+    r = subprocess.run([ctl, "install-unit", "--root", root], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    unit = os.path.join(root, "etc/systemd/system/elasticd.service")
+    with open(unit) as f:
+        text = f.read()
+    assert f"ExecStart={VENV_BIN}/elasticd --config /etc/mselastic/elasticd.toml\n" in text
+    assert "/opt/mselastic/.venv" not in text.split("[Service]")[1]
+    assert os.stat(unit).st_mode & 0o777 == 0o644
+    with open(os.path.join(root, "etc/sysusers.d/mselastic.conf")) as f:
+        assert "\nu mselastic - " in f.read()
+    config = os.path.join(root, "etc/mselastic/elasticd.toml")
+    assert os.stat(config).st_mode & 0o777 == 0o640 and "next:" not in r.stdout  # --root: no systemctl hint
+    with open(config, "w") as f:
+        f.write('node_id = "edited"\n')
+    r = subprocess.run([ctl, "install-unit", "--root", root], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"kept {config}" in r.stdout, r.stdout
+    with open(config) as f:
+        assert f.read() == 'node_id = "edited"\n'
+    assert not [n for n in os.listdir(os.path.dirname(unit)) if n.startswith(".")]  # no temporary file left
+    # A symlink in the tree that leads out of the root is refused, nothing written outside.
+    evil, outside = os.path.join(tmp, "evil"), os.path.join(tmp, "outside")
+    os.makedirs(evil)
+    os.makedirs(outside)
+    os.symlink(outside, os.path.join(evil, "etc"))
+    r = subprocess.run([ctl, "install-unit", "--root", evil], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "leads out of" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not any(files for _, _, files in os.walk(outside))
+    r = subprocess.run([ctl, "install-unit", "--root", os.path.join(tmp, "nope")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr

@@ -68,3 +68,32 @@ def test_preflight_names_the_path_and_whose_fault_it_is(tmp_path: os.PathLike[st
     with pytest.raises(LaunchError) as err:
         preflight(JobSpec(**fields), log_dir, msrun)  # type: ignore[arg-type]
     assert err.value.cause is cause and str(err.value).startswith(expected.format(tmp=tmp)), str(err.value)
+
+
+def test_root_without_cap_sys_ptrace_still_reads_a_workers_environment() -> None:
+    """The unit gives elasticd no CAP_SYS_PTRACE. proc(5) puts /proc/PID/environ behind a
+    PTRACE_MODE_READ_FSCREDS check, which a caller whose fsuid/fsgid are the process's own
+    passes: ``_environ`` falls back to that when the plain read is refused. Both are run here in
+    a root process without CAP_SYS_PTRACE (this machine's kernel lets the plain read through with
+    the DAC capabilities the unit keeps; without those it refuses, shown first)."""
+    import subprocess
+    import sys
+    worker = subprocess.Popen(["sleep", "60"], user=65534, group=65534, extra_groups=[],
+                              env={"MSELASTIC_RUN_ID": "j.3.abc", "PATH": "/usr/bin:/bin"})
+    try:
+        bare = ["setpriv", "--bounding-set=-sys_ptrace,-dac_read_search,-dac_override", "--", sys.executable, "-c"]
+        plain = (f"import psutil\ntry:\n    psutil.Process({worker.pid}).environ(); print('read')\n"
+                 f"except psutil.AccessDenied:\n    print('denied')\n")
+        r = subprocess.run([*bare, plain], capture_output=True, text=True, timeout=60)
+        assert r.stdout.strip() == "denied", (r.stdout, r.stderr)
+        unit = ["setpriv", "--bounding-set=-sys_ptrace", "--", sys.executable, "-c"]
+        ours = (f"import psutil\nfrom mselastic.agent.procs import _environ, _environ_as_owner\n"
+                f"p = psutil.Process({worker.pid})\n"
+                f"print(_environ(p)['MSELASTIC_RUN_ID'], _environ_as_owner(p)['MSELASTIC_RUN_ID'])\n"
+                f"print(open('/proc/self/status').read().split('Uid:')[1].split()[3])\n")
+        for how in (unit, bare):  # the fallback alone is enough: without the DAC capabilities too
+            r = subprocess.run([*how, ours], capture_output=True, text=True, timeout=60)
+            assert r.stdout.split() == ["j.3.abc", "j.3.abc", "0"], (how, r.stdout, r.stderr)  # fsuid root's again
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)

@@ -7,11 +7,18 @@ starts (``MSELASTIC_RUN_ID``, inherited through msrun), and stopping it means:
 SIGCONT (a stopped rank ignores SIGTERM), SIGTERM, a grace period, SIGKILL to
 every process group that holds a marked process, then a check that no marked
 process is left. Nothing is ever killed by name.
+
+Reading another user's ``/proc/PID/environ`` takes CAP_SYS_PTRACE, which the unit does not
+give elasticd (with it, a compromised daemon could write any process's memory, PID 1's
+too). The kernel grants the read to a caller whose file-system uid and gid are the
+process's own, so root reads a worker's environment by taking the worker's fsuid/fsgid for
+that one read, on its own thread (setfsuid is per thread), with CAP_SETUID/CAP_SETGID.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import os
 import signal
@@ -30,11 +37,37 @@ class Proc:
     rank: int  # RANK_ID for workers, -1 otherwise
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
 def _environ(p: psutil.Process) -> dict[str, str] | None:
+    try:
+        return p.environ()
+    except psutil.AccessDenied:
+        return _environ_as_owner(p) if os.geteuid() == 0 else None
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+        return None
+
+
+def _environ_as_owner(p: psutil.Process) -> dict[str, str] | None:
+    """``p``'s environment read with its owner's fsuid/fsgid (see the module's notes)."""
+    try:
+        uids, gids = p.uids(), p.gids()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    if len({uids.real, uids.effective, uids.saved}) != 1 or len({gids.real, gids.effective, gids.saved}) != 1:
+        return None  # the kernel would refuse a process whose ids differ: do not try
+    _libc.setfsgid(gids.real)
+    _libc.setfsuid(uids.real)
     try:
         return p.environ()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
         return None
+    finally:  # setfsuid/setfsgid report no errors; back to root's, checked
+        _libc.setfsuid(0)
+        _libc.setfsgid(0)
+        if _libc.setfsuid(-1) != 0 or _libc.setfsgid(-1) != 0:
+            raise SystemExit("elasticd: could not take back its own file-system ids; stopping")
 
 
 def describe(p: psutil.Process) -> Proc | None:

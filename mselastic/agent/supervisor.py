@@ -133,7 +133,11 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
         except OSError as e:
             raise LaunchError(FailureCause.LAUNCH_SPEC,
                               f"checkpoint_dir {spec.checkpoint_dir} cannot be created: {os_error(e)}") from None
-    if not os.access(spec.checkpoint_dir, os.W_OK | os.X_OK) or (user is not None and not user.may_write(spec.checkpoint_dir)):
+    # Asked of the worker user when workers switch to it (elasticd's own access says nothing: under
+    # the unit it has no CAP_DAC_OVERRIDE and may not write there itself).
+    switching = user is not None and user.switch
+    if not (user.may_write(spec.checkpoint_dir) if user is not None and switching else
+            os.access(spec.checkpoint_dir, os.W_OK | os.X_OK)):
         who = f" by the worker user {user.name} (uid {user.uid})" if user is not None and user.switch else ""
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable{who}")
     try:
@@ -150,6 +154,14 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
             from None
     if not os.access(msrun, os.X_OK):
         raise LaunchError(FailureCause.LAUNCH_NODE, f"msrun not found at {msrun}")
+
+
+def _write_and_close(fd: int, data: bytes) -> None:
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BrokenPipeError:  # the child died before reading: its exit is the failure reported
+        pass
 
 
 class Generation:
@@ -227,30 +239,30 @@ class Generation:
                f"--cluster_time_out={int(self.spec.startup_timeout_s)}",
                self.spec.script, *self.spec.args]
         who = self.user if self.user is not None and self.user.switch else None
+        env_r = env_w = -1
         if who is not None:
-            # The job's env reaches msrun through a file only the worker user reads, applied after
-            # setpriv switched: nothing runs as root with it (LD_PRELOAD, if an admin allows it).
-            envfile = os.path.join(self.log_dir, ".job-env.json")
-            try:
-                fd = os.open(envfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    os.fchown(f.fileno(), who.uid, who.gid)
-                    json.dump(self._job_env(), f)
-            except OSError as e:
-                await self._fail(-1, f"the job's environment could not be handed over in {self.log_dir}: {e}",
-                                 FailureCause.LAUNCH_NODE)
-                return
-            cmd = [sys.executable, "-m", "mselastic.agent.envexec", envfile, "--", *cmd]
+            # The job's env reaches msrun through a pipe, read after setpriv switched: nothing runs
+            # as root with it (LD_PRELOAD, if an admin allows it), it is never on disk, and elasticd
+            # needs no right to write in the worker user's folders.
+            env_r, env_w = os.pipe()
+            cmd = [sys.executable, "-m", "mselastic.agent.envexec", str(env_r), "--", *cmd]
         try:
             with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:  # made in preflight, ours
                 self._msrun = await asyncio.create_subprocess_exec(
                     *with_parent_death(cmd, (who.uid, who.gid) if who else None), stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT, env=self._env(), cwd=os.path.dirname(self.spec.script),
-                    start_new_session=True)
+                    start_new_session=True, pass_fds=(env_r,) if who else ())
         except OSError as e:
+            if env_w >= 0:
+                os.close(env_w)
             await self._fail(-1, f"msrun could not be started: {e}", FailureCause.LAUNCH_NODE)
             return
+        finally:
+            if env_r >= 0:
+                os.close(env_r)
+        if env_w >= 0:  # in a thread: a large env fills the pipe until envexec reads it
+            await asyncio.to_thread(_write_and_close, env_w, json.dumps(self._job_env()).encode())
         self.started_mono = time.monotonic()
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
                  self._msrun.pid, p.master_addr, p.master_port, self.first_rank,

@@ -485,8 +485,9 @@ def cmd_install_unit(c: Client, a: argparse.Namespace, out: Any) -> int:
             out.write(line + "\n")
     except service.InstallError as e:
         raise CtlError(str(e), EXIT_REFUSED) from None
-    out.write("next: edit /etc/mselastic/elasticd.toml (node_id, etcd_endpoint, ...), then systemctl enable --now "
-              "elasticd\n")
+    if os.path.realpath(a.root) == "/":
+        out.write("next: edit /etc/mselastic/elasticd.toml (node_id, etcd_endpoint, ...), then systemctl enable "
+                  "--now elasticd\n")
     return EXIT_OK
 
 

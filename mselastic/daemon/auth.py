@@ -105,6 +105,9 @@ class Authorizer(grpc.aio.ServerInterceptor):
                                     f"{', '.join(sorted(r.value for r in who.roles)) or 'none'}{hint}")
             if method in LEADER_ONLY and who.certified:
                 leader = await self.leader()
+                if not leader:  # etcd unreadable or an election under way: ask again, not a refusal
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"{method.rsplit('/', 1)[-1]}: which node leads is not known here yet")
                 if who.name != leader:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                         f"{method.rsplit('/', 1)[-1]} only from the leading node ({leader or 'unknown'}), "

@@ -151,9 +151,11 @@ class CoordinatorConfig:
 #: Refusals a push will meet again until someone changes a configuration or a record.
 _LASTING = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
 
-#: What to do when another node's agent refuses this leader's push.
+#: What to do when another node's agent refuses this leader's push, without TLS and with it.
 _DENIED_HINT = ("; the nodes reach each other without node certificates: give them TLS (elasticctl certs issue "
                 "... --role node; tls_cert, tls_key, tls_cacert), or set insecure = true on a network you trust")
+_DENIED_HINT_TLS = ("; this node's certificate must have the node role (O=node), its node id as CN, and be signed "
+                    "by the CA the other node trusts (elasticctl certs issue DIR NODE_ID --role node)")
 
 
 class Agents:
@@ -176,29 +178,33 @@ class Agents:
     async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> dict[str, str]:
         """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised.
         ``extra_timeout_s``: the agents first stop what runs there, with that grace period.
-        Returns, by node id, every lasting refusal (see ``_LASTING``) with what to do about it;
-        a node that accepted maps to ``""``."""
+        Returns, by node id, a lasting refusal (see ``_LASTING``) with what to do about it, or
+        ``""`` for any other answer (accepted, refused for now, unreachable): only an unbroken
+        run of lasting refusals fails a job."""
         msg = pb.LaunchRequest(plan=plan_to_pb(plan))
 
-        async def one(address: str, node_id: str) -> tuple[str, str | None]:
+        async def one(address: str, node_id: str) -> tuple[str, str]:
             try:
                 res = await self.stub(address).Launch(msg, timeout=self.timeout_s + extra_timeout_s)
                 if not res.accepted:
                     log.warning("launch refused by %s: %s", node_id, res.message,
                                 extra=dict(job=plan.job, generation=plan.generation, node=node_id))
-                    return node_id, None
                 return node_id, ""
             except grpc.aio.AioRpcError as e:
                 metrics.GRPC_ERRORS.labels("Launch").inc()
-                lasting = e.code() in _LASTING
-                why = f"{e.code().name}: {e.details()}" + (_DENIED_HINT if e.code() != grpc.StatusCode.FAILED_PRECONDITION else "")
-                log.log(logging.ERROR if lasting else logging.WARNING, "launch push to %s failed: %s", node_id,
-                        why if lasting else e.details(), extra=dict(job=plan.job, generation=plan.generation, node=node_id))
-                return node_id, why if lasting else None
+                if e.code() not in _LASTING:
+                    log.warning("launch push to %s failed: %s", node_id, e.details(),
+                                extra=dict(job=plan.job, generation=plan.generation, node=node_id))
+                    return node_id, ""
+                hint = "" if e.code() == grpc.StatusCode.FAILED_PRECONDITION else \
+                    _DENIED_HINT_TLS if self.tls.cert else _DENIED_HINT
+                why = f"{e.code().name}: {e.details()}{hint}"
+                log.error("launch push to %s failed: %s", node_id, why,
+                          extra=dict(job=plan.job, generation=plan.generation, node=node_id))
+                return node_id, why
 
-        answers = await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
-                                         if only is None or m.node_id in only))
-        return {node_id: why for node_id, why in answers if why is not None}
+        return dict(await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
+                                           if only is None or m.node_id in only)))
 
     async def stop(self, job: str, generation: int, grace_s: float, addresses: dict[str, str]) -> dict[str, list[int]]:
         msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s)

@@ -49,11 +49,29 @@ def stderr_is_journal() -> bool:
     return (st.st_dev, st.st_ino) == (device, inode)
 
 
+#: syslog priorities of the logging levels (journald's PRIORITY field).
+PRIORITIES = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
+
+
+class _Journal(logging.Handler):
+    """One journal entry per record, through libsystemd's sd_journal_send (cysystemd): the
+    message, its priority, the logger, and JOB, GENERATION, NODE, RANK; nothing else of the
+    record (no arguments, no paths). A failed send is logging's to report, not the caller's."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from cysystemd.journal import send
+            send(message=self.format(record), priority=PRIORITIES.get(record.levelno, 6),
+                 syslog_identifier="elasticd", logger=record.name,
+                 **{f: str(getattr(record, f)) for f in FIELDS})
+        except Exception:
+            self.handleError(record)
+
+
 def setup(node: str, fmt: str, level: str = "INFO") -> None:
     handler: logging.Handler
     if stderr_is_journal():
-        from cysystemd.journal import JournaldLogHandler  # sends the record's extras as fields
-        handler = JournaldLogHandler(identifier="elasticd")
+        handler = _Journal()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)

@@ -55,7 +55,7 @@ from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
 from mselastic.store.embedded import EmbeddedEtcd
 from mselastic.store.etcd import EtcdAuth, PermanentError, RetryPolicy, Store, TemporaryError
 from mselastic.store.keys import BadName, Keys, check_id
-from mselastic.tls import TlsError, TlsFiles
+from mselastic.tls import TlsError, TlsFiles, private_pki
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
 log = logging.getLogger("elasticd")
@@ -484,19 +484,27 @@ async def serve(s: Settings) -> None:
         raise _bad("worker_user", f"{why}; install mselastic where that user can read it (a system Python, "
                                   f"/opt/mselastic) or name another worker_user")
     etcd = None
-    endpoint = s.etcd_endpoint
+    endpoint, etcd_auth = s.etcd_endpoint, s.etcd_auth
     if s.embedded_etcd_dir:
-        tls = (s.tls_cert, s.tls_key, s.tls_cacert) if s.tls_cert and s.tls_cacert else None
+        # TLS with client certificates always: on loopback too, or any local user could write a
+        # plan to etcd and have it run. Without the node's own TLS files, a private CA and
+        # certificate in <embedded_etcd_dir>/pki (0700, made once) serve both ends.
+        if s.tls_cert and s.tls_cacert:
+            tls = (s.tls_cert, s.tls_key, s.tls_cacert)
+        else:
+            tls = await asyncio.to_thread(private_pki, os.path.join(s.embedded_etcd_dir, "pki"), "etcd", "127.0.0.1")
+            etcd_auth = EtcdAuth(tls[2], tls[0], tls[1], s.etcd_user, s.etcd_password)
         etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
         endpoint = etcd.endpoint
-        log.info("embedded etcd on %s (data in %s)", endpoint, s.embedded_etcd_dir)
+        log.info("embedded etcd on %s (TLS, client certificates required; data in %s)", endpoint,
+                 s.embedded_etcd_dir)
     if s.metrics_listen:
         try:
             metrics.serve(s.metrics_listen)
         except OSError as e:
             raise SettingsError(f"metrics_listen: cannot listen on {s.metrics_listen}: {e.strerror}") from None
         log.info("metrics on http://%s/metrics", s.metrics_listen)
-    store = Store(endpoint, Keys(s.namespace), auth=s.etcd_auth)
+    store = Store(endpoint, Keys(s.namespace), auth=etcd_auth)
 
     async def leader() -> str:
         try:
@@ -528,7 +536,7 @@ async def serve(s: Settings) -> None:
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is
     # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.
-    control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0), auth=s.etcd_auth)
+    control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0), auth=etcd_auth)
     pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator, s.allowed_env), server)
     await server.start()
     _share_socket(s, worker)
