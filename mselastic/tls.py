@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import shutil
 
 import grpc
 
@@ -140,15 +141,31 @@ def issue(directory: str, name: str, role: str, hosts: tuple[str, ...] = (), day
     return cert_path, key_path
 
 
-def private_pki(directory: str, name: str, host: str) -> tuple[str, str, str]:
+def private_pki(directory: str, name: str, host: str, renew_days: int = 30) -> tuple[str, str, str]:
     """(certificate, key, CA) for a service only this machine's root may talk to (the embedded
-    etcd): a CA and one certificate that both serves ``host`` and authenticates its client,
-    made on first use in ``directory`` (mode 0700), reused afterwards."""
-    cert, key, ca = (os.path.join(directory, f) for f in (f"{name}.pem", f"{name}-key.pem", "ca.pem"))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    os.chmod(directory, 0o700)
-    if not os.path.exists(os.path.join(directory, "ca-key.pem")):
-        make_ca(directory, name=f"mselastic {name} CA (this machine only)")
-    if not (os.path.exists(cert) and os.path.exists(key)):
-        issue(directory, name, "node", (host,))
-    return cert, key, ca
+    etcd): a CA and one certificate that both serves ``host`` and authenticates its client, in
+    ``directory`` (mode 0700). Reused while it loads and has more than ``renew_days`` left; else
+    (missing, torn by a crash, expiring) made anew in a scratch folder and put in place whole."""
+    from cryptography import x509
+
+    files = tuple(os.path.join(directory, f) for f in (f"{name}.pem", f"{name}-key.pem", "ca.pem", "ca-key.pem"))
+    try:
+        with open(files[0], "rb") as f:
+            left = x509.load_pem_x509_certificate(f.read()).not_valid_after_utc - datetime.datetime.now(
+                datetime.timezone.utc)
+        if left > datetime.timedelta(days=renew_days) and all(os.path.getsize(f) > 0 for f in files):
+            os.chmod(directory, 0o700)
+            return files[0], files[1], files[2]
+    except (OSError, ValueError):
+        pass  # missing or unreadable: made anew
+    scratch = f"{directory}.new{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch, mode=0o700)
+    make_ca(scratch, name=f"mselastic {name} CA (this machine only)")
+    issue(scratch, name, "node", (host,))
+    if os.path.exists(directory):
+        old = f"{directory}.old{os.getpid()}"
+        os.replace(directory, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(scratch, directory)
+    return files[0], files[1], files[2]

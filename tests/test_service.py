@@ -14,6 +14,7 @@ import tempfile
 import tomllib
 
 import grpc
+import psutil
 import pytest
 
 from mselastic.daemon.main import FIELDS, Settings, SettingsError, parse_args
@@ -276,8 +277,8 @@ def test_a_local_unprivileged_user_cannot_get_a_job_run(procs: Processes, etcd: 
         os.chmod(base, 0o755)
         port, etcd_port = free_port(), free_port()
         work = os.path.join(base, "work")
-        procs.start("elasticd-n0", elasticd_cmd("n0", f"127.0.0.1:{etcd_port}", port, work, namespace)
-                    + ["--embedded-etcd-dir", os.path.join(work, "etcd")])
+        elasticd = procs.start("elasticd-n0", elasticd_cmd("n0", f"127.0.0.1:{etcd_port}", port, work, namespace)
+                               + ["--embedded-etcd-dir", os.path.join(work, "etcd")])
         sock = os.path.join(work, "elasticd.sock")
         root_ctl = [os.path.join(VENV_BIN, "elasticctl"), "--endpoint", f"unix:{sock}"]
         wait_for("n0 serving", lambda: subprocess.run([*root_ctl, "nodes"], capture_output=True,
@@ -313,15 +314,34 @@ def test_a_local_unprivileged_user_cannot_get_a_job_run(procs: Processes, etcd: 
         assert r.stdout.split() == ["Launch", "PERMISSION_DENIED", "Stop", "PERMISSION_DENIED", "Logs",
                                     "PERMISSION_DENIED", "StopJob", "PERMISSION_DENIED"], (r.stdout, r.stderr)
         # etcd itself: plaintext is refused, TLS without a client certificate too, and the
-        # certificate elasticd made for it cannot be read.
+        # certificate elasticd made for it cannot be read; root with it gets in (the control).
+        pki = os.path.join(work, "etcd", "pki")
         etcdctl = [os.path.join(VENV_BIN, "etcdctl"), "--dial-timeout=2s", "--command-timeout=3s"]
         key = f"{namespace}/jobs/intruder/spec"
         for how in ([f"--endpoints=127.0.0.1:{etcd_port}"],
                     [f"--endpoints=https://127.0.0.1:{etcd_port}", "--insecure-skip-tls-verify"]):
             r = as_nobody(*etcdctl, *how, "put", key, "{}")
             assert r.returncode != 0 and "OK" not in r.stdout, (how, r.stdout, r.stderr)
-        r = as_nobody("cat", os.path.join(work, "etcd", "pki", "etcd-key.pem"))
+        r = subprocess.run([*etcdctl, f"--endpoints=https://127.0.0.1:{etcd_port}", f"--cacert={pki}/ca.pem",
+                            f"--cert={pki}/etcd.pem", f"--key={pki}/etcd-key.pem", "get", key], capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
+        r = as_nobody("cat", os.path.join(pki, "etcd-key.pem"))
         assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
+        # Its peer port (raft) takes no one without a certificate either, plaintext or TLS.
+        etcd_proc = next(p for p in psutil.Process(elasticd.pid).children() if p.name() == "etcd")
+        cmdline = etcd_proc.cmdline()
+        peer = cmdline[cmdline.index("--listen-peer-urls") + 1]
+        assert peer.startswith("https://127.0.0.1:"), peer
+        probe = ("import ssl, sys, urllib.request\n"
+                 "for url, ctx in ((sys.argv[1].replace('https', 'http') + '/members', None),\n"
+                 "                 (sys.argv[1] + '/members', ssl._create_unverified_context())):\n"
+                 "    try:\n"
+                 "        print(urllib.request.urlopen(url, timeout=5, context=ctx).read()[:60])\n"
+                 "    except Exception as e:\n"
+                 "        print('refused', type(e).__name__)\n")
+        r = as_nobody(os.path.join(VENV_BIN, "python"), "-c", probe, peer)
+        assert [line.split()[0] for line in r.stdout.splitlines()] == ["refused", "refused"], (r.stdout, r.stderr)
         r = subprocess.run([*root_ctl, "jobs", "-o", "json"], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and "intruder" not in r.stdout, r.stdout
     finally:
@@ -363,7 +383,7 @@ def test_install_unit_writes_unit_user_and_config_keeps_an_edited_config_and_sta
     os.symlink(outside, os.path.join(evil, "etc"))
     r = subprocess.run([ctl, "install-unit", "--root", evil], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "leads out of" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not any(files for _, _, files in os.walk(outside))
+    assert os.listdir(outside) == []  # not even a folder
     r = subprocess.run([ctl, "install-unit", "--root", os.path.join(tmp, "nope")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr

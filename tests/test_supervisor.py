@@ -87,13 +87,16 @@ def test_root_without_cap_sys_ptrace_still_reads_a_workers_environment() -> None
         r = subprocess.run([*bare, plain], capture_output=True, text=True, timeout=60)
         assert r.stdout.strip() == "denied", (r.stdout, r.stderr)
         unit = ["setpriv", "--bounding-set=-sys_ptrace", "--", sys.executable, "-c"]
-        ours = (f"import psutil\nfrom mselastic.agent.procs import _environ, _environ_as_owner\n"
+        ours = (f"import psutil\nfrom mselastic.agent.procs import _environ, _environ_as_owner, read_as\n"
+                f"read_as(65534)\n"
                 f"p = psutil.Process({worker.pid})\n"
                 f"print(_environ(p)['MSELASTIC_RUN_ID'], _environ_as_owner(p)['MSELASTIC_RUN_ID'])\n"
-                f"print(open('/proc/self/status').read().split('Uid:')[1].split()[3])\n")
+                f"status = open('/proc/self/status').read()\n"
+                f"print(status.split('Uid:')[1].split()[3], status.split('Gid:')[1].split()[3])\n")
         for how in (unit, bare):  # the fallback alone is enough: without the DAC capabilities too
             r = subprocess.run([*how, ours], capture_output=True, text=True, timeout=60)
-            assert r.stdout.split() == ["j.3.abc", "j.3.abc", "0"], (how, r.stdout, r.stderr)  # fsuid root's again
+            # read, and the fsuid and fsgid are root's again afterwards
+            assert r.stdout.split() == ["j.3.abc", "j.3.abc", "0", "0"], (how, r.stdout, r.stderr)
     finally:
         worker.kill()
         worker.wait(timeout=10)

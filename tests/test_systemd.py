@@ -302,7 +302,8 @@ def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os
             # READY=1 only once registered: n1 starts while a blackhole route hides etcd from it.
             n1.run("ip", "route", "add", "blackhole", f"{BRIDGE_NET}.1/32")
             n1.run("systemctl", "start", "--no-block", UNIT)
-            time.sleep(4)
+            wait_for("n1's elasticd retrying etcd", lambda: "unreachable" in n1.run(
+                "journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout, 60, 0.5)
             assert n1.show(UNIT, "ActiveState")["ActiveState"] == "activating"
             assert etcd_nodes(pki, etcd.endpoint) == ["n0"]
             n1.run("ip", "route", "del", "blackhole", f"{BRIDGE_NET}.1/32")

@@ -11,8 +11,12 @@ process is left. Nothing is ever killed by name.
 Reading another user's ``/proc/PID/environ`` takes CAP_SYS_PTRACE, which the unit does not
 give elasticd (with it, a compromised daemon could write any process's memory, PID 1's
 too). The kernel grants the read to a caller whose file-system uid and gid are the
-process's own, so root reads a worker's environment by taking the worker's fsuid/fsgid for
-that one read, on its own thread (setfsuid is per thread), with CAP_SETUID/CAP_SETGID.
+process's own, so when the plain read is refused for a process of the worker user
+(:func:`read_as`), root takes that user's fsuid/fsgid for that one read and takes its own
+back at once (setfsuid is per thread: nothing else runs on the calling thread meanwhile but
+what the interpreter may run between two bytecodes, which touches no file). A worker that
+made itself non-dumpable cannot be read even so; its generation's process groups are still
+killed whole.
 """
 
 from __future__ import annotations
@@ -38,13 +42,28 @@ class Proc:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+#: The users whose processes' environment root reads with their fsuid when refused (see above).
+_READ_AS: set[int] = set()
+
+
+def read_as(uid: int) -> None:
+    """Processes of ``uid`` (the worker user) may be read with its fsuid when a plain read is refused."""
+    if uid != 0:
+        _READ_AS.add(uid)
 
 
 def _environ(p: psutil.Process) -> dict[str, str] | None:
     try:
         return p.environ()
     except psutil.AccessDenied:
-        return _environ_as_owner(p) if os.geteuid() == 0 else None
+        if os.geteuid() != 0 or not _READ_AS:
+            return None
+        try:
+            if p.uids().real not in _READ_AS:
+                return None
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+        return _environ_as_owner(p)
     except (psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
         return None
 

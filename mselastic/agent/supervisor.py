@@ -23,6 +23,7 @@ import socket
 import subprocess
 import struct
 import sys
+import threading
 import time
 import uuid
 from typing import Callable
@@ -119,27 +120,30 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
         raise LaunchError(FailureCause.LAUNCH_SPEC, f"script {spec.script} is not readable")
     if user is not None and user.switch:
         # Made by the worker user itself, as its own: root creating (and handing over) a path a
-        # spec names would let a job choose where it may write (a venv's site-packages...).
-        made = subprocess.run([shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
-                               "--init-groups", "--", "mkdir", "-p", "--", spec.checkpoint_dir],
+        # spec names would let a job choose where it may write (a venv's site-packages...). Then
+        # asked of that user whether it may write there (a read-only mount, an ACL, ProtectSystem
+        # without ReadWritePaths: the mode bits do not tell).
+        as_worker = [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
+                     "--init-groups", "--"]
+        made = subprocess.run([*as_worker, "mkdir", "-p", "--", spec.checkpoint_dir],
                               capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
         if made.returncode != 0:
             why = (made.stderr.strip().splitlines() or ["mkdir failed"])[-1].split(": ")[-1]
             raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} cannot be created by "
                                                         f"the worker user {user.name}: {why}")
+        probe = subprocess.run([*as_worker, "sh", "-c", 'test -w "$1" && test -x "$1"', "sh", spec.checkpoint_dir],
+                               capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        if probe.returncode != 0:
+            raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable by the "
+                                                        f"worker user {user.name} (uid {user.uid})")
     else:
         try:
             os.makedirs(spec.checkpoint_dir, exist_ok=True)
         except OSError as e:
             raise LaunchError(FailureCause.LAUNCH_SPEC,
                               f"checkpoint_dir {spec.checkpoint_dir} cannot be created: {os_error(e)}") from None
-    # Asked of the worker user when workers switch to it (elasticd's own access says nothing: under
-    # the unit it has no CAP_DAC_OVERRIDE and may not write there itself).
-    switching = user is not None and user.switch
-    if not (user.may_write(spec.checkpoint_dir) if user is not None and switching else
-            os.access(spec.checkpoint_dir, os.W_OK | os.X_OK)):
-        who = f" by the worker user {user.name} (uid {user.uid})" if user is not None and user.switch else ""
-        raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable{who}")
+        if not os.access(spec.checkpoint_dir, os.W_OK | os.X_OK):
+            raise LaunchError(FailureCause.LAUNCH_SPEC, f"checkpoint_dir {spec.checkpoint_dir} is not writable")
     try:
         os.makedirs(log_dir, exist_ok=True)
         # msrun's own log, made by root before the folder is handed over (its fd is inherited).
@@ -160,7 +164,7 @@ def _write_and_close(fd: int, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-    except BrokenPipeError:  # the child died before reading: its exit is the failure reported
+    except OSError:  # the child died before reading (EPIPE): its exit is the failure reported
         pass
 
 
@@ -246,6 +250,7 @@ class Generation:
             # needs no right to write in the worker user's folders.
             env_r, env_w = os.pipe()
             cmd = [sys.executable, "-m", "mselastic.agent.envexec", str(env_r), "--", *cmd]
+        started = False
         try:
             with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:  # made in preflight, ours
                 self._msrun = await asyncio.create_subprocess_exec(
@@ -253,16 +258,21 @@ class Generation:
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT, env=self._env(), cwd=os.path.dirname(self.spec.script),
                     start_new_session=True, pass_fds=(env_r,) if who else ())
-        except OSError as e:
-            if env_w >= 0:
-                os.close(env_w)
+            started = True
+        except (OSError, RuntimeError) as e:
             await self._fail(-1, f"msrun could not be started: {e}", FailureCause.LAUNCH_NODE)
             return
         finally:
             if env_r >= 0:
                 os.close(env_r)
-        if env_w >= 0:  # in a thread: a large env fills the pipe until envexec reads it
-            await asyncio.to_thread(_write_and_close, env_w, json.dumps(self._job_env()).encode())
+            if env_w >= 0 and not started:
+                os.close(env_w)
+        if env_w >= 0:
+            # A daemon thread of its own, not awaited: a job env larger than the pipe waits for
+            # envexec to read it, and one that never reads (stopped, killed) must hold nothing up;
+            # its end of the pipe closing ends the write.
+            threading.Thread(target=_write_and_close, args=(env_w, json.dumps(self._job_env()).encode()),
+                             name=f"env-{self.run_id}", daemon=True).start()
         self.started_mono = time.monotonic()
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
                  self._msrun.pid, p.master_addr, p.master_port, self.first_rank,

@@ -60,7 +60,7 @@ class WorkerUser:
     name: str
     uid: int
     gid: int
-    #: Other groups it is in (for checking that it may write a directory).
+    #: Other groups it is in (the socket's group may not be one of them).
     groups: frozenset[int] = frozenset()
 
     @property
@@ -72,17 +72,6 @@ class WorkerUser:
         """Whether starting a worker changes the user (elasticd is root and the worker user is not
         elasticd's own)."""
         return self.uid != os.geteuid()
-
-    def may_write(self, path: str) -> bool:
-        """Whether this user may create files in directory ``path`` (by its mode bits)."""
-        if self.uid == 0:
-            return True
-        st = os.stat(path)
-        if st.st_uid == self.uid:
-            return st.st_mode & 0o300 == 0o300
-        if st.st_gid == self.gid or st.st_gid in self.groups:
-            return st.st_mode & 0o030 == 0o030
-        return st.st_mode & 0o003 == 0o003
 
 
 class UserError(ValueError):

@@ -41,6 +41,7 @@ from typing import Callable, NoReturn
 
 import grpc
 
+from mselastic.agent import procs
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, resolve
@@ -122,7 +123,7 @@ class Settings:
     tls_cacert: str = ""
     #: etcd over TLS (named like etcdctl's --cacert, --cert, --key): the CA of etcd's certificate,
     #: and a client certificate and key (etcd with --client-cert-auth takes its CN as the user).
-    #: Default with embedded_etcd_dir and tls_cert: the node's own TLS files, for both ends.
+    #: (An embedded etcd ignores them: it uses a private CA in embedded_etcd_dir/pki.)
     etcd_cacert: str = ""
     etcd_cert: str = ""
     etcd_key: str = ""
@@ -223,9 +224,7 @@ class Settings:
 
     @property
     def etcd_auth(self) -> EtcdAuth:
-        """How elasticd proves itself to etcd (the node's TLS files for an embedded etcd with TLS)."""
-        if self.embedded_etcd_dir and self.tls_cert and not (self.etcd_cacert or self.etcd_cert):
-            return EtcdAuth(self.tls_cacert, self.tls_cert, self.tls_key, self.etcd_user, self.etcd_password)
+        """How elasticd proves itself to an external etcd (an embedded one has its own, see serve)."""
         return EtcdAuth(self.etcd_cacert, self.etcd_cert, self.etcd_key, self.etcd_user, self.etcd_password)
 
     @property
@@ -473,6 +472,7 @@ async def serve(s: Settings) -> None:
         raise _bad("worker_user", str(e)) from None
     if worker.is_root:
         log.warning("worker_user = root: every job's script runs as root on this node")
+    procs.read_as(worker.uid)
     if s.insecure and not s.tls_cert:
         log.warning("insecure = true: plaintext gRPC on %s; anyone who reaches it can run jobs on this cluster",
                     s.listen)
@@ -486,14 +486,14 @@ async def serve(s: Settings) -> None:
     etcd = None
     endpoint, etcd_auth = s.etcd_endpoint, s.etcd_auth
     if s.embedded_etcd_dir:
-        # TLS with client certificates always: on loopback too, or any local user could write a
-        # plan to etcd and have it run. Without the node's own TLS files, a private CA and
-        # certificate in <embedded_etcd_dir>/pki (0700, made once) serve both ends.
-        if s.tls_cert and s.tls_cacert:
-            tls = (s.tls_cert, s.tls_key, s.tls_cacert)
-        else:
+        # TLS with client certificates always, on the client and the peer port, on loopback too
+        # (any local user could write a plan to etcd and have it run), with a CA of its own: the
+        # cluster's CA also signs admin and viewer certificates, which etcd would take as writers.
+        try:
             tls = await asyncio.to_thread(private_pki, os.path.join(s.embedded_etcd_dir, "pki"), "etcd", "127.0.0.1")
-            etcd_auth = EtcdAuth(tls[2], tls[0], tls[1], s.etcd_user, s.etcd_password)
+        except (OSError, ValueError, TlsError) as e:
+            raise _bad("embedded_etcd_dir", f"cannot make its private CA in {s.embedded_etcd_dir}/pki: {e}") from None
+        etcd_auth = EtcdAuth(tls[2], tls[0], tls[1], s.etcd_user, s.etcd_password)
         etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
         endpoint = etcd.endpoint
         log.info("embedded etcd on %s (TLS, client certificates required; data in %s)", endpoint,

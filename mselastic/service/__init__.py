@@ -26,6 +26,8 @@ import sysconfig
 import tempfile
 from importlib import resources
 
+import mselastic
+
 UNIT = "etc/systemd/system/elasticd.service"
 SYSUSERS = "etc/sysusers.d/mselastic.conf"
 CONFIG = "etc/mselastic/elasticd.toml"
@@ -51,7 +53,9 @@ def elasticd_path() -> str:
     if any(c.isspace() for c in path) or "%" in path:
         raise InstallError(f"{path}: a path with spaces or '%' would be split or expanded by systemd; install "
                            f"mselastic elsewhere (/opt/mselastic/.venv)")
-    for what in (path, os.path.realpath(sys.executable)):
+    code = {path, os.path.realpath(path), os.path.realpath(sys.executable), sysconfig.get_path("purelib"),
+            sysconfig.get_path("platlib"), os.path.dirname(os.path.realpath(mselastic.__file__))}
+    for what in sorted(code | {os.path.realpath(p) for p in code}):  # the path as written and where it leads
         if why := _not_roots(what):
             raise InstallError(f"{why}: the unit would run, as root, code another user can change; install "
                                f"mselastic where only root may write (/opt/mselastic/.venv)")
@@ -84,10 +88,19 @@ def _write(root: str, rel: str, body: str, mode: int) -> str:
     through a symlink that leads out of ``root``."""
     path = os.path.join(root, rel)
     folder = os.path.dirname(path)
+    real_root = os.path.realpath(root)
+
+    def inside(d: str) -> None:
+        if os.path.commonpath([real_root, os.path.realpath(d)]) != real_root:
+            raise InstallError(f"{d} leads out of {root} (to {os.path.realpath(d)}): refusing to write there")
+
+    existing = folder
+    while not os.path.exists(existing):  # checked before anything is made: no folder outside either
+        existing = os.path.dirname(existing)
+    inside(existing)
     os.makedirs(folder, mode=0o755, exist_ok=True)
-    real_root, real_folder = os.path.realpath(root), os.path.realpath(folder)
-    if os.path.commonpath([real_root, real_folder]) != real_root:
-        raise InstallError(f"{folder} leads out of {root} (to {real_folder}): refusing to write there")
+    inside(folder)
+    real_folder = os.path.realpath(folder)
     fd, tmp = tempfile.mkstemp(dir=real_folder, prefix=f".{os.path.basename(path)}.")
     try:
         with os.fdopen(fd, "w") as f:

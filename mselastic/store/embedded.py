@@ -57,7 +57,7 @@ class EmbeddedEtcd:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
@@ -80,7 +80,11 @@ class EmbeddedEtcd:
                "--quota-backend-bytes", str(2 * 1024**3)]
         if self.tls:
             cert, key, ca = self.tls
-            cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+            # The peer port too: in plaintext anyone local could send raft messages (depose the
+            # member, replace the keyspace with a snapshot).
+            cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+                    "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
+                    "--peer-client-cert-auth"]
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         # etcd speaks systemd's notify protocol itself: under elasticd's unit its READY=1 would be
         # refused (NotifyAccess=main) and logged; it is elasticd that says when the node is ready.
