@@ -195,6 +195,12 @@ class NodeAgent:
         try:
             while not stop.is_set() and not lease.lost.is_set():
                 await _first(lease.lost, lease.unreachable, stop)
+                if lease.lost.is_set() and not lease.unreachable.is_set():
+                    # etcd answered a renewal that the lease is gone while renewals went through until
+                    # then: etcd lost it (a member frozen and thawed, a leader change), this node was
+                    # never cut off. (Seen: renewed through the other members, expired 3 s later.)
+                    self._not_cut_off = True
+                    break
                 reported = False
                 self._not_cut_off = False
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
@@ -370,7 +376,7 @@ class NodeAgent:
             spec = JobSpec.from_json(spec_kv.value)
             if current is not None and not current.done.is_set():
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
-                await current.stop(spec.stop_grace_period_s if plan.planned else 0)
+                await current.stop(spec.stop_grace_period_s if plan.planned else 0, plan.stop_previous_at_step)
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env)
             self.generations[plan.job] = gen
@@ -378,12 +384,12 @@ class NodeAgent:
             self._changed(gen)
             return "launched"
 
-    async def stop(self, job: str, generation: int, grace_s: float) -> list[int]:
+    async def stop(self, job: str, generation: int, grace_s: float, stop_at: int = 0) -> list[int]:
         async with self._lock(job):
             gen = self.generations.get(job)
             if gen is None or (generation and gen.plan.generation > generation):
                 return []
-            left = await gen.stop(grace_s)
+            left = await gen.stop(grace_s, stop_at if gen.plan.generation == generation else 0)
             self._changed(gen)
             return left
 

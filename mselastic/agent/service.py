@@ -34,7 +34,11 @@ class AgentService(pb_grpc.AgentServicer):
         if not request.plan.job or request.plan.generation <= 0 or not request.plan.members:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Launch needs a plan with job, generation > 0 and members")
         try:
-            message = await self.agent.launch(plan_from_pb(request.plan))
+            plan = plan_from_pb(request.plan)
+        except ValueError as e:  # an enum value this build does not know (hypothesis found kind = -1)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Launch: the plan is not valid: {e}")
+        try:
+            message = await self.agent.launch(plan)
         except LaunchRefused as e:
             return pb.LaunchResponse(accepted=False, message=str(e))
         except TemporaryError as e:
@@ -47,7 +51,8 @@ class AgentService(pb_grpc.AgentServicer):
         if not request.job or not 0 <= request.grace_period_s <= MAX_SECONDS:  # NaN fails too
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"Stop needs a job and a grace_period_s in 0..{MAX_SECONDS:.0f}")
-        left = await self.agent.stop(request.job, request.generation, request.grace_period_s)
+        left = await self.agent.stop(request.job, request.generation, request.grace_period_s,
+                                     request.stop_at_step)
         return pb.StopResponse(leftover_pids=left)
 
     async def Status(self, request: pb.AgentStatusRequest, context: grpc.aio.ServicerContext) -> pb.AgentStatusResponse:
@@ -55,7 +60,7 @@ class AgentService(pb_grpc.AgentServicer):
         for g in self.agent.status():
             gens.append(pb.LocalGeneration(
                 job=g.plan.job, generation=g.plan.generation, state=generation_state_to_pb(g.state),
-                failure=g.reason,
+                failure=g.reason, steps_per_s=g.steps_per_s(),
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
         check = request.check_etcd_s
