@@ -61,7 +61,7 @@ bench: $(STAMP) data
 bench-cluster: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/cluster_recovery.py --nodes 2 4
 
-# The per-step cost of the agreed stop (stop_check_interval_steps 1 and 10) against plain msrun.
+# The per-step cost of a planned stop (a named step; the backstop at 1 and 20) against plain msrun.
 bench-stop: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/stop_check.py --data $(DATA) --runs 3
 

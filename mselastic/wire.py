@@ -17,6 +17,7 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         job=plan.job, generation=plan.generation, world_size=plan.world_size, master_addr=plan.master_addr,
         master_port=plan.master_port, restart_count=plan.restart_count, reason=plan.reason, planned=plan.planned,
         kind=cast(pb.RelaunchReason, pb.RelaunchReason.Value(f"RELAUNCH_REASON_{plan.kind.name}")),
+        stop_previous_at_step=plan.stop_previous_at_step,
         members=[pb.Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                            agent_address=m.agent_address, host=m.host) for m in plan.members])
 
@@ -26,7 +27,7 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         job=msg.job, generation=msg.generation, world_size=msg.world_size, master_addr=msg.master_addr,
         master_port=msg.master_port, restart_count=msg.restart_count, reason=msg.reason, planned=msg.planned,
         kind=RelaunchReason[pb.RelaunchReason.Name(msg.kind).removeprefix("RELAUNCH_REASON_")]
-        if msg.kind else RelaunchReason.INITIAL,
+        if msg.kind else RelaunchReason.INITIAL, stop_previous_at_step=msg.stop_previous_at_step,
         members=tuple(Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                              agent_address=m.agent_address, host=m.host) for m in msg.members))
 

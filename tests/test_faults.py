@@ -35,7 +35,9 @@ def start(cluster: Cluster, fault: str, **overrides: object) -> str:
     ckpt = os.path.join(cluster.tmp, "ckpt")
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"), ckpt, TOTAL,
                       workers=1, min_nodes=1, max_nodes=2, hang_timeout_s=HANG_TIMEOUT_S,
-                      env={"MSELASTIC_FAULT": fault}, **overrides)
+                      # A SIGTERM to one rank of this two-node job names no step: the ranks agree on
+                      # it at the backstop, every 5 steps (FAULT_STEP is one).
+                      stop_check_interval_steps=5, env={"MSELASTIC_FAULT": fault}, **overrides)
     r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
     assert r.returncode == 0, r.stderr
     return ckpt

@@ -100,3 +100,22 @@ def test_root_without_cap_sys_ptrace_still_reads_a_workers_environment() -> None
     finally:
         worker.kill()
         worker.wait(timeout=10)
+
+
+def test_mindspore_heartbeats_every_second_unless_the_job_or_the_admin_says_otherwise(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp = str(tmp_path)
+
+    def env(world: int, job_env: dict[str, str]) -> dict[str, str]:
+        plan = Plan(job="j", generation=1, members=(Member("n0", 0, 2, "127.0.0.1:1", "127.0.0.1"),),
+                    world_size=world, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
+        spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
+                       workers_per_node=2, env=job_env)
+        return Generation(plan, spec, "n0", tmp, lambda g, urgent: None)._env()
+
+    fast = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
+    assert fast.items() <= env(2, {}).items()
+    assert env(2, {"MS_RETRY_INTERVAL_UPPER": "2"})["MS_RETRY_INTERVAL_UPPER"] == "2"  # the job's own
+    assert "MS_RETRY_INTERVAL_LOWER" not in env(512, {})  # a large cluster keeps MindSpore's default
+    monkeypatch.setenv("MS_RETRY_INTERVAL_LOWER", "3")  # the admin's (MS_* pass from elasticd's environment)
+    assert env(2, {})["MS_RETRY_INTERVAL_LOWER"] == "3"

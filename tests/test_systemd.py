@@ -173,7 +173,7 @@ def test_elasticd_killed_is_restarted_no_old_worker_survives_and_the_job_resumes
     assert result["final_step"] == 25 and 10 <= result["resumed_from"] < 25, result
 
 
-def test_systemctl_stop_checkpoints_at_the_next_step_leaves_nothing_and_a_start_resumes_there(
+def test_systemctl_stop_checkpoints_at_the_step_it_names_leaves_nothing_and_a_start_resumes_there(
         node: Container) -> None:
     c = node
     if c.show(UNIT, "ActiveState")["ActiveState"] != "active":

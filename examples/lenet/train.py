@@ -141,7 +141,7 @@ def main() -> None:
             if step % 10 == 0 or step == start + 1:  # what `elasticctl logs -f` shows
                 print(f"step {step}/{ctx.total_steps} loss {loss:.4f} world_size {ctx.world_size}", flush=True)
             time.sleep(args.step_sleep_s)
-            stop = ctx.should_stop(step)  # elastic: a SIGTERM on any rank stops all at this step
+            stop = ctx.should_stop(step)  # elastic: a planned stop: every rank stops at the step elasticd named
             if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
                 ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
                 if stop:

@@ -376,7 +376,8 @@ class NodeAgent:
             spec = JobSpec.from_json(spec_kv.value)
             if current is not None and not current.done.is_set():
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
-                await current.stop(spec.stop_grace_period_s if plan.planned else 0, plan.stop_previous_at_step)
+                named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
+                await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env)
             self.generations[plan.job] = gen
@@ -389,9 +390,23 @@ class NodeAgent:
             gen = self.generations.get(job)
             if gen is None or (generation and gen.plan.generation > generation):
                 return []
-            left = await gen.stop(grace_s, stop_at if gen.plan.generation == generation else 0)
+            if gen.plan.generation != generation:
+                # A Stop of the planned successor reaching a node still running its predecessor
+                # (its Launch not here yet): the step the other members stop at is in that plan.
+                stop_at = await self._successor_stop_step(job, gen.plan.generation) if generation and grace_s > 0 \
+                    else 0
+            left = await gen.stop(grace_s, stop_at)
             self._changed(gen)
             return left
+
+    async def _successor_stop_step(self, job: str, generation: int) -> int:
+        """The step the committed plan after ``generation`` names for it (0: none, or not known)."""
+        try:
+            kv = await asyncio.wait_for(self.store.get(self.store.keys.plan(job)), timeout=2.0)
+            plan = Plan.from_json(kv.value) if kv is not None else None
+        except (TemporaryError, PermanentError, MalformedRecord, asyncio.TimeoutError):
+            return 0
+        return plan.stop_previous_at_step if plan is not None and plan.generation == generation + 1 else 0
 
     async def stop_all(self, grace_s: float) -> list[int]:
         left: list[int] = []

@@ -13,6 +13,8 @@ the generation and reports.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -89,6 +91,26 @@ class RankState:
     resumed_step: int = -1
     #: Why it cannot go on (its ``fatal`` beat), "" if it did not say.
     fatal: str = ""
+
+
+#: MindSpore's cluster heartbeat interval (seconds, drawn from [lower, upper]; its default is 3..5).
+#: ``init()`` returns only at the first heartbeat after the cluster has formed, so the default
+#: costs 3-5 s of every launch: measured (msrun, 2 ranks, median of 3) ``init()`` 5.4 s -> 2.1 s
+#: and launch to first step 12.2 s -> 8.8 s at 1..1. Above 256 workers (MindSpore's own bound
+#: for a large cluster) every worker's beat loads the one scheduler: its default is kept there.
+FAST_HEARTBEAT_MAX_WORKERS = 256
+
+#: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
+#: reaches a rank busy in a step; a fast job makes several steps meanwhile).
+LOCAL_STOP_LATENCY_S = 0.25
+
+
+def mindspore_cluster_env(world_size: int) -> dict[str, str]:
+    """What the agent sets of MindSpore's cluster settings for a generation of ``world_size``
+    ranks (an admin's ``pass_env`` or a job's ``env`` that sets them wins)."""
+    if world_size > FAST_HEARTBEAT_MAX_WORKERS:
+        return {}
+    return {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
 class LaunchError(Exception):
@@ -181,6 +203,14 @@ class Generation:
         self.plan, self.spec, self.node_id, self.member = plan, spec, node_id, member
         self.first_rank = plan.first_rank(node_id)
         self.log_dir = os.path.join(work_dir, "logs", spec.name, f"g{plan.generation:06d}")
+        #: The planned stop's step, for the ranks: beside the log folder, in elasticd's own folder
+        #: (the worker user owns the log folder; elasticd has no right to write there under the unit).
+        self.stop_file = self.log_dir + ".stop"
+        #: The step this generation's ranks were told to stop at (0: none yet).
+        self.stop_at = 0
+        #: (monotonic time, highest step) when the highest step changed, the last few: the step rate.
+        self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
+        self._asked: set[int] = set()  # ranks that asked for a stop step (logged once each)
         self.run_id = f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
         self.state = GenerationState.STARTING
         self.ranks = {r: RankState(r) for r in range(self.first_rank, self.first_rank + member.local_workers)}
@@ -222,6 +252,8 @@ class Generation:
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
             return
+        with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
+            os.unlink(self.stop_file)
         p = self.plan
         if self.member.node_rank == 0 and not _port_free(p.master_port):
             # A live scheduler of another job or generation there would capture our workers.
@@ -303,7 +335,10 @@ class Generation:
             contract.ENV_MICRO_BATCHES: ",".join(map(str, self.spec.micro_batch_sizes)),
             contract.ENV_HEARTBEAT: "mselastic-hb-" + self.run_id,
             contract.ENV_RUN_ID: self.run_id,
+            contract.ENV_STOP_FILE: self.stop_file,
         })
+        for name, value in mindspore_cluster_env(self.plan.world_size).items():
+            env.setdefault(name, value)
         return env
 
     def _job_env(self) -> dict[str, str]:
@@ -311,16 +346,27 @@ class Generation:
         refused = forbidden_env(dict(self.spec.env), self.allow_env)
         return {k: v for k, v in self.spec.env.items() if k not in refused}
 
-    async def stop(self, grace_s: float) -> list[int]:
+    async def stop(self, grace_s: float, stop_at: int = 0) -> list[int]:
         """Stop every process of this generation. Returns leftovers.
 
-        With ``grace_s`` > 0 (a planned stop) the ranks alone get SIGTERM first: they agree
-        on the next step, checkpoint there and exit with the planned-exit code. msrun itself
-        must not get it (it has no handler and dies; its workers die with it, unsaved).
-        Whatever is left after the grace period is killed.
+        With ``grace_s`` > 0 (a planned stop) the ranks alone get SIGTERM first, after the step
+        they stop at is in the stop file: ``stop_at``, which the coordinator chose for every
+        member, or one this agent chooses when every rank is its own (else none: the ranks agree
+        at their backstop). They checkpoint there and exit with the planned-exit code. msrun
+        itself must not get it (it has no handler and dies; its workers die with it, unsaved).
+        Whatever is left after the grace period is killed; with no step named it counts from
+        the backstop step the ranks can next agree at (at the measured step rate).
         """
         self._stopping = True
         if grace_s > 0 and not self.state.terminal:
+            if not self.stop_at:  # told once: a Stop sent again must not move it
+                if stop_at <= 0 and len(self.plan.members) == 1:
+                    stop_at = self.next_stop_step()
+                if stop_at > 0:
+                    self.plan_stop(stop_at)
+            rate = self.steps_per_s()
+            if not self.stop_at and rate > 0:
+                grace_s += self.spec.stop_check_interval_steps / rate
             await self._ask_ranks_to_stop(grace_s)
         elif not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
             await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
@@ -342,7 +388,57 @@ class Generation:
             log.error("processes left after stop: %s", left, extra=self._ctx)
         return left
 
+    def steps_per_s(self) -> float:
+        """The highest local rank's step rate over its last few steps (0.0 before two steps)."""
+        if len(self._progress) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._progress[0], self._progress[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def next_stop_step(self) -> int:
+        """The step a stop this agent makes names (every rank is its own), from the beats read up
+        to now and the steps made in ``LOCAL_STOP_LATENCY_S``; 0 while a rank's step is unknown."""
+        self._drain_beats()
+        return contract.stop_step_ahead([rs.step for rs in self.ranks.values()], self.steps_per_s(),
+                                        LOCAL_STOP_LATENCY_S)
+
+    def plan_stop(self, step: int) -> None:
+        """Write the step the ranks stop at where they read it once signalled (atomically: a
+        temporary file of elasticd's own folder renamed over it). Once only: a step some ranks may
+        have read is never moved. When it cannot be written the ranks agree at their backstop."""
+        if self.stop_at:
+            return
+        tmp = f"{self.stop_file}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                os.fchmod(fd, 0o644)  # the worker user reads it, whatever the umask
+                os.write(fd, contract.encode_stop_step(step))
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.stop_file)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.error("stop step %d not written to %s (%s): the ranks agree at their backstop", step,
+                      self.stop_file, e.strerror or e, extra=self._ctx)
+            return
+        self.stop_at = step
+        top = max(rs.step for rs in self.ranks.values())
+        if top >= step:
+            log.warning("stop step %d comes after rank step %d: the ranks past it cannot stop there", step, top,
+                        extra=self._ctx)
+        else:
+            log.info("the ranks stop at step %d (highest step now %d)", step, top, extra=self._ctx)
+
     async def _ask_ranks_to_stop(self, grace_s: float) -> None:
+        self._signal_ranks()
+        slow = await self._wait_ranks_gone(grace_s)
+        if slow:
+            log.warning("ranks %s did not exit within %.0fs of SIGTERM; killing", slow, grace_s, extra=self._ctx)
+
+    def _signal_ranks(self) -> None:
+        """SIGCONT (a stopped rank ignores SIGTERM) and SIGTERM to every live local rank."""
         self._discover()
         ranks = [rs for rs in self.ranks.values() if rs.pid and procs.alive(rs.pid, rs.create_time)]
         for rs in ranks:
@@ -351,11 +447,8 @@ class Generation:
                     os.kill(rs.pid, sig)
                 except ProcessLookupError:
                     pass
-        log.info("asked ranks %s to checkpoint and exit (grace %.0fs)", [r.rank for r in ranks], grace_s,
-                 extra=self._ctx)
-        slow = await self._wait_ranks_gone(grace_s)
-        if slow:
-            log.warning("ranks %s did not exit within %.0fs of SIGTERM; killing", slow, grace_s, extra=self._ctx)
+        log.info("asked ranks %s to checkpoint and exit%s", [r.rank for r in ranks],
+                 f" at step {self.stop_at}" if self.stop_at else "", extra=self._ctx)
 
     async def _wait_ranks_gone(self, timeout_s: float) -> list[int]:
         """Wait for the ranks to exit, noting their exit codes; returns the ranks still running."""
@@ -395,6 +488,8 @@ class Generation:
         return steps.pop() if len(steps) == 1 and -1 not in steps else -1
 
     def _close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.stop_file)
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         if self._sock is not None:
@@ -466,6 +561,8 @@ class Generation:
             return
         self._reached(rs, len(Beat.PHASES))  # any other beat comes after the start-up phases
         rs.last_beat = time.monotonic()
+        if beat.step > max(r.step for r in self.ranks.values()):
+            self._progress.append((rs.last_beat, beat.step))
         rs.step = max(rs.step, beat.step)
         rs.loss = beat.loss
         if beat.kind == BeatKind.START:
@@ -487,7 +584,23 @@ class Generation:
             rs.finished = True
         if beat.kind == BeatKind.PLANNED_EXIT:
             rs.exit_step = beat.step
+        if beat.kind == BeatKind.STOP_REQUESTED:
+            self._stop_requested(beat)
         self._on_change(self, False)
+
+    def _stop_requested(self, beat: Beat) -> None:
+        """A rank got a SIGTERM without a stop step: one nobody here sent, or one of ours sent while
+        a rank's step was still unknown (loading). When every rank is this node's, choose the step
+        and tell them all; across nodes the ranks agree at their backstop (``stop_check_interval_steps``)."""
+        if beat.rank not in self._asked:
+            self._asked.add(beat.rank)
+            log.warning("rank %d got a SIGTERM with no stop step, at step %d", beat.rank, beat.step,
+                        extra={**self._ctx, "rank": beat.rank})
+        if len(self.plan.members) != 1 or self.stop_at or self.state.terminal:
+            return
+        if step := self.next_stop_step():  # (it asks again at its next step while a peer's step is unknown)
+            self.plan_stop(step)
+            self._signal_ranks()
 
     @staticmethod
     def _reached(rs: RankState, phase: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from typing import Any
 
 ENV_JOB = "MSELASTIC_JOB"
@@ -25,12 +26,15 @@ ENV_GLOBAL_BATCH = "MSELASTIC_GLOBAL_BATCH_SIZE"
 ENV_MICRO_BATCHES = "MSELASTIC_MICRO_BATCH_SIZES"  # comma-separated; empty: any
 ENV_HEARTBEAT = "MSELASTIC_HEARTBEAT"  # abstract unix datagram socket name
 ENV_RUN_ID = "MSELASTIC_RUN_ID"  # marks every process of one generation on one node
+#: A file holding the step at which every rank of the generation stops (a planned stop): written by
+#: the agent before it sends the ranks SIGTERM, read by a rank once it got the signal.
+ENV_STOP_FILE = "MSELASTIC_STOP_FILE"
 
 #: Variables the agent sets for every worker; a job spec may not override them.
 DAEMON_VARS = frozenset({
     ENV_JOB, ENV_GENERATION, ENV_RESTART_COUNT, ENV_NODE_ID, ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_INTERVAL,
     ENV_KEEP_CHECKPOINTS, ENV_STOP_CHECK_INTERVAL, ENV_TOTAL_STEPS, ENV_GLOBAL_BATCH, ENV_MICRO_BATCHES,
-    ENV_HEARTBEAT, ENV_RUN_ID,
+    ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE,
 })
 
 def default_sockets() -> list[str]:
@@ -51,6 +55,30 @@ LATEST_CHECKPOINT = "latest.json"
 #: A beat's note is cut to this many characters (a fatal reason names checkpoints and paths).
 NOTE_MAX = 2000
 
+
+def stop_step_ahead(steps: list[int], steps_per_s: float, latency_s: float) -> int:
+    """The step a planned stop names for ranks at ``steps``: one every rank is still short of
+    when told, ``latency_s`` from now. The highest step, one more (a rank may be inside it), one
+    for a rank a step ahead of those seen, and the steps made meanwhile. 0 (none) while a rank's
+    step is unknown (-1: it has not said where it resumed) or there are no ranks."""
+    if not steps or min(steps) < 0:
+        return 0
+    return max(steps) + 2 + math.ceil(max(steps_per_s, 0.0) * latency_s)
+
+
+def encode_stop_step(step: int) -> bytes:
+    """A stop file's content: the step, in decimal, and a newline."""
+    return f"{step}\n".encode()
+
+
+def decode_stop_step(data: bytes) -> int | None:
+    """The step in a stop file; None for anything else (torn, empty, not a number)."""
+    text = data.decode("ascii", "replace")
+    if not text.endswith("\n") or not text[:-1].isdigit():
+        return None
+    return int(text[:-1])
+
+
 #: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
 PLANNED_EXIT_CODE = 75
 #: A worker that cannot go on and says why in a ``fatal`` beat first (EX_CONFIG): no checkpoint every
@@ -68,12 +96,13 @@ class BeatKind(str, enum.Enum):
     FINISHED = "finished"  # total_steps reached
     PLANNED_EXIT = "planned_exit"  # checkpointed on an agreed SIGTERM at ``step``, leaving with code 75
     FATAL = "fatal"  # cannot go on (``note`` says why), leaving with code 78: relaunching cannot help
+    STOP_REQUESTED = "stop_requested"  # got a SIGTERM that came with no stop step (an operator's): asks for one
 
 
 @dataclasses.dataclass(frozen=True)
 class Beat:
     """One heartbeat. ``kind``: phase (start-up: ``note`` names it, one of PHASES), start (after
-    resume), step, checkpoint, finished, planned_exit, fatal (``note``: why)."""
+    resume), step, checkpoint, finished, planned_exit, fatal (``note``: why), stop_requested."""
 
     kind: str
     rank: int

@@ -141,6 +141,9 @@ class Plan:
     planned: bool = False
     #: Why it was committed (``reason`` says it in words).
     kind: RelaunchReason = RelaunchReason.INITIAL
+    #: Planned: the step every rank of the previous generation stops at, chosen by the leader ahead
+    #: of them all (0: none; an agent then chooses one for ranks that are all its own).
+    stop_previous_at_step: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

@@ -79,9 +79,13 @@ class JobSpec:
     checkpoint_interval_steps: int = 10
     #: Checkpoints kept; older ones are deleted after a newer one is committed.
     keep_checkpoints: int = 3
-    #: The ranks agree on a planned stop (one allreduce, a host sync) every this many steps; a
-    #: planned stop then takes up to this many steps, which stop_grace_period_s must cover.
-    stop_check_interval_steps: int = 1
+    #: The backstop for a stop that comes without a stop step (a SIGTERM from outside elasticd to
+    #: a rank of a multi-node job, elasticd itself stopped on one node of it): the ranks agree on it
+    #: (one allreduce, a host sync) every this many steps (the agent waits that many steps, at the
+    #: measured rate, on top of stop_grace_period_s; elasticd's shutdown_grace_s must cover them).
+    #: elasticd's own planned stops (stop, drain, scale, restart, a single-node job's SIGTERM)
+    #: name the step instead and cost nothing per step.
+    stop_check_interval_steps: int = 20
     #: A rank with no heartbeat for this long is declared hung.
     hang_timeout_s: float = 60.0
     #: A rank that has not sent its first heartbeat after this long is declared hung.

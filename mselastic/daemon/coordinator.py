@@ -31,6 +31,7 @@ import grpc
 
 from mselastic import metrics
 from mselastic.wire import plan_to_pb
+from mselastic.core import contract
 from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
@@ -62,6 +63,12 @@ PRUNE_EVERY_S = 300.0
 PASS_REST = 2.0
 #: ... at most (a pass slowed by etcd retries must not hold the next one back for long).
 MAX_REST_S = 1.0
+
+
+#: A planned stop's step is ahead of the highest step the members' agents report by the steps the
+#: ranks make in twice the time the question took plus this: the plan's commit in etcd, and the
+#: Launch's or Stop's way to every agent (its lock, its checks of the plan in etcd).
+STOP_MARGIN_S = 1.0
 
 
 #: A member of a live plan whose registration is gone but whose agent answers that it still runs
@@ -206,8 +213,38 @@ class Agents:
         return dict(await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
                                            if only is None or m.node_id in only)))
 
-    async def stop(self, job: str, generation: int, grace_s: float, addresses: dict[str, str]) -> dict[str, list[int]]:
-        msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s)
+    async def stop_step(self, job: str, generation: int, addresses: dict[str, str]) -> int:
+        """The step every rank of ``generation`` stops at in a planned stop, chosen ahead of them
+        all: the highest step the members' agents report, one more (a rank may be inside it), one
+        for a rank a step ahead, and the steps made until every agent has it (see STOP_MARGIN_S).
+        0 when a member's ranks have not said where they resumed, or none answers: each agent then
+        chooses for ranks that are all its own, and across nodes the ranks agree at their backstop."""
+        t0 = time.monotonic()
+
+        async def one(address: str) -> pb.AgentStatusResponse | None:
+            try:
+                return await self.stub(address).Status(pb.AgentStatusRequest(), timeout=min(self.timeout_s, 2.0))
+            except grpc.aio.AioRpcError:
+                metrics.GRPC_ERRORS.labels("Status").inc()
+                return None
+
+        answers = await asyncio.gather(*(one(a) for a in addresses.values()))
+        took = time.monotonic() - t0
+        steps, rate = [], 0.0
+        for res in answers:
+            for g in res.generations if res is not None else ():
+                if g.job == job and g.generation == generation:
+                    steps += [r.step for r in g.ranks]
+                    rate = max(rate, g.steps_per_s)
+        return contract.stop_step_ahead(steps, rate, 2 * took + STOP_MARGIN_S)
+
+    async def stop(self, job: str, generation: int, grace_s: float, addresses: dict[str, str],
+                   stop_at: int | None = None) -> dict[str, list[int]]:
+        """Stop ``generation`` on these members; with ``grace_s`` > 0 the ranks first checkpoint at
+        ``stop_at`` (by default :meth:`stop_step` of these members)."""
+        if grace_s > 0 and stop_at is None:
+            stop_at = await self.stop_step(job, generation, addresses)
+        msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s, stop_at_step=stop_at or 0)
 
         async def one(node_id: str, address: str) -> tuple[str, list[int]]:
             try:
@@ -676,6 +713,12 @@ class Coordinator:
             return
         if d.action is Action.LAUNCH:
             assert d.plan is not None
+            if d.plan.planned and view.plan is not None:
+                # The step the running generation stops at goes in the plan: the members that go on
+                # read it from their Launch, the dropped ones from their Stop; all the ranks stop there.
+                at = await self.agents.stop_step(view.name, view.plan.generation,
+                                                 {m.node_id: m.agent_address for m in view.plan.members})
+                d = dataclasses.replace(d, plan=dataclasses.replace(d.plan, stop_previous_at_step=at))
             await self._commit_plan(term, view, d)
         elif d.action is Action.SUCCEED:
             await self._set_status(term, view, JobState.SUCCEEDED, d.reason)
@@ -803,14 +846,15 @@ class Coordinator:
         metrics.GENERATIONS.labels(view.name).inc()
         if view.plan is not None:
             metrics.RESTARTS.labels(view.name, (d.kind or RelaunchReason.INITIAL).value).inc()
-        # Planned: every rank of the running generation is asked (SIGTERM) to checkpoint at the next
-        # step; the ranks agree on that step, so the members being dropped and the ones relaunched
-        # are told at the same time. After a fault there is nothing to save: kill at once.
+        # Planned: every rank of the running generation is asked (SIGTERM) to checkpoint at the plan's
+        # stop step, so the members being dropped and the ones relaunched are told at the same time.
+        # After a fault there is nothing to save: kill at once.
         grace = view.spec.stop_grace_period_s if d.plan.planned else 0.0
         dropped = {m.node_id: m.agent_address for m in (view.plan.members if view.plan else ())
                    if d.plan.member(m.node_id) is None}
         self._mark_pushed(d.plan)
-        stops = self.agents.stop(view.name, view.plan.generation, grace, dropped) if view.plan and dropped else None
+        stops = self.agents.stop(view.name, view.plan.generation, grace, dropped, d.plan.stop_previous_at_step) \
+            if view.plan and dropped else None
         launch = asyncio.ensure_future(self.agents.launch(d.plan, extra_timeout_s=grace))
         await asyncio.gather(launch, *([stops] if stops else []))
         self._note_denials(d.plan, launch.result())

@@ -12,7 +12,7 @@ mselastic that imports MindSpore (lazily). A script adds a few lines::
     ...                                          # ctx.accumulation_steps micro-batches per step
     pos = data.advance(pos)
     ctx.beat("step", step, loss)                 # every step
-    stop = ctx.should_stop(step)                 # SIGTERM on any rank: all stop at the same step
+    stop = ctx.should_stop(step)                 # a planned stop: all ranks stop at the same step
     if step % ctx.checkpoint_interval_steps == 0 or stop:
         ckpt.save(optimizer, step, pos.epoch, pos.cursor, pos.seed)
         if stop: ctx.planned_exit(step)

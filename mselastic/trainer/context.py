@@ -78,13 +78,19 @@ class ElasticContext:
     global_batch_size: int
     layout: BatchLayout
     heartbeat_address: str = ""
-    #: The ranks agree on a stop (one allreduce) at every step that is a multiple of this.
-    stop_check_interval_steps: int = 1
+    #: The backstop: at every multiple of this step the ranks agree (one allreduce) on a stop that
+    #: came without a stop step (a SIGTERM from outside elasticd to a rank of a multi-node job).
+    stop_check_interval_steps: int = 20
+    #: Where the agent writes the step a planned stop happens at, before it sends SIGTERM.
+    stop_file: str = ""
     #: Set by the SIGTERM handler (only there: the handler may run at any bytecode).
     stop_requested: bool = False
+    #: The step every rank stops at, once read from ``stop_file``.
+    stop_at: int | None = None
     fault: FaultPlan | None = None
     _sock: socket.socket | None = None
     _sum: Any = None
+    _overshot: bool = False
 
     @classmethod
     def init(cls, checkpoint_dir: str = "", total_steps: int = 0, global_batch_size: int = 0,
@@ -121,7 +127,8 @@ class ElasticContext:
             total_steps=_env_int(contract.ENV_TOTAL_STEPS, total_steps),
             global_batch_size=gbs, layout=layout,
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
-            stop_check_interval_steps=max(1, _env_int(contract.ENV_STOP_CHECK_INTERVAL, 1)),
+            stop_check_interval_steps=max(1, _env_int(contract.ENV_STOP_CHECK_INTERVAL, 20)),
+            stop_file=os.environ.get(contract.ENV_STOP_FILE, ""),
             fault=fault,
         )
         if ctx.heartbeat_address:
@@ -183,16 +190,41 @@ class ElasticContext:
         self.stop_requested = True
 
     def should_stop(self, step: int) -> bool:
-        """At the boundary after ``step``: did any rank get SIGTERM? Every rank gets the same answer
-        (an allreduce of the flag), so all checkpoint at the same step, wherever the signal landed.
+        """At the boundary after ``step``: do the ranks stop here? Every rank gets the same answer,
+        so all checkpoint at the same step, wherever the SIGTERM landed.
 
-        The ranks agree only at multiples of ``stop_check_interval_steps`` (each agreement is one
-        allreduce and a host sync); in between the answer is False on every rank, so a planned stop
-        waits up to that many steps."""
+        A planned stop costs nothing per step: elasticd chooses the step, ahead of every rank's,
+        writes it to ``stop_file`` and then sends SIGTERM; a rank reads it once signalled and
+        stops there. A SIGTERM that came without one (an operator's) is asked of the agent, which
+        chooses one when all the ranks are its own, and the ranks agree anyway at every multiple
+        of ``stop_check_interval_steps`` (one allreduce; the backstop for a multi-node job)."""
+        if self.stop_requested and self.stop_at is None:
+            self.stop_at = self._read_stop_step()
+            if self.stop_at is None:  # asked at every step until the agent answers (or the backstop)
+                self.beat(BeatKind.STOP_REQUESTED, step)
+        if self.stop_at is not None and step > self.stop_at and not self._overshot:
+            # Too late to stop there with the others: they leave at it and the collective breaks;
+            # the agent ends the generation and every rank resumes from one agreed checkpoint.
+            self._overshot = True
+            log.error("rank %d: the stop step %d came after step %d; the others stop without this rank",
+                      self.rank, self.stop_at, step)
+        named = step == self.stop_at
         if step % self.stop_check_interval_steps:
-            return False
-        # A SIGTERM that lands during the allreduce is seen at the next step boundary.
-        return self.allreduce([1.0 if self.stop_requested else 0.0])[0] > 0
+            return named
+        # At a backstop step every rank is in the allreduce, a rank at its named step too (one that
+        # has not read the step yet is there as well), and every signalled rank counts: all of
+        # them leave here, or none. A SIGTERM that lands during the allreduce counts at the next.
+        agreed = self.allreduce([1.0 if self.stop_requested else 0.0])[0] > 0
+        return agreed or named
+
+    def _read_stop_step(self) -> int | None:
+        if not self.stop_file:
+            return None
+        try:
+            with open(self.stop_file, "rb") as f:
+                return contract.decode_stop_step(f.read(64))
+        except OSError:
+            return None
 
     def barrier(self) -> None:
         """Every rank waits here for the others (rank 0's checkpoint is committed after it)."""

@@ -108,7 +108,7 @@ class Member(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_workers: _Optional[int] = ..., agent_address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("job", "generation", "members", "world_size", "master_addr", "master_port", "restart_count", "reason", "planned", "kind")
+    __slots__ = ("job", "generation", "members", "world_size", "master_addr", "master_port", "restart_count", "reason", "planned", "kind", "stop_previous_at_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class Plan(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     PLANNED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    STOP_PREVIOUS_AT_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -129,7 +130,8 @@ class Plan(_message.Message):
     reason: str
     planned: bool
     kind: RelaunchReason
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ..., planned: _Optional[bool] = ..., kind: _Optional[_Union[RelaunchReason, str]] = ...) -> None: ...
+    stop_previous_at_step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., restart_count: _Optional[int] = ..., reason: _Optional[str] = ..., planned: _Optional[bool] = ..., kind: _Optional[_Union[RelaunchReason, str]] = ..., stop_previous_at_step: _Optional[int] = ...) -> None: ...
 
 class LaunchRequest(_message.Message):
     __slots__ = ("plan",)
@@ -146,14 +148,16 @@ class LaunchResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StopRequest(_message.Message):
-    __slots__ = ("job", "generation", "grace_period_s")
+    __slots__ = ("job", "generation", "grace_period_s", "stop_at_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GRACE_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     grace_period_s: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_period_s: _Optional[float] = ...) -> None: ...
+    stop_at_step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_period_s: _Optional[float] = ..., stop_at_step: _Optional[int] = ...) -> None: ...
 
 class StopResponse(_message.Message):
     __slots__ = ("leftover_pids",)
@@ -182,18 +186,20 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class LocalGeneration(_message.Message):
-    __slots__ = ("job", "generation", "state", "ranks", "failure")
+    __slots__ = ("job", "generation", "state", "ranks", "failure", "steps_per_s")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     state: GenerationState
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     failure: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
+    steps_per_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class AgentStatusResponse(_message.Message):
     __slots__ = ("node_id", "generations", "etcd_reachable")
