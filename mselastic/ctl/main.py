@@ -9,8 +9,8 @@ Examples::
     elasticctl events lenet                    # the timeline: generations, faults, detection and recovery
     elasticctl logs lenet --rank 1 -f          # a rank's log, streamed from the node that runs it
     elasticctl submit examples/lenet/job.toml  # validated here first: a bad field is named, nothing sent
-    elasticctl stop lenet                      # ranks checkpoint at the next step, then exit
-    elasticctl restart lenet                   # checkpoint at the next step, relaunch, resume there
+    elasticctl stop lenet                      # ranks checkpoint a few steps ahead, then exit
+    elasticctl restart lenet                   # checkpoint a few steps ahead, relaunch, resume there
     elasticctl delete lenet                    # forget a finished job (checkpoints stay): the name is free
     elasticctl scale lenet --min 1 --max 4     # change the node range (world sizes must stay valid)
     elasticctl drain n1                        # move jobs off n1, nothing lost; waits until done
@@ -203,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("spec")
     s.add_argument("--force", action="store_true",
                    help="submit even if checkpoint_dir holds a checkpoint at or past total_steps (refused otherwise)")
-    s = cmd("stop", "stop a job: ranks checkpoint at the next step, then exit", "elasticctl stop lenet")
+    s = cmd("stop", "stop a job: ranks checkpoint a few steps ahead, then exit", "elasticctl stop lenet")
     s.add_argument("job")
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
-    s = cmd("restart", "relaunch a running job: checkpoint at the next step, resume there", "elasticctl restart lenet")
+    s = cmd("restart", "relaunch a running job: checkpoint a few steps ahead, resume there", "elasticctl restart lenet")
     s.add_argument("job")
     s = cmd("certs", "make a CA (certs ca DIR) or a certificate it signs (certs issue DIR NAME --role ROLE)",
             "elasticctl certs issue /etc/mselastic/pki node-a --role node --host 10.0.0.1", output=False)
@@ -383,7 +383,7 @@ def cmd_stop(c: Client, a: argparse.Namespace, out: Any) -> int:
 def cmd_restart(c: Client, a: argparse.Namespace, out: Any) -> int:
     res = c.call(lambda s: lambda **kw: s.Restart(pb.RestartRequest(job=a.job), **kw))
     render.emit(out, a.output, {"job": a.job, "generation": res.generation},
-                lambda: f"job {a.job} restarting as generation {res.generation} (checkpoint at the next step)")
+                lambda: f"job {a.job} restarting as generation {res.generation} (checkpoint a few steps ahead)")
     return EXIT_OK
 
 

@@ -399,7 +399,7 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.DeleteJobResponse(generation=last)
 
     async def Restart(self, request: pb.RestartRequest, context: grpc.aio.ServicerContext) -> pb.RestartResponse:
-        """A planned relaunch of a running job: checkpoint at the next step, resume there."""
+        """A planned relaunch of a running job: checkpoint a few steps ahead (the step the leader names), resume there."""
         await self._require_leader(context)
         refused: list[str] = []
 
