@@ -426,8 +426,8 @@ class Generation:
         self.stop_at = step
         top = max(rs.step for rs in self.ranks.values())
         if top >= step:
-            log.warning("stop step %d comes after rank step %d: the ranks past it cannot stop there", step, top,
-                        extra=self._ctx)
+            log.warning("stop step %d is not ahead of rank step %d: a rank already past it cannot stop there",
+                        step, top, extra=self._ctx)
         else:
             log.info("the ranks stop at step %d (highest step now %d)", step, top, extra=self._ctx)
 
