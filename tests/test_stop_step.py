@@ -78,7 +78,7 @@ def test_a_rank_already_past_the_step_does_not_stop_alone_there(tmp_path: os.Pat
     ctx = context(stop_file)
     ctx._on_sigterm(15, None)
     assert not ctx.should_stop(6) and not ctx.should_stop(7)
-    assert "the stop step 5 came after step 6" in caplog.text
+    assert "read the stop step 5 only after step 6" in caplog.text
 
 
 class Collective:

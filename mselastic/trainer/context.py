@@ -206,7 +206,7 @@ class ElasticContext:
             # Too late to stop there with the others: they leave at it and the collective breaks;
             # the agent ends the generation and every rank resumes from one agreed checkpoint.
             self._overshot = True
-            log.error("rank %d: the stop step %d came after step %d; the others stop without this rank",
+            log.error("rank %d: read the stop step %d only after step %d; the others stop there without this rank",
                       self.rank, self.stop_at, step)
         named = step == self.stop_at
         if step % self.stop_check_interval_steps:
