@@ -54,8 +54,17 @@ systemd-tools:
 test-fast: $(STAMP) data systemd-tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "not slow"
 
-bench: $(STAMP) data
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/recovery.py --data $(DATA)
+# The torchrun side of `make bench` runs in an environment of its own (PyTorch, CPU): never the
+# project's venv, never `make test`.
+BENCH_VENV := build/bench-venv
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0 numpy
+	touch $@
+
+bench: $(STAMP) data $(BENCH_VENV)/.installed
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/recovery.py --data $(DATA) --runs 3 \
+		--torch-python $(BENCH_VENV)/bin/python
 
 # Simulated 2- and 4-node clusters in network namespaces (needs root, like the test suite).
 bench-cluster: $(STAMP) data

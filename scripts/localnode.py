@@ -123,7 +123,8 @@ class LocalNode:
         self.control = pb_grpc.ControlStub(self.channel)
         self.agent = pb_grpc.AgentStub(self.channel)
 
-    def start(self) -> "LocalNode":
+    def start(self, *extra: str) -> "LocalNode":
+        """Start elasticd (``extra``: more flags, e.g. ``--warm-standbys false``)."""
         # The workers run as an unprivileged user; where this machine's Python is out of that
         # user's reach (a pyenv in /root), the demo says so and runs them as root, out loud.
         from mselastic.agent.users import cannot_run_python, resolve
@@ -138,7 +139,7 @@ class LocalNode:
                  "--metrics-listen", f"127.0.0.1:{free_port()}", "--node-id", self.node_id,
                  "--embedded-etcd-dir", os.path.join(self.work, "etcd"), "--etcd-endpoint", self.etcd_endpoint,
                  "--listen", self.endpoint, "--slots", "2", "--work-dir", os.path.join(self.work, "node"),
-                 "--lease-ttl-s", "5", "--pass-env", MARK_VAR, "--socket", self.socket, *user],
+                 "--lease-ttl-s", "5", "--pass-env", MARK_VAR, "--socket", self.socket, *user, *extra],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         wait_for("elasticd to register and lead", self._leading, 60, 0.3)
         return self
@@ -159,6 +160,10 @@ class LocalNode:
         except grpc.RpcError:
             return None
         return res.jobs[0] if res.jobs else None
+
+    def standbys(self, job: str) -> list[pb.StandbyStatus]:
+        """The standby workers this node keeps for ``job`` (Agent service)."""
+        return [s for s in self.agent.Status(pb.AgentStatusRequest(), timeout=5).standbys if s.job == job]
 
     def ranks(self, job: str) -> tuple[int, dict[int, pb.RankStatus]]:
         """The generation this node runs for ``job`` and its ranks (pid, step), from the Agent service."""

@@ -183,3 +183,23 @@ def test_a_multi_node_generation_leaves_the_step_to_the_leader(tmp_path: os.Path
     gen.ranks[0].step = gen.ranks[1].step = 7
     gen._stop_requested(Beat(kind=BeatKind.STOP_REQUESTED, rank=1, pid=1, generation=3, step=7))
     assert gen.stop_at == 0 and not os.path.exists(gen.stop_file)
+
+
+def test_boundaries_steps_apart_stop_at_the_first_at_or_past_the_named_step(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model.train in data sink mode calls back once per sink (every 10 steps here): the named step 15
+    falls inside a sink, so the ranks stop at 20, the first boundary past it; the backstop (every 25)
+    is agreed at the first boundary past each multiple (30), never skipped."""
+    stop_file = os.path.join(str(tmp_path), "g000003.stop")
+    with open(stop_file, "wb") as f:
+        f.write(contract.encode_stop_step(15))
+    ctx = context(stop_file, interval=25)
+    allreduce = Collective(others=0.0)
+    monkeypatch.setattr(ctx, "allreduce", allreduce)
+    assert not ctx.should_stop(10, 0) and allreduce.sent == []
+    ctx._on_sigterm(15, None)
+    assert ctx.should_stop(20, 10) and ctx.stop_at == 15 and not ctx._overshot
+    fresh = context(stop_file, interval=25)
+    monkeypatch.setattr(fresh, "allreduce", allreduce)
+    assert not fresh.should_stop(20, 10) and allreduce.sent == []
+    assert not fresh.should_stop(30, 20) and allreduce.sent == [0.0]  # 25 lies between: agreed at 30

@@ -20,6 +20,7 @@ from typing import Callable
 import grpc
 
 from mselastic import __version__
+from mselastic.agent.standby import Standby, StandbyPool
 from mselastic.agent.supervisor import Generation
 from mselastic.agent.users import WorkerUser
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
@@ -49,6 +50,13 @@ class AgentConfig:
     allow_env: frozenset[str] = frozenset()
     #: elasticd's own variables the workers inherit besides the usual ones (names, or NAME* prefixes).
     pass_env: frozenset[str] = frozenset()
+    #: Keep standby workers for the jobs running here (see mselastic.agent.standby).
+    warm_standbys: bool = True
+
+
+#: A job's standbys are stopped this long after its last generation here ended (at once when it
+#: succeeded): a relaunch comes within seconds, a job that went elsewhere or ended does not need them.
+STANDBY_KEEP_S = 60.0
 
 
 class NodeIdTaken(Exception):
@@ -64,6 +72,9 @@ class NodeAgent:
         self.store = store
         self.cfg = cfg
         self.generations: dict[str, Generation] = {}
+        #: Standby workers per job (see mselastic.agent.standby).
+        self.standbys: dict[str, StandbyPool] = {}
+        self._retiring: dict[str, asyncio.Task[None]] = {}
         self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
@@ -380,6 +391,7 @@ class NodeAgent:
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env)
+            gen.standbys = self._take_standbys(gen)
             self.generations[plan.job] = gen
             await gen.start()
             self._changed(gen)
@@ -414,6 +426,61 @@ class NodeAgent:
             left += await self.stop(job, 0, grace_s)
         return left
 
+    # -- standby workers ---------------------------------------------------
+
+    def _take_standbys(self, gen: Generation) -> list[Standby]:
+        """Standbys for every process ``gen`` starts here (a scheduler too on node_rank 0), when
+        this job's pool has them ready and was started for the same launch; else none (cold)."""
+        pool = self.standbys.get(gen.plan.job)
+        if pool is None or pool.key != gen.launch_key():
+            return []
+        return pool.take(gen.member.local_workers + (1 if gen.member.node_rank == 0 else 0))
+
+    def _keep_standbys(self, gen: Generation) -> None:
+        """Once a generation trains here: standbys for its next relaunch, one per local rank and one
+        for a scheduler (this node may be node_rank 0 next time), started one after the other."""
+        if not self.cfg.warm_standbys:
+            return
+        job, key = gen.plan.job, gen.launch_key()
+        pool = self.standbys.get(job)
+        if pool is not None and pool.key != key:
+            asyncio.create_task(pool.close(), name=f"standbys-close-{job}")
+            pool = None
+        if pool is None:
+            pool = self.standbys[job] = StandbyPool(job, self.cfg.node_id, key, gen.spawn_standby)
+        pool.fill(gen.member.local_workers + 1)
+
+    def _retire_standbys(self, gen: Generation) -> None:
+        """A generation ended here: the job's standbys go at once if it succeeded, else after
+        STANDBY_KEEP_S unless another generation of the job is running here by then."""
+        job = gen.plan.job
+        if job not in self.standbys:
+            return
+        pending = self._retiring.pop(job, None)
+        if pending is not None:
+            pending.cancel()
+        delay_s = 0.0 if gen.state is GenerationState.SUCCEEDED else STANDBY_KEEP_S
+
+        async def retire() -> None:
+            await asyncio.sleep(delay_s)
+            if self._retiring.get(job) is task:
+                del self._retiring[job]
+            current = self.generations.get(job)
+            if current is not None and not current.state.terminal:
+                return
+            pool = self.standbys.pop(job, None)
+            if pool is not None:
+                await pool.close()
+
+        task = self._retiring[job] = asyncio.create_task(retire(), name=f"standbys-retire-{job}")
+
+    async def close_standbys(self) -> None:
+        """Stop every standby (elasticd is shutting down)."""
+        for task in self._retiring.values():
+            task.cancel()
+        pools, self.standbys = list(self.standbys.values()), {}
+        await asyncio.gather(*(p.close() for p in pools))
+
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
 
@@ -424,6 +491,10 @@ class NodeAgent:
         self._wake.set()
         if urgent:
             self._urgent.set()
+            if gen.state is GenerationState.RUNNING:
+                self._keep_standbys(gen)
+            elif gen.state.terminal:
+                self._retire_standbys(gen)
 
     async def _report_loop(self, stop: asyncio.Event) -> None:
         """Write changed reports; etcd errors are retried on the next round, training goes on.

@@ -101,12 +101,13 @@ def describe(p: psutil.Process) -> Proc | None:
         return None
 
 
-def marked(run_id: str) -> list[psutil.Process]:
-    """Every live process whose environment carries this generation's marker."""
+def marked(markers: str | set[str]) -> list[psutil.Process]:
+    """Every live process whose environment carries one of these markers (a generation's)."""
+    wanted = {markers} if isinstance(markers, str) else markers
     found = []
     for p in psutil.process_iter():
         env = _environ(p)
-        if env is not None and env.get(ENV_RUN_ID) == run_id:
+        if env is not None and env.get(ENV_RUN_ID) in wanted:
             found.append(p)
     return found
 
@@ -119,6 +120,15 @@ def alive(pid: int, create_time: float) -> bool:
         return p.create_time() == create_time and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def gone(pid: int) -> bool:
+    """No such process any more: it exited and its parent reaped it (a zombie is not gone)."""
+    try:
+        psutil.Process(pid)
+        return False
+    except psutil.NoSuchProcess:
+        return True
 
 
 def stopped(pid: int, create_time: float) -> bool:
@@ -170,14 +180,15 @@ def _signal_groups(procs: list[psutil.Process], signum: int) -> None:
             pass
 
 
-async def stop_generation(run_id: str, extra: list[psutil.Process], grace_s: float,
+async def stop_generation(markers: str | set[str], extra: list[psutil.Process], grace_s: float,
                           poll_s: float = 0.05) -> list[int]:
-    """Stop every process of the generation; returns the pids still alive (should be none).
+    """Stop every process of the generation (those carrying its markers, and ``extra``); returns the
+    pids still alive (should be none).
 
     ``grace_s == 0`` skips SIGTERM (a failed generation has nothing to save).
     """
     def live() -> list[psutil.Process]:
-        procs = {p.pid: p for p in marked(run_id)}
+        procs = {p.pid: p for p in marked(markers)}
         for p in extra:
             procs.setdefault(p.pid, p)
         return [p for p in procs.values() if _running(p)]

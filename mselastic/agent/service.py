@@ -60,12 +60,15 @@ class AgentService(pb_grpc.AgentServicer):
         for g in self.agent.status():
             gens.append(pb.LocalGeneration(
                 job=g.plan.job, generation=g.plan.generation, state=generation_state_to_pb(g.state),
-                failure=g.reason, steps_per_s=g.steps_per_s(),
+                failure=g.reason, steps_per_s=g.steps_per_s(), warm=bool(g.standbys),
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
+        standbys = [pb.StandbyStatus(job=job, pid=s["pid"], ready=s["ready"])
+                    for job, pool in sorted(self.agent.standbys.items()) for s in pool.describe()]
         check = request.check_etcd_s
         reachable = await self.agent.reaches_etcd(min(check, 5.0)) if check > 0 else False  # NaN: no check
-        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens, etcd_reachable=reachable)
+        return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens, etcd_reachable=reachable,
+                                      standbys=standbys)
 
     async def Logs(self, request: pb.LogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogChunk]:
         """Stream ``worker_<rank>.log`` of a generation that ran here; with ``follow``, until it ends."""

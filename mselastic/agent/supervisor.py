@@ -19,21 +19,24 @@ import dataclasses
 import json
 import logging
 import os
+import hashlib
+import ipaddress
 import signal
 import shutil
 import socket
-import subprocess
 import struct
+import subprocess
 import sys
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 
 from mselastic import metrics
 from mselastic.agent import procs
+from mselastic.agent.standby import Standby
 from mselastic.agent.users import WorkerUser, forbidden_env, inherited_env
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
@@ -91,6 +94,8 @@ class RankState:
     resumed_step: int = -1
     #: Why it cannot go on (its ``fatal`` beat), "" if it did not say.
     fatal: str = ""
+    #: Sent ``NUDGE_SIGNAL`` (once: still inside init() after a local peer got through).
+    nudged: bool = False
 
 
 #: MindSpore's cluster heartbeat interval (seconds, drawn from [lower, upper]; its default is 3..5).
@@ -99,6 +104,12 @@ class RankState:
 #: and launch to first step 12.2 s -> 8.8 s at 1..1. Above 256 workers (MindSpore's own bound
 #: for a large cluster) every worker's beat loads the one scheduler: its default is kept there.
 FAST_HEARTBEAT_MAX_WORKERS = 256
+
+#: A rank still inside ``init()`` this long after a local peer returned from it is asleep in MindSpore's
+#: CPU collective address exchange (``contract.NUDGE_SIGNAL``): it is nudged. The rest of ``init()``
+#: after the exchange takes a few milliseconds.
+NUDGE_AFTER_S = 0.1
+_JOINED = Beat.PHASES.index("joined")
 
 #: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
 #: reaches a rank busy in a step; a fast job makes several steps meanwhile).
@@ -190,13 +201,94 @@ def _write_and_close(fd: int, data: bytes) -> None:
         pass
 
 
+async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str, str], user: WorkerUser | None,
+                          cwd: str, **io: Any) -> asyncio.subprocess.Process:
+    """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a
+    standby). ``job_env`` (the job spec's variables) is added after the user switch: it reaches the
+    process through a pipe that ``mselastic.agent.envexec`` reads, so nothing runs as root with it
+    (``LD_PRELOAD``, if an admin allows it), it is never on disk, and elasticd needs no right to write
+    in the worker user's folders. ``io``: stdin, stdout, stderr as for asyncio's subprocesses.
+    Raises OSError or RuntimeError when it cannot be started."""
+    who = user if user is not None and user.switch else None
+    env_r = env_w = -1
+    if who is not None:
+        env_r, env_w = os.pipe()
+        cmd = [sys.executable, "-m", "mselastic.agent.envexec", str(env_r), "--", *cmd]
+    else:
+        env = {**env, **job_env}
+    started = False
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *with_parent_death(cmd, (who.uid, who.gid) if who else None), env=env, cwd=cwd, start_new_session=True,
+            pass_fds=(env_r,) if who else (), **io)
+        started = True
+    finally:
+        if env_r >= 0:
+            os.close(env_r)
+        if env_w >= 0 and not started:
+            os.close(env_w)
+    if env_w >= 0:
+        # A daemon thread of its own, not awaited: a job env larger than the pipe waits for envexec
+        # to read it, and one that never reads (stopped, killed) must hold nothing up; its end of
+        # the pipe closing ends the write.
+        threading.Thread(target=_write_and_close, args=(env_w, json.dumps(job_env).encode()),
+                         name=f"env-{proc.pid}", daemon=True).start()
+    return proc
+
+
+def scheduler_host(addr: str) -> str:
+    """``master_addr`` as msrun gives it to its processes (``MS_SCHED_HOST``): an IP address, a host
+    name resolved (``_convert_addr_to_ip`` in msrun's ``process_entity/_utils.py``)."""
+    plain = addr.strip().removeprefix("[").removesuffix("]")
+    try:
+        return str(ipaddress.ip_address(plain))
+    except ValueError:
+        return str(socket.getaddrinfo(plain, None, socket.AF_UNSPEC, socket.SOCK_STREAM)[0][4][0])
+
+
+def _listens(port: int) -> bool:
+    """Whether a TCP socket of this network namespace listens on ``port``, from the kernel's tables
+    (``/proc/net/tcp``, ``tcp6``: state 0A). Not psutil's net_connections, which also maps every
+    socket to its process by reading every process's file descriptors."""
+    suffix = f":{port:04X} "
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                if any(suffix in line and line.split()[3] == "0A" for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+async def _listening(port: int, proc: asyncio.subprocess.Process, within_s: float) -> bool:
+    """Wait until something on this node listens on TCP ``port`` (``proc``, a scheduler just handed
+    its generation), at most ``within_s`` and while ``proc`` runs; nothing connects to it to find out."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and proc.returncode is None:
+        if _listens(port):
+            return True
+        await asyncio.sleep(0.005)
+    return False
+
+
+#: What a standby gets only at its handover: the generation's own values (and HOME, the
+#: generation's log folder for a switched user). Everything else of the generation's environment is
+#: the job's, the same for every generation, and a standby starts with it.
+PER_GENERATION_ENV = frozenset({
+    contract.ENV_GENERATION, contract.ENV_RESTART_COUNT, contract.ENV_HEARTBEAT, contract.ENV_RUN_ID,
+    contract.ENV_STOP_FILE, "HOME", "MS_RETRY_INTERVAL_LOWER", "MS_RETRY_INTERVAL_UPPER"})
+
+
 class Generation:
-    """One plan's launch on this node: msrun, its scheduler and the local ranks."""
+    """One plan's launch on this node: msrun, its scheduler and the local ranks (or standbys that
+    became them: see :meth:`_hand_over`)."""
 
     def __init__(self, plan: Plan, spec: JobSpec, node_id: str, work_dir: str,
                  on_change: Callable[["Generation", bool], None], poll_interval_s: float = 0.1,
                  user: WorkerUser | None = None, allow_env: frozenset[str] = frozenset(),
-                 pass_env: frozenset[str] = frozenset()) -> None:
+                 pass_env: frozenset[str] = frozenset(), standbys: list[Standby] | None = None) -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -232,6 +324,10 @@ class Generation:
         self._on_change = on_change
         self._poll_s = poll_interval_s
         self._msrun: asyncio.subprocess.Process | None = None
+        #: Warm: the standbys handed this generation (the scheduler's first on node_rank 0), and the
+        #: rank each worker became. Cold: msrun starts them.
+        self.standbys = list(standbys or [])
+        self._warm_ranks: dict[int, Standby] = {}
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -244,8 +340,9 @@ class Generation:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Start msrun. Anything that keeps the generation from starting (see :func:`preflight`, a
-        master port in use on node_rank 0, msrun failing to spawn) fails it at once, with the reason."""
+        """Hand the generation to the standbys it was given (warm), else start msrun (cold). Anything
+        that keeps it from starting (see :func:`preflight`, a master port in use on node_rank 0,
+        msrun failing to spawn, a standby gone) fails it at once, with the reason."""
         msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
         try:
             preflight(self.spec, self.log_dir, msrun, self.user, self.allow_env)
@@ -267,6 +364,21 @@ class Generation:
         self._sock.bind("\0mselastic-hb-" + self.run_id)
         self._sock.setblocking(False)
         asyncio.get_running_loop().add_reader(self._sock.fileno(), self._read_beats)
+        try:
+            if self.standbys:
+                await self._hand_over()
+            else:
+                await self._start_msrun(msrun)
+        except (OSError, RuntimeError) as e:
+            how = "the standby workers could not take over" if self.standbys else "msrun could not be started"
+            await self._fail(-1, f"{how}: {e}", FailureCause.LAUNCH_NODE)
+            return
+        self.started_mono = time.monotonic()
+        self._task = asyncio.create_task(self._watch(), name=f"watch-{self.run_id}")
+
+    async def _start_msrun(self, msrun: str) -> None:
+        """The cold path: msrun starts the scheduler (on node_rank 0) and the local ranks."""
+        p = self.plan
         cmd = [msrun,
                f"--worker_num={p.world_size}", f"--local_worker_num={self.member.local_workers}",
                f"--master_addr={p.master_addr}", f"--master_port={p.master_port}",
@@ -274,42 +386,108 @@ class Generation:
                "--join=True", "--tail_worker_log=99999",
                f"--cluster_time_out={int(self.spec.startup_timeout_s)}",
                self.spec.script, *self.spec.args]
-        who = self.user if self.user is not None and self.user.switch else None
-        env_r = env_w = -1
-        if who is not None:
-            # The job's env reaches msrun through a pipe, read after setpriv switched: nothing runs
-            # as root with it (LD_PRELOAD, if an admin allows it), it is never on disk, and elasticd
-            # needs no right to write in the worker user's folders.
-            env_r, env_w = os.pipe()
-            cmd = [sys.executable, "-m", "mselastic.agent.envexec", str(env_r), "--", *cmd]
-        started = False
-        try:
-            with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:  # made in preflight, ours
-                self._msrun = await asyncio.create_subprocess_exec(
-                    *with_parent_death(cmd, (who.uid, who.gid) if who else None), stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT, env=self._env(), cwd=os.path.dirname(self.spec.script),
-                    start_new_session=True, pass_fds=(env_r,) if who else ())
-            started = True
-        except (OSError, RuntimeError) as e:
-            await self._fail(-1, f"msrun could not be started: {e}", FailureCause.LAUNCH_NODE)
-            return
-        finally:
-            if env_r >= 0:
-                os.close(env_r)
-            if env_w >= 0 and not started:
-                os.close(env_w)
-        if env_w >= 0:
-            # A daemon thread of its own, not awaited: a job env larger than the pipe waits for
-            # envexec to read it, and one that never reads (stopped, killed) must hold nothing up;
-            # its end of the pipe closing ends the write.
-            threading.Thread(target=_write_and_close, args=(env_w, json.dumps(self._job_env()).encode()),
-                             name=f"env-{self.run_id}", daemon=True).start()
-        self.started_mono = time.monotonic()
+        with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:  # made in preflight, ours
+            self._msrun = await spawn_as_worker(cmd, self._env(), self._job_env(), self.user, self.cwd,
+                                                stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                                                stderr=asyncio.subprocess.STDOUT)
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
                  self._msrun.pid, p.master_addr, p.master_port, self.first_rank,
                  self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
-        self._task = asyncio.create_task(self._watch(), name=f"watch-{self.run_id}")
+
+    async def _hand_over(self) -> None:
+        """The warm path: the standbys become the processes msrun would have started, with msrun's
+        environment (``process_entity/_api.py``: ``MS_WORKER_NUM``, ``MS_SCHED_HOST``, ``MS_SCHED_PORT``,
+        ``MS_TOPO_TIMEOUT``, ``RANK_SIZE``; the scheduler ``MS_ROLE=MS_SCHED`` and ``RANK_ID=0``; each
+        worker ``MS_ROLE=MS_WORKER``, ``RANK_ID``/``MS_NODE_ID`` its global rank, ``DEVICE_ID`` its local
+        index), its log files, arguments and working directory. The scheduler (node_rank 0: the node
+        whose address is master_addr) goes first and the workers once it listens, all of them at once:
+        workers that meet no scheduler retry only half a second later."""
+        p = self.plan
+        env = {**self._env(), **self._job_env()}  # as msrun's environment is (the job's env applied last)
+        common = {"MS_WORKER_NUM": str(p.world_size), "MS_SCHED_HOST": scheduler_host(p.master_addr),
+                  "MS_SCHED_PORT": str(p.master_port), "MS_TOPO_TIMEOUT": str(int(self.spec.startup_timeout_s)),
+                  "RANK_SIZE": str(p.world_size)}
+        argv = [self.spec.script, *self.spec.args]
+        standbys = list(self.standbys)
+        lines = []
+        if self.member.node_rank == 0:
+            scheduler = standbys.pop(0)
+            path = os.path.join(self.log_dir, "scheduler.log")
+            await scheduler.hand_over({**env, **common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, self.cwd, path)
+            lines.append(f"Start scheduler process (warm: standby pid {scheduler.pid}), log file:{path}.")
+            await _listening(p.master_port, scheduler.proc, within_s=10.0)
+        for i, (rs, standby) in enumerate(zip(self.ranks.values(), standbys)):
+            path = os.path.join(self.log_dir, f"worker_{rs.rank}.log")
+            await standby.hand_over({**env, **common, "MS_NODE_ID": str(rs.rank), "MS_ROLE": "MS_WORKER",
+                                     "RANK_ID": str(rs.rank), "DEVICE_ID": str(i)}, argv, self.cwd, path)
+            rs.pid, rs.create_time = standby.pid, psutil.Process(standby.pid).create_time()
+            self._warm_ranks[rs.rank] = standby
+            lines.append(f"Start worker process with rank id:{rs.rank} (warm: standby pid {standby.pid}), "
+                         f"log file:{path}.")
+        with open(os.path.join(self.log_dir, "msrun.log"), "a") as out:  # what msrun would have said
+            out.write("".join(line + "\n" for line in lines))
+        log.info("generation launched warm: standbys %s, master %s:%d, ranks %d..%d, logs %s",
+                 [sb.pid for sb in self.standbys], p.master_addr, p.master_port, self.first_rank,
+                 self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
+
+    @property
+    def cwd(self) -> str:
+        """msrun's and the ranks' working directory: the script's folder."""
+        return os.path.dirname(self.spec.script)
+
+    def standby_env(self, marker: str) -> dict[str, str]:
+        """The environment a standby for this job starts with: the generation's without its own
+        values (:data:`PER_GENERATION_ENV`: they come with the handover), its marker, and the slot
+        the handover writes the generation's variables into (see ``mselastic.trainer.standby``).
+        The marker and the slot stay last, and adjacent."""
+        base = self._env()
+        env = {k: v for k, v in base.items() if k not in PER_GENERATION_ENV}
+        if "HOME" in base:  # (a switched user's: the job's log folder until its handover)
+            env["HOME"] = os.path.dirname(self.log_dir)
+        env[contract.ENV_RUN_ID] = marker
+        env[contract.ENV_STANDBY_SLOT] = "x" * contract.STANDBY_SLOT_BYTES
+        return env
+
+    async def spawn_standby(self, marker: str) -> asyncio.subprocess.Process:
+        """Start a standby worker for this job (see ``mselastic.trainer.standby``): as the worker user,
+        with the job's environment and ``marker``, in the script's folder; its input and output pipes."""
+        return await spawn_as_worker([sys.executable, "-m", "mselastic.trainer.standby"], self.standby_env(marker),
+                                     self._job_env(), self.user, self.cwd, stdin=asyncio.subprocess.PIPE,
+                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+    def launch_key(self) -> str:
+        """What a standby was started with that a generation could change: equal keys, equal starts."""
+        env = {k: v for k, v in self._env().items() if k not in PER_GENERATION_ENV}
+        what = [self.spec.script, list(self.spec.args), self.cwd, self.user.uid if self.user else os.geteuid(),
+                sorted(env.items()), sorted(self._job_env().items())]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+
+    def _launched(self) -> list[asyncio.subprocess.Process]:
+        """The processes elasticd started for this generation: msrun, or the standbys it took over."""
+        return [self._msrun] if self._msrun is not None else [sb.proc for sb in self.standbys]
+
+    def _markers(self) -> set[str]:
+        """Every marker a process of this generation carries in its environment (a standby's own
+        is there too, were its handover's rewrite of the kernel's copy not to have happened)."""
+        return {self.run_id} | {sb.marker for sb in self.standbys}
+
+    def _live_launched(self) -> list[psutil.Process]:
+        live = []
+        for proc in self._launched():
+            if proc.returncode is None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    live.append(psutil.Process(proc.pid))
+        return live
+
+    def _launch_exit_code(self) -> int | None:
+        """msrun's exit code; warm: once every rank has exited, theirs (the first that is not 0);
+        None while they run."""
+        if self._msrun is not None:
+            return self._msrun.returncode
+        codes = [sb.proc.returncode for sb in self._warm_ranks.values()]
+        if not codes or any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c), 0)
 
     def _env(self) -> dict[str, str]:
         # Built, not inherited: the daemon's environment may hold what a job must not see (see
@@ -370,13 +548,12 @@ class Generation:
             await self._ask_ranks_to_stop(grace_s)
         elif not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
             await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
-        extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
-        left = await procs.stop_generation(self.run_id, extra, grace_s=0)
-        if self._msrun is not None:
+        left = await procs.stop_generation(self._markers(), self._live_launched(), grace_s=0)
+        for proc in self._launched():
             try:
-                await asyncio.wait_for(self._msrun.wait(), timeout=5)
+                await asyncio.wait_for(proc.wait(), timeout=5)
             except asyncio.TimeoutError:
-                left.append(self._msrun.pid)
+                left.append(proc.pid)
         self.stopped_at = self.stopped_at or time.time()
         if not self.state.terminal:
             self._drain_beats()
@@ -463,7 +640,10 @@ class Generation:
     def _note_exit_codes(self) -> None:
         for rs in self.ranks.values():
             if rs.pid and rs.exit_code is None:
-                rs.exit_code = procs.exit_status(rs.pid, rs.create_time)
+                # A warm rank is elasticd's own child: asyncio reaps it (until then it is a zombie too).
+                standby = self._warm_ranks.get(rs.rank)
+                code = standby.proc.returncode if standby is not None else None
+                rs.exit_code = code if code is not None else procs.exit_status(rs.pid, rs.create_time)
 
     def _exit_codes(self) -> str:
         """The ranks' exit codes as seen, for a report's reason."""
@@ -535,7 +715,8 @@ class Generation:
         their own children). Not the run id in its environment: that id is public (it is the
         socket's name, listed in /proc/net/unix), any process can carry it. Remembered per
         (pid, start time), the answer either way, so a reused pid is looked at again."""
-        if pid <= 0 or self._msrun is None:
+        roots = {proc.pid for proc in self._launched()}
+        if pid <= 0 or not roots:
             return False
         if any(rs.pid == pid for rs in self.ranks.values()):  # a rank found among msrun's children
             return True
@@ -543,7 +724,7 @@ class Generation:
             proc = psutil.Process(pid)
             key = (pid, proc.create_time())
             if key not in self._senders:
-                self._senders[key] = any(p.pid == self._msrun.pid for p in proc.parents())
+                self._senders[key] = pid in roots or any(p.pid in roots for p in proc.parents())
             return self._senders[key]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             # A rank's last beat (planned_exit) is read after it exited: known senders still count.
@@ -626,10 +807,10 @@ class Generation:
         return None if worst is None else (worst[0], worst[1], now - worst[2])
 
     async def _watch(self) -> None:
-        assert self._msrun is not None
         try:
             while not self.state.terminal and not self._stopping:
                 self._discover()
+                self._nudge()
                 self._note_exit_codes()
                 fault = self._find_fault()
                 if fault is not None and self._exited_on_sigterm():
@@ -641,8 +822,8 @@ class Generation:
                     # which kills the workers: sometimes they saved, sometimes not.)
                     await self._fail(*fault)
                     return
-                if self._msrun.returncode is not None:
-                    await self._msrun_exited(self._msrun.returncode)
+                if (code := self._launch_exit_code()) is not None:
+                    await self._launch_exited(code)
                     return
                 await asyncio.sleep(self._poll_s)
         except asyncio.CancelledError:
@@ -659,7 +840,8 @@ class Generation:
         looked at again on the next poll. Descendants of the workers (data loaders)
         carry the same variables and are never taken for a rank.
         """
-        assert self._msrun is not None
+        if self._msrun is None:
+            return  # warm: every rank is known from its handover
         try:
             children = psutil.Process(self._msrun.pid).children()
         except psutil.NoSuchProcess:
@@ -678,11 +860,28 @@ class Generation:
             if d.role == "MS_WORKER" and is_script and d.rank in self.ranks and not self.ranks[d.rank].pid:
                 self.ranks[d.rank].pid, self.ranks[d.rank].create_time = d.pid, d.create_time
 
+    def _nudge(self) -> None:
+        """Wake a rank asleep in MindSpore's CPU collective address exchange once a local peer got
+        through ``init()`` (see ``contract.NUDGE_SIGNAL``): the addresses are all there by then.
+        Once per rank; a rank whose script does not handle the signal ignores it."""
+        through = [peer.phase_at[_JOINED] for peer in self.ranks.values() if _JOINED in peer.phase_at]
+        if not through or time.monotonic() - min(through) < NUDGE_AFTER_S:
+            return
+        for rs in self.ranks.values():
+            if rs.phase == _JOINED - 1 and not rs.nudged and rs.pid and procs.alive(rs.pid, rs.create_time):
+                rs.nudged = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rs.pid, contract.NUDGE_SIGNAL)
+                log.info("rank %d still in init() %.2fs after a local peer got through: nudged out of MindSpore's "
+                         "3 s address poll", rs.rank, time.monotonic() - min(through),
+                         extra={**self._ctx, "rank": rs.rank})
+
     def _find_fault(self) -> tuple[int, str, FailureCause] | None:
         """(rank, reason, cause) of the rank that failed; None while all is well.
 
         msrun SIGKILLs the other workers about a second after one exits, so one poll
-        may find several ranks gone: blame the one silent longest (then the lowest rank).
+        may find several ranks gone: blame one msrun reaped already (the others it killed are
+        zombies still), then the one silent longest, then the lowest rank.
         Ranks that announced a planned exit (they checkpointed on a SIGTERM) are not a
         fault unless another rank died without one. A rank stopped (state T) for half of
         ``hang_timeout_s`` is hung, before its first step too, and is the one blamed: its peers
@@ -699,7 +898,11 @@ class Generation:
             if fatal:
                 first = min(fatal, key=lambda r: r.rank)
                 return first.rank, f"cannot go on: {first.fatal}", FailureCause.TRAINER_FATAL
-            first = min(dead, key=lambda r: (r.last_beat, r.rank))
+            # msrun reaps the rank it saw exit and SIGKILLs the others without reaping them: when this
+            # poll finds both, the one already reaped died first (their beats cannot tell: the others
+            # wait in a collective, their last beat as old as its).
+            reaped = [rs for rs in dead if self._msrun is not None and procs.gone(rs.pid)]
+            first = min(reaped or dead, key=lambda r: (r.last_beat, r.rank))
             return first.rank, f"exited before finishing ({self._how_exited(first)})", FailureCause.RANK_EXITED
         if exited:
             # The ranks agreed on the step; the others' planned exits are at most a moment behind.
@@ -743,7 +946,7 @@ class Generation:
     def _how_exited(rs: RankState) -> str:
         """The exit code or signal of a rank, as far as it was seen."""
         if rs.exit_code is None:
-            return f"pid {rs.pid}; exit status not seen, msrun reaped it first"
+            return f"pid {rs.pid}; exit status not seen, its parent reaped it first"
         if rs.exit_code < 0:
             try:
                 name = signal.Signals(-rs.exit_code).name
@@ -766,8 +969,7 @@ class Generation:
         self.exit_step = self._exit_step()
         self.reason = self._exit_reason(asked=False)
         log.warning("%s", self.reason, extra=self._ctx)
-        extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
-        left = await procs.stop_generation(self.run_id, extra, grace_s=0)
+        left = await procs.stop_generation(self._markers(), self._live_launched(), grace_s=0)
         if left:
             log.error("processes left after the ranks' exit: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
@@ -782,23 +984,24 @@ class Generation:
         self.failed_rank, self.reason, self.cause = rank, reason, cause
         log.warning("rank %d failed: %s; tearing down", rank, reason, extra={**self._ctx, "rank": rank})
         self._stopping = True
-        extra = [psutil.Process(self._msrun.pid)] if self._msrun and self._msrun.returncode is None else []
-        left = await procs.stop_generation(self.run_id, extra, grace_s=grace_s)
+        left = await procs.stop_generation(self._markers(), self._live_launched(), grace_s=grace_s)
         if left:
             log.error("processes left after teardown: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
         self._set(GenerationState.FAILED)
         self._close()
 
-    async def _msrun_exited(self, code: int) -> None:
+    async def _launch_exited(self, code: int) -> None:
+        """msrun exited (cold), or every rank did (warm: the scheduler leaves once they are gone)."""
         if code == 0 and all(r.finished for r in self.ranks.values()):
             self._set(GenerationState.SUCCEEDED)
-            left = await procs.stop_generation(self.run_id, [], grace_s=1)
+            left = await procs.stop_generation(self._markers(), self._live_launched(), grace_s=1)
             if left:
                 log.error("processes left after success: %s", left, extra=self._ctx)
             self._close()
         else:
-            await self._fail(-1, f"msrun exited with code {code}; see {self.log_dir}", FailureCause.MSRUN_FAILED)
+            who = "msrun" if self._msrun is not None else "the ranks"
+            await self._fail(-1, f"{who} exited with code {code}; see {self.log_dir}", FailureCause.MSRUN_FAILED)
 
     def _set(self, state: GenerationState, reason: str | None = None) -> None:
         check_generation_transition(self.state, state)
@@ -818,4 +1021,5 @@ class Generation:
             failed_rank=self.failed_rank, reason=self.reason, detected_at=self.detected_at,
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
             resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause,
-            resumed_steps={str(r.rank): r.resumed_step for r in self.ranks.values() if r.resumed_step >= 0})
+            resumed_steps={str(r.rank): r.resumed_step for r in self.ranks.values() if r.resumed_step >= 0},
+            warm=bool(self.standbys))

@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import json
 import math
+import signal
 from typing import Any
 
 ENV_JOB = "MSELASTIC_JOB"
@@ -30,11 +31,18 @@ ENV_RUN_ID = "MSELASTIC_RUN_ID"  # marks every process of one generation on one 
 #: the agent before it sends the ranks SIGTERM, read by a rank once it got the signal.
 ENV_STOP_FILE = "MSELASTIC_STOP_FILE"
 
+#: Standby workers (mselastic.trainer.standby): what one prints once MindSpore is imported, and the
+#: variable after its marker whose bytes its handover rewrites with the generation's variables (so
+#: /proc/<pid>/environ of a warm rank reads like an msrun-started one's).
+STANDBY_READY = "mselastic-standby-ready"
+ENV_STANDBY_SLOT = "MSELASTIC_ENV_SLOT"
+STANDBY_SLOT_BYTES = 4096
+
 #: Variables the agent sets for every worker; a job spec may not override them.
 DAEMON_VARS = frozenset({
     ENV_JOB, ENV_GENERATION, ENV_RESTART_COUNT, ENV_NODE_ID, ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_INTERVAL,
     ENV_KEEP_CHECKPOINTS, ENV_STOP_CHECK_INTERVAL, ENV_TOTAL_STEPS, ENV_GLOBAL_BATCH, ENV_MICRO_BATCHES,
-    ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE,
+    ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE, ENV_STANDBY_SLOT,
 })
 
 def default_sockets() -> list[str]:
@@ -78,6 +86,16 @@ def decode_stop_step(data: bytes) -> int | None:
         return None
     return int(text[:-1])
 
+
+#: Sent by the agent to a rank still inside MindSpore's ``init()`` once a local peer has returned
+#: from it: MindSpore's CPU collective (mccl) exchanges the ranks' addresses through the scheduler
+#: and a rank that finds a peer's address missing sleeps a hard-coded 3 s before asking again
+#: (``CollectiveNode::SynchronizeAddresses``). Every rank but the last to get there paid it, on
+#: every launch. A peer that returned has seen every address, so the wait is over: the signal
+#: ends the sleep early (``sleep`` returns on a handled signal) and the rank asks again at once.
+#: The trainer library handles it only around ``init()`` on CPU; elsewhere its default
+#: disposition (ignore) makes it harmless.
+NUDGE_SIGNAL = signal.SIGURG
 
 #: A worker that checkpointed on SIGTERM and exited on purpose (EX_TEMPFAIL).
 PLANNED_EXIT_CODE = 75

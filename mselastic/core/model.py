@@ -220,6 +220,8 @@ class GenerationReport:
     #: Step each local rank resumed from (its ``start`` beat), by global rank: every rank of a
     #: generation must resume from the same checkpoint (the coordinator fails the job otherwise).
     resumed_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Started warm: standby workers were handed the generation (no msrun started).
+    warm: bool = False
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

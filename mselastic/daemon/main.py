@@ -151,6 +151,10 @@ class Settings:
     #: Group that may open the socket (mode 0660; "": elasticd's user alone, 0600). Never a group
     #: the worker user is in: every job's script would then administer the cluster.
     socket_group: str = ""
+    #: Keep standby workers with MindSpore imported for every job running here (one per local rank
+    #: and one for a scheduler): a relaunch hands them the generation instead of starting msrun and
+    #: new Pythons. Each costs the memory of an idle Python with MindSpore imported.
+    warm_standbys: bool = True
 
     def validate(self) -> "Settings":
         try:
@@ -333,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
         "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
         "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
+        "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
     }
     for key, f in FIELDS.items():
         kinds: dict[str, Callable[[str], object]] = {"int": int, "float": float, "bool": _flag}
@@ -527,7 +532,8 @@ async def serve(s: Settings) -> None:
     address = f"{s.advertise_host}:{port}"
     agent = NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                          slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
-                                         worker_user=worker, allow_env=s.allowed_env, pass_env=_names(s.pass_env)))
+                                         worker_user=worker, allow_env=s.allowed_env, pass_env=_names(s.pass_env),
+                                         warm_standbys=s.warm_standbys))
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),
@@ -564,6 +570,7 @@ async def serve(s: Settings) -> None:
         systemd.stopping()
         log.info("shutting down: stopping local workers (grace %.0fs)", s.shutdown_grace_s)
         await agent.stop_all(s.shutdown_grace_s)
+        await agent.close_standbys()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(1)
         await store.close()

@@ -10,14 +10,17 @@ the auto-parallel context, which reads back 1) and the job from the daemon's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
-from typing import Any, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from mselastic.core import contract
 from mselastic.core.contract import NOTE_MAX, Beat, BeatKind
@@ -41,6 +44,46 @@ def _phase(name: str) -> None:
             s.sendto(beat.encode(), "\0" + address)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def _nudgeable() -> Iterator[None]:
+    """Around ``init()`` on CPU: the agent's nudge (``NUDGE_SIGNAL``) ends MindSpore's 3 s sleep in
+    the CPU collective's address exchange once a peer is through (see the signal's notes). A no-op
+    handler is enough: the sleep returns when a handled signal arrives. Not on other backends (their
+    own set-up never sleeps so, and an interrupted call there is not ours to risk), not off the main
+    thread (Python takes signal handlers there only)."""
+    import mindspore as ms
+
+    if ms.get_context("device_target") != "CPU" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(contract.NUDGE_SIGNAL, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(contract.NUDGE_SIGNAL, previous)
+
+
+def joining(init: Callable[..., Any]) -> Callable[..., Any]:
+    """``init`` (``mindspore.communication.init``) as elasticd's ranks call it: dying with their
+    parent, an injected start-up fault first, the start-up phases reported around it, and the
+    agent's nudge handled inside it (see :func:`_nudgeable`)."""
+    @functools.wraps(init)
+    def join(*args: Any, **kwargs: Any) -> Any:
+        if os.environ.get(contract.ENV_RUN_ID):
+            die_with_parent()
+        fault = FaultPlan.from_env()
+        if fault is not None and os.environ.get("MS_ROLE") == "MS_WORKER":
+            fault.at_startup(_env_int("RANK_ID", -1), _env_int(contract.ENV_GENERATION, 0))
+        _phase("init")
+        with _nudgeable():
+            result = init(*args, **kwargs)
+        _phase("joined")
+        return result
+
+    join.__mselastic_joining__ = True  # type: ignore[attr-defined]
+    return join
 
 
 def _env_int(name: str, default: int) -> int:
@@ -99,16 +142,18 @@ class ElasticContext:
 
         The arguments are defaults for running the script without elasticd (plain msrun).
         """
-        if os.environ.get(contract.ENV_RUN_ID):
-            die_with_parent()
-        from mindspore.communication import get_group_size, get_rank, init
+        from mindspore.communication import init
 
-        fault = FaultPlan.from_env()
-        if fault is not None and os.environ.get("MS_ROLE") == "MS_WORKER":
-            fault.at_startup(_env_int("RANK_ID", -1), _env_int(contract.ENV_GENERATION, 0))
-        _phase("init")
-        init()
-        _phase("joined")
+        joining(init)()
+        return cls.current(checkpoint_dir, total_steps, global_batch_size, micro_batch_sizes)
+
+    @classmethod
+    def current(cls, checkpoint_dir: str = "", total_steps: int = 0, global_batch_size: int = 0,
+                micro_batch_sizes: tuple[int, ...] = ()) -> "ElasticContext":
+        """The context of a process that has joined already (``init()`` returned); the arguments
+        are defaults for running without elasticd, as for :meth:`init`."""
+        from mindspore.communication import get_group_size, get_rank
+
         world = get_group_size()
         gbs = _env_int(contract.ENV_GLOBAL_BATCH, global_batch_size)
         micro = _env_ints(contract.ENV_MICRO_BATCHES, micro_batch_sizes)
@@ -129,7 +174,7 @@ class ElasticContext:
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
             stop_check_interval_steps=max(1, _env_int(contract.ENV_STOP_CHECK_INTERVAL, 20)),
             stop_file=os.environ.get(contract.ENV_STOP_FILE, ""),
-            fault=fault,
+            fault=FaultPlan.from_env(),
         )
         if ctx.heartbeat_address:
             ctx._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -189,7 +234,7 @@ class ElasticContext:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
-    def should_stop(self, step: int) -> bool:
+    def should_stop(self, step: int, previous: int | None = None) -> bool:
         """At the boundary after ``step``: do the ranks stop here? Every rank gets the same answer,
         so all checkpoint at the same step, wherever the SIGTERM landed.
 
@@ -197,19 +242,26 @@ class ElasticContext:
         writes it to ``stop_file`` and then sends SIGTERM; a rank reads it once signalled and
         stops there. A SIGTERM that came without one (an operator's) is asked of the agent, which
         chooses one when all the ranks are its own, and the ranks agree anyway at every multiple
-        of ``stop_check_interval_steps`` (one allreduce; the backstop for a multi-node job)."""
+        of ``stop_check_interval_steps`` (one allreduce; the backstop for a multi-node job).
+
+        ``previous``: the step of the boundary before (default ``step - 1``). Boundaries further
+        apart (``Model.train`` in data sink mode calls back once per sink) stop at the first one at
+        or past the named step, and agree at the first one past each multiple of the interval:
+        every rank sees the same boundaries."""
+        previous = step - 1 if previous is None else previous
         if self.stop_requested and self.stop_at is None:
             self.stop_at = self._read_stop_step()
             if self.stop_at is None:  # asked at every step until the agent answers (or the backstop)
                 self.beat(BeatKind.STOP_REQUESTED, step)
-        if self.stop_at is not None and step > self.stop_at and not self._overshot:
+        if self.stop_at is not None and previous >= self.stop_at and not self._overshot:
             # Too late to stop there with the others: they leave at it and the collective breaks;
             # the agent ends the generation and every rank resumes from one agreed checkpoint.
             self._overshot = True
             log.error("rank %d: read the stop step %d only after step %d; the others stop there without this rank",
                       self.rank, self.stop_at, step)
-        named = step == self.stop_at
-        if step % self.stop_check_interval_steps:
+        named = self.stop_at is not None and previous < self.stop_at <= step
+        k = self.stop_check_interval_steps
+        if step // k == previous // k:
             return named
         # At a backstop step every rank is in the allreduce, a rank at its named step too (one that
         # has not read the step yet is there as well), and every signalled rank counts: all of

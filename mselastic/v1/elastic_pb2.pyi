@@ -186,30 +186,44 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class LocalGeneration(_message.Message):
-    __slots__ = ("job", "generation", "state", "ranks", "failure", "steps_per_s")
+    __slots__ = ("job", "generation", "state", "ranks", "failure", "steps_per_s", "warm")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     state: GenerationState
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     failure: str
     steps_per_s: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    warm: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., steps_per_s: _Optional[float] = ..., warm: _Optional[bool] = ...) -> None: ...
+
+class StandbyStatus(_message.Message):
+    __slots__ = ("job", "pid", "ready")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    pid: int
+    ready: bool
+    def __init__(self, job: _Optional[str] = ..., pid: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class AgentStatusResponse(_message.Message):
-    __slots__ = ("node_id", "generations", "etcd_reachable")
+    __slots__ = ("node_id", "generations", "etcd_reachable", "standbys")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     ETCD_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    STANDBYS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     generations: _containers.RepeatedCompositeFieldContainer[LocalGeneration]
     etcd_reachable: bool
-    def __init__(self, node_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[LocalGeneration, _Mapping]]] = ..., etcd_reachable: _Optional[bool] = ...) -> None: ...
+    standbys: _containers.RepeatedCompositeFieldContainer[StandbyStatus]
+    def __init__(self, node_id: _Optional[str] = ..., generations: _Optional[_Iterable[_Union[LocalGeneration, _Mapping]]] = ..., etcd_reachable: _Optional[bool] = ..., standbys: _Optional[_Iterable[_Union[StandbyStatus, _Mapping]]] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
     __slots__ = ("job", "rank", "generation", "follow", "tail_bytes")

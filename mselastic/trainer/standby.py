@@ -1,0 +1,133 @@
+"""``python -m mselastic.trainer.standby``: a worker process started before it is needed.
+
+A relaunch spends most of its time before MindSpore does anything: msrun's Python, then the
+scheduler's and every worker's, each importing MindSpore (about 5 s of the 7 s a cold relaunch
+takes on two cores). The agent keeps one standby per local rank, plus one for a scheduler, with
+all of that done: it has imported MindSpore (and what training scripts import with it) and waits
+on its standard input for one handover, a JSON line with what msrun would have given the process:
+
+- ``env``: the variables to add (the generation's, and msrun's own: ``MS_ROLE``, ``RANK_ID``,
+  ``MS_NODE_ID``, ``DEVICE_ID``, ``RANK_SIZE``, ``MS_WORKER_NUM``, ``MS_SCHED_HOST``,
+  ``MS_SCHED_PORT``, ``MS_TOPO_TIMEOUT``);
+- ``argv``: the script and its arguments; ``cwd``: the working directory;
+- ``log``: the file msrun would have opened for its output (``worker_<rank>.log``,
+  ``scheduler.log``), truncated as msrun does.
+
+It then becomes that process (environment, output, working directory, ``sys.argv``,
+``sys.path[0]``; it already runs in a session of its own, as msrun's children do) and runs the
+script as ``__main__``, exiting as the interpreter would: with the script's ``SystemExit`` code,
+1 and a traceback on an uncaught exception, else 0. It is used once: a new standby replaces it.
+Until the handover it carries no generation (no cluster variables, no heartbeat address), so it
+can only ever join the generation it is handed. End of input before a handover: it exits 0.
+
+The kernel's view of its environment (``/proc/<pid>/environ``, what the agent, operators' tools
+and the tests read to tell which generation a process is of) is the one it was started with. The
+agent starts it with a reserved slot after its marker (``contract.ENV_STANDBY_SLOT``), and the handover writes
+the generation's marker and msrun's variables into that memory, so a warm rank reads there like
+one msrun started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import sys
+import traceback
+from typing import Any
+
+from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_READY
+
+#: Imported before the handover: what a MindSpore training script imports first.
+PRELOAD = ("mindspore", "mindspore.communication", "mindspore.nn", "mindspore.ops", "mindspore.dataset",
+           "mindspore.dataset.vision", "mindspore.dataset.transforms", "mindspore.train", "numpy",
+           "mselastic.trainer")
+
+
+def _rewrite_environ_block(environ: dict[str, str]) -> bool:
+    """Make the kernel's view of this process's environment (``/proc/<pid>/environ``: the block it
+    was started with, ``/proc/self/stat``'s env_start..env_end) say ``environ``: the marker's entry and
+    the reserved slot after it are rewritten in place, the marker with ``environ``'s and the slot with
+    every variable the block lacks or has with another value. False when the block has no slot right
+    after the marker or the entries do not fit (nothing is written then)."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    if len(fields) < 49:
+        return False
+    env_start, env_end = int(fields[47]), int(fields[48])  # fields 50 and 51 of proc(5), counted from 1
+    block = ctypes.string_at(env_start, env_end - env_start)
+    marker, slot = f"{ENV_RUN_ID}=".encode(), f"{ENV_STANDBY_SLOT}=".encode()
+    start = 0 if block.startswith(marker) else block.find(b"\0" + marker) + 1
+    if start == 0 and not block.startswith(marker):
+        return False
+    slot_at = block.find(b"\0", start)  # the marker's end: the slot must follow it at once
+    end = block.find(b"\0", slot_at + 1)  # the slot's end
+    if slot_at < 0 or end < 0 or not block.startswith(slot, slot_at + 1):
+        return False
+    started = dict(e.decode(errors="surrogateescape").split("=", 1) for e in block.split(b"\0") if b"=" in e)
+    entries = [f"{k}={v}".encode(errors="surrogateescape") for k, v in environ.items()
+               if k not in (ENV_RUN_ID, ENV_STANDBY_SLOT) and started.get(k) != v]
+    text = b"\0".join([marker + environ.get(ENV_RUN_ID, "").encode(), *entries]) + b"\0"
+    # What is left of the slot stays a (shorter) slot entry: a run of NULs would end the block for
+    # readers that stop at an empty entry (psutil does), hiding the variables after it.
+    rest = end - start - len(text)
+    if rest < len(slot) + 1:
+        return False
+    ctypes.memmove(env_start + start, text + slot + b"x" * (rest - len(slot)), end - start)
+    return True
+
+
+def _adopt_c_environment() -> None:
+    """Take into ``os.environ`` what the imports set in the C environment (MindSpore's sets
+    ``OMP_NUM_THREADS`` when unset): a process msrun starts inherits those from msrun, which has
+    imported MindSpore too, and sees them in ``os.environ``."""
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    i = 0
+    while environ[i] is not None:
+        name, _, value = environ[i].decode(errors="surrogateescape").partition("=")
+        if name and name not in os.environ:
+            os.environ[name] = value
+        i += 1
+
+
+def become(handover: dict[str, Any]) -> None:
+    """Turn this process into the one msrun would have started (see the module's notes)."""
+    env: dict[str, str] = {str(k): str(v) for k, v in handover["env"].items()}
+    argv: list[str] = [str(a) for a in handover["argv"]]
+    log = os.open(handover["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.chdir(handover["cwd"])
+    os.environ.pop(ENV_STANDBY_SLOT, None)  # (its bytes are about to hold other entries)
+    os.environ.update(env)
+    _rewrite_environ_block(dict(os.environ))
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+
+
+def main() -> None:
+    for name in PRELOAD:
+        __import__(name)
+    _adopt_c_environment()
+    print(STANDBY_READY, os.getpid(), flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        sys.exit(0)  # discarded before it was needed
+    become(json.loads(line))
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except Exception:  # what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Warm relaunches: standby workers with MindSpore imported become the next generation's ranks.
+
+Checked from outside, the way it happens: the kernel's view of a warm rank's environment, a
+warm rank against the process msrun starts for the same plan (real msrun, real standbys), and a
+rank SIGKILLed under elasticd whose relaunch is handed to the standbys it reported beforehand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import psutil
+import pytest
+
+from mselastic.agent.standby import StandbyPool
+from mselastic.agent.supervisor import PER_GENERATION_ENV, Generation
+from mselastic.core import contract
+from mselastic.core.model import Member, Plan
+from mselastic.core.spec import JobSpec
+from mselastic.core.states import GenerationState, JobState
+from mselastic.store.embedded import free_port
+from mselastic.v1 import elastic_pb2 as pb
+from tests.harness import TEST_MARK, Etcd, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, \
+    worker_pids
+
+JOB = "lenet"
+
+
+def plan(generation: int, port: int, workers: int = 2) -> Plan:
+    return Plan(job="j", generation=generation, members=(Member("n0", 0, workers, "127.0.0.1:1", "127.0.0.1"),),
+                world_size=workers, master_addr="127.0.0.1", master_port=port, restart_count=generation - 1,
+                reason="t")
+
+
+def test_the_kernels_view_of_a_handed_over_environment_is_the_generations() -> None:
+    """/proc/<pid>/environ is the block a process started with; the handover rewrites the marker and
+    the slot after it in place, so a warm rank reads there like one msrun started (its marker is the
+    generation's, MS_ROLE and RANK_ID are there) and getenv agrees."""
+    code = ("import os, sys\n"
+            "from mselastic.trainer.standby import _rewrite_environ_block\n"
+            "os.environ.pop('MSELASTIC_ENV_SLOT')\n"
+            "os.environ.update(MSELASTIC_RUN_ID='lenet.2.n0.ab12', MS_ROLE='MS_WORKER', RANK_ID='1')\n"
+            "ok = _rewrite_environ_block(dict(os.environ))\n"
+            "import ctypes\n"
+            "getenv = ctypes.CDLL(None).getenv\n"
+            "getenv.restype = ctypes.c_char_p\n"
+            "print(ok, getenv(b'MSELASTIC_RUN_ID').decode(), flush=True)\n"
+            "sys.stdin.readline()\n")
+    env = {"PATH": "/usr/bin:/bin", "A": "1", contract.ENV_RUN_ID: "standby.lenet.n0.0001",
+           contract.ENV_STANDBY_SLOT: "x" * contract.STANDBY_SLOT_BYTES, "Z": "2"}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().split() == ["True", "lenet.2.n0.ab12"]
+        seen = psutil.Process(p.pid).environ()
+        assert seen[contract.ENV_RUN_ID] == "lenet.2.n0.ab12" and seen["MS_ROLE"] == "MS_WORKER"
+        assert seen["RANK_ID"] == "1" and seen["A"] == "1" and seen["Z"] == "2"  # nothing after it lost
+    finally:
+        p.kill()
+        p.wait()
+    # Without a slot right after the marker nothing is written.
+    code = ("from mselastic.trainer.standby import _rewrite_environ_block\n"
+            "print(_rewrite_environ_block({'MSELASTIC_RUN_ID': 'x', 'A': 'b'}))\n")
+    env = {"PATH": "/usr/bin:/bin", contract.ENV_RUN_ID: "standby.x", "B": "1", contract.ENV_STANDBY_SLOT: "xx"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "False\n"
+
+
+def test_standby_environment_and_launch_key(tmp_path: os.PathLike[str]) -> None:
+    """A standby starts with the job's environment and none of a generation's own values (they come
+    with the handover); two generations of one spec share a launch key, another spec does not."""
+    tmp = str(tmp_path)
+    spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
+                   args=("--lr", "0.1"), workers_per_node=2, env={"GLOG_v": "2"})
+    g1, g2 = (Generation(plan(g, 20001 + g), spec, "n0", tmp, lambda g, u: None) for g in (1, 2))
+    env = g1.standby_env("standby.j.n0.0001")
+    assert list(env)[-2:] == [contract.ENV_RUN_ID, contract.ENV_STANDBY_SLOT]
+    assert env[contract.ENV_RUN_ID] == "standby.j.n0.0001"
+    assert not (PER_GENERATION_ENV - {"HOME"}) & set(env) - {contract.ENV_RUN_ID}
+    assert env[contract.ENV_JOB] == "j" and env["GLOG_v"] == "2" and env[contract.ENV_TOTAL_STEPS]
+    assert g1.launch_key() == g2.launch_key()
+    other = JobSpec(**{**spec.__dict__, "args": ("--lr", "0.2")})
+    assert Generation(plan(3, 20004), other, "n0", tmp, lambda g, u: None).launch_key() != g1.launch_key()
+
+
+def test_a_standby_that_cannot_start_leaves_relaunches_cold() -> None:
+    """A standby that exits before it is ready (the worker user cannot import MindSpore, ...) is not
+    started again and again: the pool says why and hands out nothing."""
+    async def run() -> StandbyPool:
+        async def spawn(marker: str) -> asyncio.subprocess.Process:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-c", "import sys; print('boom'); sys.exit(3)", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+
+        pool = StandbyPool("j", "n0", "key", spawn)
+        pool.fill(3)
+        assert pool._filling is not None
+        await asyncio.wait_for(pool._filling, 30)
+        pool.fill(3)  # not again
+        assert pool._filling.done() and not pool.standbys
+        assert pool.take(1) == []
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(run())
+    assert re.fullmatch(r"standby pid \d+ exited with code 3 before it was ready", pool.broken), pool.broken
+
+
+DUMP = """
+import json, os, sys
+role = os.environ.get("MS_ROLE", "?")
+name = "scheduler" if role == "MS_SCHED" else "worker-" + os.environ.get("RANK_ID", "?")
+with open("/proc/self/environ", "rb") as f:
+    kernel = dict(e.decode().split("=", 1) for e in f.read().split(b"\\0") if b"=" in e)
+out = dict(env=dict(os.environ), kernel=kernel, argv=sys.argv, cwd=os.getcwd(), path0=sys.path[0],
+           session_leader=os.getsid(0) == os.getpid(), main=__name__,
+           stdout=os.readlink("/proc/self/fd/1"), stderr=os.readlink("/proc/self/fd/2"),
+           stdin=os.readlink("/proc/self/fd/0"))
+with open(os.path.join(sys.argv[1], name + ".json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_rank_starts_as_msrun_would_have_started_it(tmp_path: os.PathLike[str]) -> None:
+    """The same plan twice on one node: msrun starting the scheduler and two ranks (cold), then
+    standbys handed it (warm). Each process records what it was started with; the warm ones must
+    match msrun's: every variable (the generation's own values aside), argv, working directory,
+    sys.path[0], __main__, a worker's session of its own, output into msrun's log file names, and the
+    kernel's view of the environment carrying the generation's marker and msrun's variables."""
+    tmp = str(tmp_path)
+    script = os.path.join(tmp, "job", "dump.py")
+    os.makedirs(os.path.dirname(script))
+    with open(script, "w") as f:
+        f.write(DUMP)
+    port = free_port()
+    outs = {kind: os.path.join(tmp, kind) for kind in ("cold", "warm")}
+    for d in outs.values():
+        os.makedirs(d)
+
+    def spec(out: str) -> JobSpec:
+        return JobSpec(name="j", script=script, args=(out,), checkpoint_dir=os.path.join(tmp, "c"),
+                       workers_per_node=2, startup_timeout_s=30)
+
+    async def run(generation: int, out: str, warm: bool) -> Generation:
+        gen = Generation(plan(generation, port), spec(out), "n0", tmp, lambda g, u: None)
+        pool = None
+        if warm:
+            pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
+            pool.fill(3)
+            await wait_async(lambda: len(pool.ready()) == 3, 120)
+            gen.standbys = pool.take(3)
+        await gen.start()
+        await asyncio.wait_for(gen.done.wait(), 60)
+        if pool is not None:
+            await pool.close()
+        return gen
+
+    asyncio.run(run(1, outs["cold"], warm=False))
+    gen = asyncio.run(run(2, outs["warm"], warm=True))
+    assert gen.report().warm
+    per_generation = {contract.ENV_GENERATION, contract.ENV_RESTART_COUNT, contract.ENV_HEARTBEAT,
+                      contract.ENV_RUN_ID, contract.ENV_STOP_FILE}
+    for name in ("scheduler", "worker-0", "worker-1"):
+        cold, warm = (json.load(open(os.path.join(outs[k], name + ".json"))) for k in ("cold", "warm"))
+        assert warm["argv"][1:] == [outs["warm"]] and cold["argv"][1:] == [outs["cold"]]
+        assert warm["argv"][0] == cold["argv"][0] == script
+        assert warm["cwd"] == cold["cwd"] and warm["path0"] == cold["path0"] == os.path.dirname(script)
+        assert warm["main"] == cold["main"] == "__main__"
+        # Workers: a session of their own (msrun's setsid). The scheduler shares msrun's cold; warm
+        # it has its own (there is no msrun): what tears a generation down finds it either way.
+        assert warm["session_leader"] and cold["session_leader"] is (name != "scheduler")
+        for fd in ("stdout", "stderr"):
+            assert os.path.basename(warm[fd]) == os.path.basename(cold[fd]) == \
+                ("scheduler.log" if name == "scheduler" else f"worker_{name[-1]}.log")
+            assert "g000002" in warm[fd] and "g000001" in cold[fd]
+        assert warm["stdin"] == "/dev/null"
+        env_cold, env_warm = cold["env"], warm["env"]
+        assert set(env_warm) == set(env_cold), (set(env_warm) ^ set(env_cold))
+        differing = {k for k in env_cold if env_cold[k] != env_warm[k]}
+        assert differing <= per_generation, differing
+        assert env_warm[contract.ENV_GENERATION] == "2" and env_warm[contract.ENV_RUN_ID] == gen.run_id
+        # The kernel's view: the generation's marker and msrun's own variables, as for a cold process.
+        msrun_vars = {k for k in env_cold if k.startswith(("MS_", "RANK_", "DEVICE_ID"))} - {"MS_RETRY_INTERVAL_LOWER",
+                                                                                          "MS_RETRY_INTERVAL_UPPER"}
+        assert {k: warm["kernel"].get(k) for k in msrun_vars} == {k: env_warm[k] for k in msrun_vars}
+        assert warm["kernel"][contract.ENV_RUN_ID] == gen.run_id
+        assert contract.ENV_STANDBY_SLOT not in env_warm
+
+
+async def wait_async(cond: Any, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.1)
+
+
+def standbys(endpoint: str) -> list[pb.StandbyStatus]:
+    import grpc
+
+    from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(endpoint) as ch:
+        return list(pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5).standbys)
+
+
+def standby_processes(procs: Processes) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if env.get(TEST_MARK) == procs.mark and env.get(contract.ENV_RUN_ID, "").startswith("standby."):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def sync_waits(log: str) -> list[float]:
+    """Seconds each MindSpore CPU collective address exchange took in a worker log ("start sync" to
+    "already been initialized"): 3.0 s or more for a rank that slept MindSpore's full poll."""
+    stamps = []
+    with open(log, errors="replace") as f:
+        for line in f:
+            if "start sync start" in line or "has already been initialized" in line:
+                m = re.search(r"(\d\d):(\d\d):(\d\d)\.(\d{3})\.(\d{3})", line)
+                assert m is not None, line
+                h, mi, s, ms, us = map(int, m.groups())
+                stamps.append(h * 3600 + mi * 60 + s + ms / 1e3 + us / 1e6)
+    return [b - a for a, b in zip(stamps[::2], stamps[1::2])]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+    """elasticd keeps three standbys for the 2-rank job once it trains (two ranks and a scheduler);
+    a rank SIGKILLed from outside is relaunched warm: generation 2's ranks are exactly those standby
+    processes (seen in /proc as generation 2's, like msrun's), it resumes from the checkpoint and the
+    job finishes; new standbys replace the used ones, and none is left once the job succeeded. No
+    rank of either generation sleeps out MindSpore's 3 s address poll: a local peer's return from
+    init() gets it nudged."""
+    tmp = str(tmp_path)
+    work = os.path.join(tmp, "work")
+    endpoint = start_node(procs, etcd, namespace, work)
+    socket = endpoint
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
+                      total_steps=60, args=["--data", digits, "--out", os.path.join(tmp, "out"), "--lr", "0.05",
+                                            "--step-sleep-s", "0.1"])
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    ready = wait_for("three standbys ready", lambda: len(s := [x for x in standbys(socket) if x.ready]) == 3 and s,
+                     180, 0.2)
+    pids = {s.pid for s in ready}
+    for p in standby_processes(procs):  # not part of generation 1: no cluster variables, a marker of their own
+        env = p.environ()
+        assert "MS_ROLE" not in env and "RANK_ID" not in env and not env[contract.ENV_RUN_ID].startswith("lenet.1.")
+    assert {p.pid for p in standby_processes(procs)} == pids
+    wait_for("a checkpoint", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 120, 0.1)
+    os.kill(worker_pids(procs, 1)[1], signal.SIGKILL)
+    second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r,
+                      60, 0.1)
+    assert second.warm and second.resumed_step in (10, 20)
+    ranks = worker_pids(procs, 2)  # from /proc/<pid>/environ, as for msrun's workers
+    assert len(ranks) == 2 and set(ranks.values()) < pids, (ranks, pids)
+    wait_for("three new standbys", lambda: len([x for x in standbys(socket) if x.ready and x.pid not in pids]) == 3,
+             120, 0.2)
+    status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.generation == 2 and etcd.report(JOB, 2, "n0").state is GenerationState.SUCCEEDED  # type: ignore
+    check_history(etcd, JOB, 60)
+    assert not etcd.report(JOB, 1, "n0").warm  # type: ignore[union-attr]
+    wait_for("standbys stopped after the job succeeded", lambda: not standby_processes(procs), 30)
+    logs = os.path.join(work, "logs", JOB)
+    with open(os.path.join(logs, "g000002", "msrun.log")) as f:
+        assert f.read().count("(warm: standby pid") == 3
+    for g in ("g000001", "g000002"):
+        waits = [w for r in (0, 1) for w in sync_waits(os.path.join(logs, g, f"worker_{r}.log"))]
+        assert len(waits) == 2 and max(waits) < 2.9, (g, waits)
