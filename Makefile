@@ -11,7 +11,8 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale systemd-tools clean
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale bench-checkpoint \
+	systemd-tools clean
 
 venv: $(STAMP)
 
@@ -73,6 +74,10 @@ bench-cluster: $(STAMP) data
 # The per-step cost of a planned stop (a named step; the backstop at 1 and 20) against plain msrun.
 bench-stop: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/stop_check.py --data $(DATA) --runs 3
+
+# How long a checkpoint save holds training up: on the training thread, and copied then written in the background.
+bench-checkpoint: $(STAMP)
+	$(BIN)/python bench/checkpoint_save.py --saves 5
 
 # One reconcile pass at 10..4000 simulated nodes (records in a real etcd), then the live leader
 # (informer cache) at 1000 and 4000 nodes each reporting progress once a second.

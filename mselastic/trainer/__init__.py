@@ -1,7 +1,11 @@
 """The trainer library, imported by the training script inside each MindSpore worker.
 
 It imports none of the daemon, agent or store, and is the only part of
-mselastic that imports MindSpore (lazily). A script adds a few lines::
+mselastic that imports MindSpore (lazily). Most scripts need three lines of
+:mod:`mselastic.trainer.elastic` (``from mselastic.trainer import elastic``;
+``elastic.data(dataset)``; ``elastic.track(optimizer)``, or ``elastic.Callback()``
+for ``Model.train``). The pieces under it, for loops that manage the data
+position and gradient accumulation themselves::
 
     ctx = ElasticContext.init()                  # calls mindspore.communication.init() first
     ckpt = Checkpointer.from_context(ctx)

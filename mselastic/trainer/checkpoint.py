@@ -115,6 +115,14 @@ class Resumed:
     #: Checkpoints that were newer but unusable, with the reason.
     skipped: tuple[tuple[str, str], ...] = ()
 
+    def restore_rng(self) -> None:
+        """MindSpore's random state as it was at the checkpoint (after the network is built)."""
+        try:
+            restore_rng_state(self.manifest.rng)
+        except Exception as e:  # an old or foreign state: the resume goes on, only not bit-identical
+            log.warning("random state of %s not restored (%s): dropout and other random operators draw anew",
+                        self.manifest.file, e)
+
     @property
     def note(self) -> str:
         """One line for the agent's report when newer checkpoints had to be skipped."""
@@ -248,10 +256,12 @@ class Checkpointer:
         return self.rank == 0
 
     def save(self, obj: Any, step: int, epoch: int, cursor: int = 0, seed: int = 0,
-             extra: dict[str, Any] | None = None) -> Manifest | None:
+             extra: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> Manifest | None:
         """Write a checkpoint of ``obj`` at ``step``; rank 0 only. ``obj``: the optimizer, whose
         parameters are the network's plus its own state (momentum buffers, learning rate, global
-        step), so all of it is carried across relaunches."""
+        step), so all of it is carried across relaunches; or what ``mindspore.save_checkpoint``
+        takes (a list of ``{"name", "data"}``: values copied earlier, written by another thread,
+        which then passes ``rng``, MindSpore's random state taken with them)."""
         if not self.writer:
             return None
         import mindspore as ms
@@ -263,7 +273,8 @@ class Checkpointer:
             _fsync_file(path)
             manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
                                 file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path),
-                                cursor=cursor, seed=seed, extra=extra or {}, job=self.job, rng=rng_state())
+                                cursor=cursor, seed=seed, extra=extra or {}, job=self.job,
+                                rng=rng if rng is not None else rng_state())
             _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)),
                           midway=lambda: self._fault_point("save", step))
             published = self._publish(name + ".json")
@@ -337,13 +348,18 @@ class Checkpointer:
         except (OSError, ValueError, AttributeError):
             return ""
 
-    def load(self) -> Resumed | None:
+    def load(self, restore_rng: bool = True) -> Resumed | None:
         """The newest valid checkpoint of this job, or None for a fresh start. Rank 0 then claims
-        the directory for this generation (see :meth:`claim`)."""
+        the directory for this generation (see :meth:`claim`). MindSpore's random state is restored
+        from it unless ``restore_rng`` is False (then :meth:`Resumed.restore_rng`, once the network
+        is built: building it consumes seeds)."""
         try:
-            return self._load()
+            resumed = self._load()
         finally:
             self.claim()
+        if resumed is not None and restore_rng:
+            resumed.restore_rng()
+        return resumed
 
     def _candidates(self) -> list[str]:
         """This job's manifests this rank sees: the pointer's first, then the newest first."""
@@ -377,11 +393,6 @@ class Checkpointer:
         if skipped:
             log.warning("resuming from %s (step %d) instead of newer %s", m.file, m.step,
                         ", ".join(n for n, _ in skipped))
-        try:
-            restore_rng_state(m.rng)
-        except Exception as e:  # an old or foreign state: the resume goes on, only not bit-identical
-            log.warning("random state of %s not restored (%s): dropout and other random operators draw anew",
-                        m.file, e)
         return Resumed(m, params, tuple(skipped))
 
     def _none_usable(self, skipped: list[tuple[str, str]]) -> NoReturn:

@@ -1,0 +1,141 @@
+"""The high-level trainer API (``mselastic.trainer.elastic``): the classic data-parallel script made
+elastic with three added lines, and ``Model.train`` with a callback, under elasticd with a rank
+SIGKILLed from outside and the world size changed, against an uninterrupted run."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mselastic.core.states import JobState
+from mselastic.store.embedded import free_port
+from tests.cluster import Cluster
+from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, check_history, elasticctl, lenet_spec, params, \
+    wait_for, worker_pids
+from tests.test_elastic import WORLD_CHANGE_ATOL, check_exactly_once, committed_samples
+
+CLASSIC = os.path.join(REPO, "examples", "classic")
+MODEL = os.path.join(REPO, "examples", "model", "train.py")
+JOB = "lenet"
+
+
+def code_lines(path: str) -> list[str]:
+    """The script's lines without its module docstring (what a user reads as the change)."""
+    with open(path) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) and \
+        isinstance(tree.body[0].value, ast.Constant) else None
+    lines = source.splitlines()
+    if doc is not None:
+        lines = lines[:doc.lineno - 1] + lines[doc.end_lineno:]  # type: ignore[operator]
+    return lines
+
+
+def test_the_classic_script_becomes_elastic_with_three_added_lines_and_none_changed() -> None:
+    plain, elastic = code_lines(os.path.join(CLASSIC, "plain.py")), code_lines(os.path.join(CLASSIC, "train.py"))
+    diff = [d for d in difflib.ndiff(plain, elastic) if d[:2] in ("+ ", "- ")]
+    added, removed = [d for d in diff if d.startswith("+ ")], [d for d in diff if d.startswith("- ")]
+    assert not removed, f"lines of the plain script changed: {removed}"
+    assert len(added) <= 3, f"{len(added)} lines added: {added}"
+    assert all(line.rstrip().endswith("# elastic") for line in added), added
+    # The README opens its trainer section with this diff: the same added lines.
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("<!-- classic-diff -->", 1)[1].split("```diff\n", 1)[1].split("```", 1)[0]
+    assert [line[1:] for line in block.splitlines() if line.startswith("+")] == [a[2:] for a in added]
+
+
+TOTAL = 60
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The baseline: the classic script in elastic mode under plain msrun (world size 2, no fault,
+    the job's variables set by hand), uninterrupted to TOTAL steps. Shared by the tests below: the
+    Model.train example trains the same LeNet on the same stream and lands within float32 noise of it."""
+    out = str(tmp_path_factory.mktemp("baseline"))
+    run_elastic_msrun(os.path.join(CLASSIC, "train.py"), out, world=2)
+    return params(out)
+
+
+def run_elastic_msrun(script: str, out: str, world: int) -> None:
+    """``script`` in elastic mode under plain msrun (the job's variables set by hand), to TOTAL steps."""
+    procs = Processes("msrun-" + os.path.basename(out), out)
+    try:
+        p = procs.start("msrun", [
+            os.path.join(VENV_BIN, "msrun"), f"--worker_num={world}", f"--local_worker_num={world}",
+            f"--master_port={free_port()}", f"--log_dir={os.path.join(out, 'logs')}", "--join=True",
+            "--tail_worker_log=99999", script, DATA_DIR, out],
+            env={"MSELASTIC_CHECKPOINT_DIR": os.path.join(out, "ckpt"), "MSELASTIC_TOTAL_STEPS": str(TOTAL),
+                 "MSELASTIC_GLOBAL_BATCH_SIZE": "32"})
+        assert p.wait(timeout=600) == 0, f"{script} failed; see {out}/logs"
+    finally:
+        assert not procs.stop_all()
+
+
+@pytest.mark.slow
+def test_a_loop_over_elastic_batches_trains_every_step_of_the_job(
+        tmp_path: os.PathLike[str], uninterrupted: dict[str, Any]) -> None:
+    """``for batch in elastic.batches(dataset)``: the job's steps across epochs, ending at total_steps,
+    the same trajectory as the classic loop (bit for bit: same stream, same world size)."""
+    out = str(tmp_path)
+    run_elastic_msrun(os.path.join(CLASSIC, "loop.py"), out, world=2)
+    final = params(out)
+    assert all(np.array_equal(final[k], uninterrupted[k]) for k in final)
+    manifests = sorted(n for n in os.listdir(os.path.join(out, "ckpt")) if n.endswith(".json") and n != "latest.json")
+    assert manifests[-1].startswith(f"ckpt-{TOTAL:08d}")
+
+
+VARIANTS = {
+    "classic-graph": (os.path.join(CLASSIC, "train.py"), []),
+    "model-train": (MODEL, []),
+    "model-train-sink": (MODEL, ["--sink"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy(
+        variant: str, cluster: Cluster, uninterrupted: dict[str, Any]) -> None:
+    """Under elasticd on two nodes (one rank each): rank 1 SIGKILLed from outside mid-run; its node is
+    quarantined (after one failure), so the job goes on at world size 1 from the last checkpoint. It
+    ends at total_steps with every sample of an epoch consumed once in the committed trajectory and
+    parameters within the tolerance of an uninterrupted run at world size 2. (On CPU MindSpore trains
+    in non-sink mode even when asked for data sink mode: the sink variant runs its fallback.)"""
+    script, extra = VARIANTS[variant]
+    cluster.up(2)
+    cluster.start_nodes(0, 1)
+    out, samples = os.path.join(cluster.tmp, "out"), os.path.join(cluster.tmp, "samples")
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), TOTAL,
+                      workers=1, min_nodes=1, max_nodes=2, script=script, args=[DATA_DIR, out, *extra],
+                      quarantine_after_failures=1, quarantine_cooldown_s=600,
+                      env={"MSELASTIC_RECORD_SAMPLES": samples})
+    assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("generation 1 past its checkpoint at 20",
+             lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 240, 0.1)
+    victim = worker_pids(cluster.procs, 1)[1]
+    os.kill(victim, signal.SIGKILL)
+    status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    plans = check_history(etcd, JOB, TOTAL)
+    assert [p.world_size for p in plans] == [2, 1] and [m.node_id for m in plans[1].members] == ["n0"]
+    assert status.last_failure is not None and status.last_failure.rank == 1
+    committed = {s: v for s, v in committed_samples(samples).items() if s <= TOTAL}
+    check_exactly_once(committed, TOTAL)
+    assert {w for _, w, _ in committed.values()} == {1, 2}
+    with open(os.path.join(out, "done_rank0.json")) as f:
+        assert json.load(f)["world_size"] == 1
+    final = params(out)
+    assert sorted(final) == sorted(uninterrupted)
+    worst = max(float(np.abs(final[k] - uninterrupted[k]).max()) for k in final)
+    assert worst < WORLD_CHANGE_ATOL, f"parameters {worst:.2e} from the uninterrupted run"
