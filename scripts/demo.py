@@ -6,7 +6,7 @@ loopback, submits the LeNet job (2 local workers) with elasticctl, SIGKILLs rank
 mid-training, follows the job through detection, teardown, the new generation and
 the resume from the last checkpoint, and ends with one summary line::
 
-    RESULT generations=2 detect_s=0.13 recover_s=6.9 steps_recomputed=5 final_step=300 loss=0.26 accuracy=0.85
+    RESULT generations=2 detect_s=0.13 recover_s=2.9 relaunch=warm steps_recomputed=5 final_step=300 loss=0.26 accuracy=0.85
 
 Everything it started is stopped on the way out, Ctrl-C included.
 """
@@ -76,8 +76,9 @@ def run(node: LocalNode, args: argparse.Namespace) -> int:
         f"restart {plan.restart_count})")
     resumed = wait_for("the first step of the new generation",
                        lambda: (r := report(node, plan.generation)) and r.first_step_at and r, 180, 0.2)
-    say(f"generation {plan.generation} resumed from the checkpoint of step {resumed.resumed_step}; first step "
-        f"{resumed.first_step_at - failed.detected_at:.1f}s after detection")
+    how = "warm: standby workers with MindSpore imported took over" if resumed.warm else "cold: msrun started anew"
+    say(f"generation {plan.generation} resumed from the checkpoint of step {resumed.resumed_step} ({how}); first "
+        f"step {resumed.first_step_at - failed.detected_at:.1f}s after detection")
 
     job = follow(node, args.steps + 1, 50)
     print(node.elasticctl("status").stdout, end="", flush=True)
@@ -89,6 +90,7 @@ def run(node: LocalNode, args: argparse.Namespace) -> int:
         result = json.load(f)
     recover_s = status.last_failure.recover_s if status.last_failure else 0.0
     print(f"RESULT generations={job.generation} detect_s={detect_s:.2f} recover_s={recover_s:.1f} "
+          f"relaunch={'warm' if resumed.warm else 'cold'} "
           f"steps_recomputed={failed.step - resumed.resumed_step} final_step={result['final_step']} "
           f"loss={result['loss']:.2f} accuracy={result['accuracy']:.2f}", flush=True)
     return 0
