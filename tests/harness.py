@@ -160,17 +160,20 @@ class Etcd:
 
 def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: str, slots: int = 2,
                  lease_ttl_s: int = 3, metrics_listen: str = "", worker_user: str = "root",
-                 insecure: bool = False) -> list[str]:
+                 insecure: bool = False, warm_standbys: bool = False) -> list[str]:
     """An elasticd for tests: no config file, metrics only when asked (several share a host).
     Workers run as root, said explicitly (pytest's temporary directories are private to root);
     ``tests/test_e2e.py`` runs them as nobody. Several nodes on loopback without TLS reach each
-    other in plaintext, which takes ``insecure`` (as it would on a network)."""
+    other in plaintext, which takes ``insecure`` (as it would on a network). No standby workers
+    unless asked (``tests/test_warm.py``): their imports share the two cores with the ranks of jobs
+    that mostly end, or fault, before they would be used, and the suite has a time budget."""
     return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,
             "--namespace", namespace, "--lease-ttl-s", str(lease_ttl_s), "--reconcile-interval-s", "0.5",
             "--shutdown-grace-s", "3", "--progress-interval-s", "1", "--metrics-listen", metrics_listen,
             "--worker-user", worker_user, "--pass-env", TEST_MARK,  # (the mark finds this test's processes)
-            "--socket", local_socket(work_dir)] + (["--insecure", "true"] if insecure else [])
+            "--socket", local_socket(work_dir), "--warm-standbys", "true" if warm_standbys else "false"] + \
+        (["--insecure", "true"] if insecure else [])
 
 
 def local_socket(work_dir: str) -> str:

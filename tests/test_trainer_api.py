@@ -44,7 +44,7 @@ def test_the_classic_script_becomes_elastic_with_three_added_lines_and_none_chan
     diff = [d for d in difflib.ndiff(plain, elastic) if d[:2] in ("+ ", "- ")]
     added, removed = [d for d in diff if d.startswith("+ ")], [d for d in diff if d.startswith("- ")]
     assert not removed, f"lines of the plain script changed: {removed}"
-    assert len(added) <= 3, f"{len(added)} lines added: {added}"
+    assert 1 <= len(added) <= 3, f"{len(added)} lines added: {added}"
     assert all(line.rstrip().endswith("# elastic") for line in added), added
     # The README opens its trainer section with this diff: the same added lines.
     with open(os.path.join(REPO, "README.md")) as f:
@@ -53,16 +53,20 @@ def test_the_classic_script_becomes_elastic_with_three_added_lines_and_none_chan
     assert [line[1:] for line in block.splitlines() if line.startswith("+")] == [a[2:] for a in added]
 
 
-TOTAL = 60
+TOTAL = 40
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The baseline: the classic script in elastic mode under plain msrun (world size 2, no fault,
-    the job's variables set by hand), uninterrupted to TOTAL steps. Shared by the tests below: the
-    Model.train example trains the same LeNet on the same stream and lands within float32 noise of it."""
+    """The baseline: ``examples/classic/loop.py`` (the classic script's loop written over
+    ``elastic.batches()``) in elastic mode under plain msrun, world size 2, no fault, the job's
+    variables set by hand, to TOTAL steps; it must have checkpointed at TOTAL. Shared by the tests
+    below: the classic loop and ``Model.train`` train the same LeNet on the same stream and land
+    within float32 noise of it (2.4e-7 after a world-size change, measured)."""
     out = str(tmp_path_factory.mktemp("baseline"))
-    run_elastic_msrun(os.path.join(CLASSIC, "train.py"), out, world=2)
+    run_elastic_msrun(os.path.join(CLASSIC, "loop.py"), out, world=2)
+    manifests = sorted(n for n in os.listdir(os.path.join(out, "ckpt")) if n.endswith(".json") and n != "latest.json")
+    assert manifests[-1].startswith(f"ckpt-{TOTAL:08d}"), manifests
     return params(out)
 
 
@@ -79,19 +83,6 @@ def run_elastic_msrun(script: str, out: str, world: int) -> None:
         assert p.wait(timeout=600) == 0, f"{script} failed; see {out}/logs"
     finally:
         assert not procs.stop_all()
-
-
-@pytest.mark.slow
-def test_a_loop_over_elastic_batches_trains_every_step_of_the_job(
-        tmp_path: os.PathLike[str], uninterrupted: dict[str, Any]) -> None:
-    """``for batch in elastic.batches(dataset)``: the job's steps across epochs, ending at total_steps,
-    the same trajectory as the classic loop (bit for bit: same stream, same world size)."""
-    out = str(tmp_path)
-    run_elastic_msrun(os.path.join(CLASSIC, "loop.py"), out, world=2)
-    final = params(out)
-    assert all(np.array_equal(final[k], uninterrupted[k]) for k in final)
-    manifests = sorted(n for n in os.listdir(os.path.join(out, "ckpt")) if n.endswith(".json") and n != "latest.json")
-    assert manifests[-1].startswith(f"ckpt-{TOTAL:08d}")
 
 
 VARIANTS = {
@@ -122,7 +113,7 @@ def test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("generation 1 past its checkpoint at 20",
-             lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 240, 0.1)
+             lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 240, 0.05)
     victim = worker_pids(cluster.procs, 1)[1]
     os.kill(victim, signal.SIGKILL)
     status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
@@ -139,3 +130,49 @@ def test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy
     assert sorted(final) == sorted(uninterrupted)
     worst = max(float(np.abs(final[k] - uninterrupted[k]).max()) for k in final)
     assert worst < WORLD_CHANGE_ATOL, f"parameters {worst:.2e} from the uninterrupted run"
+
+
+def test_model_train_in_sink_mode_checkpoints_and_stops_at_sink_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data sink mode calls back once per sink (every 10 steps here): a checkpoint at each boundary
+    past a multiple of the interval, total_steps (25) reached at the first boundary past it (30),
+    where the job is told it finished and Model.train to stop. (On CPU MindSpore never sinks: this
+    is the accounting alone, with the callback MindSpore would call.)"""
+    from mselastic.core.elastic import batch_layout
+    from mselastic.trainer import elastic
+    from mselastic.trainer.context import ElasticContext
+
+    layout = batch_layout(32, 2, ())
+    assert layout is not None
+    ctx = ElasticContext(rank=0, world_size=2, job="j", generation=2, restart_count=0, checkpoint_dir="",
+                         checkpoint_interval_steps=10, keep_checkpoints=3, total_steps=25, global_batch_size=32,
+                         layout=layout, stop_check_interval_steps=1000)
+    session = elastic.Session()
+    session.ctx, session.agreed = ctx, True
+    monkeypatch.setattr(elastic, "_SESSION", session)
+    saves: list[int] = []
+    monkeypatch.setattr(session, "save", saves.append)
+    finished: list[int] = []
+    monkeypatch.setattr(ctx, "finished", lambda step, loss: finished.append(step))
+
+    class Params:
+        cur_step_num = 0
+        net_outputs = 1.5
+
+    class RunContext:
+        stopped_at: list[int] = []
+
+        def original_args(self) -> Params:
+            return params
+
+        def request_stop(self) -> None:
+            self.stopped_at.append(params.cur_step_num)
+
+    params, run = Params(), RunContext()
+    callback = elastic.Callback()
+    for n in (10, 20, 30):
+        params.cur_step_num = n
+        callback.on_train_step_end(run)
+    assert saves == [10, 20, 30] and run.stopped_at == [30] and finished == [30]
+    assert session.step == 30 and session.loss == 1.5
+    callback.on_train_end(run)
+    assert finished == [30]  # told once

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from typing import Any, Awaitable, Callable
@@ -33,17 +34,35 @@ from mselastic.core.contract import STANDBY_READY
 
 log = logging.getLogger(__name__)
 
-#: How long a standby may take to import MindSpore and say it is ready.
-READY_TIMEOUT_S = 120.0
+#: How long a standby may take to import MindSpore and say it is ready (it shares the CPU with
+#: the ranks that train meanwhile).
+READY_TIMEOUT_S = 600.0
 
 
 @dataclasses.dataclass
 class Standby:
     proc: asyncio.subprocess.Process
     marker: str
+    #: Its standard input and output: one end of a socket pair (a pipe could be opened through
+    #: /proc/<pid>/fd by any process of the worker user, another job's script too, and written to).
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
     #: Monotonic time it said it was ready (0: not yet).
     ready_at: float = 0.0
     _drain: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, spawn: "Spawner", marker: str) -> "Standby":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await spawn(marker, theirs.fileno())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        return cls(proc, marker, reader, writer)
 
     @property
     def pid(self) -> int:
@@ -56,11 +75,8 @@ class Standby:
     async def await_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
         """Read its output until it says it is ready (True), exits or times out (False); then keep
         reading, so that whatever it prints never blocks it."""
-        assert self.proc.stdout is not None
-        out = self.proc.stdout
-
         async def ready() -> bool:
-            while line := await out.readline():
+            while line := await self.reader.readline():
                 if line.decode(errors="replace").startswith(STANDBY_READY):
                     return True
             return False
@@ -71,25 +87,30 @@ class Standby:
             ok = False
         if ok:
             self.ready_at = time.monotonic()
-            self._drain = asyncio.create_task(_drain(out), name=f"standby-out-{self.pid}")
+            self._drain = asyncio.create_task(_drain(self.reader), name=f"standby-out-{self.pid}")
         return ok
 
-    async def hand_over(self, env: dict[str, str], argv: list[str], cwd: str, log_path: str) -> None:
+    async def hand_over(self, env: dict[str, str], argv: list[str], cwd: str, log_path: str,
+                        timeout_s: float = 5.0) -> None:
         """Give it its generation (see :mod:`mselastic.trainer.standby`). Raises OSError when it is
-        gone (a broken pipe)."""
-        assert self.proc.stdin is not None
+        gone (a broken connection), TimeoutError when it does not take it in time."""
+        if not self.alive:
+            raise OSError(f"standby pid {self.pid} exited with code {self.proc.returncode}")
         msg = json.dumps({"env": env, "argv": argv, "cwd": cwd, "log": log_path}) + "\n"
-        self.proc.stdin.write(msg.encode())
-        await self.proc.stdin.drain()
-        self.proc.stdin.close()
+        self.writer.write(msg.encode())
+        await asyncio.wait_for(self.writer.drain(), timeout_s)
+        self.writer.write_eof()
 
     async def kill(self) -> None:
-        """SIGKILL its process group (it is a session leader, whatever it started is in it) and reap it."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+        """SIGKILL its process group (it is a session leader: whatever it started is in it) and reap
+        it. Not once it has been reaped: its pid may be another process's by then."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
         await self.proc.wait()
+        self.writer.close()
         if self._drain is not None:
             self._drain.cancel()
 
@@ -99,8 +120,9 @@ async def _drain(stream: asyncio.StreamReader) -> None:
         pass
 
 
-#: Starts one standby process: (its marker) -> the process, its output a pipe, its input a pipe.
-Spawner = Callable[[str], Awaitable[asyncio.subprocess.Process]]
+#: Starts one standby process: (its marker, the file descriptor for its standard input, output and
+#: error) -> the process.
+Spawner = Callable[[str, int], Awaitable[asyncio.subprocess.Process]]
 
 
 class StandbyPool:
@@ -128,14 +150,17 @@ class StandbyPool:
         self._filling = asyncio.create_task(self._fill(size), name=f"standbys-{self.job}")
 
     async def _fill(self, size: int) -> None:
-        missing = size - len([s for s in self.standbys if s.alive])
+        dead = [s for s in self.standbys if not s.alive]
+        self.standbys = [s for s in self.standbys if s.alive]
+        await asyncio.gather(*(s.kill() for s in dead))  # (reaped already: no signal is sent)
+        missing = size - len(self.standbys)
         await asyncio.gather(*(self._start_one(size) for _ in range(missing)))
 
     async def _start_one(self, size: int) -> None:
         marker = f"standby.{self.job}.{self.node_id}.{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
         try:
-            standby = Standby(await self._spawn(marker), marker)
+            standby = await Standby.start(self._spawn, marker)
         except (OSError, RuntimeError) as e:
             self._break(f"a standby could not be started: {e}")
             return
@@ -161,7 +186,8 @@ class StandbyPool:
             log.warning("%s; relaunches of this job start cold here", why, extra=self._ctx)
 
     def take(self, count: int) -> list[Standby]:
-        """``count`` ready standbys, removed from the pool; [] when it has fewer."""
+        """``count`` ready standbys, removed from the pool; [] when it has fewer. (The dead are
+        left for the next fill to reap and replace.)"""
         ready = self.ready()
         if len(ready) < count:
             return []

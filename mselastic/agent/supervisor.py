@@ -24,6 +24,7 @@ import ipaddress
 import signal
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -246,6 +247,22 @@ def scheduler_host(addr: str) -> str:
         return str(socket.getaddrinfo(plain, None, socket.AF_UNSPEC, socket.SOCK_STREAM)[0][4][0])
 
 
+#: How long a warm scheduler has to listen on its port after its handover.
+SCHEDULER_LISTEN_S = 10.0
+
+
+def _open_own(path: str) -> Any:
+    """``path`` (msrun.log, which preflight made as root in the folder it then hands to the worker
+    user) opened for appending, only as the file root made: never through a symlink or a hard link
+    a job planted there since (root would append to a file of the job's choosing)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise RuntimeError(f"{path} is not the log file elasticd made (replaced since)")
+    return os.fdopen(fd, "ab")
+
+
 def _listens(port: int) -> bool:
     """Whether a TCP socket of this network namespace listens on ``port``, from the kernel's tables
     (``/proc/net/tcp``, ``tcp6``: state 0A). Not psutil's net_connections, which also maps every
@@ -267,9 +284,9 @@ async def _listening(port: int, proc: asyncio.subprocess.Process, within_s: floa
     its generation), at most ``within_s`` and while ``proc`` runs; nothing connects to it to find out."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline and proc.returncode is None:
-        if _listens(port):
+        if await asyncio.to_thread(_listens, port):  # (the tables can be long: off the event loop)
             return True
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.01)
     return False
 
 
@@ -328,6 +345,8 @@ class Generation:
         #: rank each worker became. Cold: msrun starts them.
         self.standbys = list(standbys or [])
         self._warm_ranks: dict[int, Standby] = {}
+        #: msrun.log, opened by root before anything of the generation runs (see :func:`_open_own`).
+        self._log: Any = None
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -364,17 +383,31 @@ class Generation:
         self._sock.bind("\0mselastic-hb-" + self.run_id)
         self._sock.setblocking(False)
         asyncio.get_running_loop().add_reader(self._sock.fileno(), self._read_beats)
+        if self.standbys and not all(sb.alive for sb in self.standbys):
+            # One died since it was taken (the OOM killer, a signal): cold, rather than blame the node.
+            log.warning("a standby worker exited before its handover; starting cold", extra=self._ctx)
+            await asyncio.gather(*(sb.kill() for sb in self.standbys))
+            self.standbys = []
         try:
-            if self.standbys:
-                await self._hand_over()
-            else:
+            self._log = _open_own(os.path.join(self.log_dir, "msrun.log"))
+            if not self.standbys:
                 await self._start_msrun(msrun)
         except (OSError, RuntimeError) as e:
-            how = "the standby workers could not take over" if self.standbys else "msrun could not be started"
-            await self._fail(-1, f"{how}: {e}", FailureCause.LAUNCH_NODE)
+            await self._fail(-1, f"msrun could not be started: {e}", FailureCause.LAUNCH_NODE)
             return
         self.started_mono = time.monotonic()
-        self._task = asyncio.create_task(self._watch(), name=f"watch-{self.run_id}")
+        # The handover waits for the scheduler to listen: in the watcher's task, not in the Launch
+        # call (whose deadline would cancel it halfway).
+        self._task = asyncio.create_task(self._run(), name=f"watch-{self.run_id}")
+
+    async def _run(self) -> None:
+        if self.standbys:
+            try:
+                await self._hand_over()
+            except (OSError, RuntimeError, asyncio.TimeoutError, psutil.Error) as e:
+                await self._fail(-1, f"the standby workers could not take over: {e}", FailureCause.LAUNCH_NODE)
+                return
+        await self._watch()
 
     async def _start_msrun(self, msrun: str) -> None:
         """The cold path: msrun starts the scheduler (on node_rank 0) and the local ranks."""
@@ -386,10 +419,10 @@ class Generation:
                "--join=True", "--tail_worker_log=99999",
                f"--cluster_time_out={int(self.spec.startup_timeout_s)}",
                self.spec.script, *self.spec.args]
-        with open(os.path.join(self.log_dir, "msrun.log"), "ab") as out:  # made in preflight, ours
-            self._msrun = await spawn_as_worker(cmd, self._env(), self._job_env(), self.user, self.cwd,
-                                                stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                                                stderr=asyncio.subprocess.STDOUT)
+        assert self._log is not None
+        self._msrun = await spawn_as_worker(cmd, self._env(), self._job_env(), self.user, self.cwd,
+                                            stdin=asyncio.subprocess.DEVNULL, stdout=self._log,
+                                            stderr=asyncio.subprocess.STDOUT)
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
                  self._msrun.pid, p.master_addr, p.master_port, self.first_rank,
                  self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
@@ -415,7 +448,10 @@ class Generation:
             path = os.path.join(self.log_dir, "scheduler.log")
             await scheduler.hand_over({**env, **common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, self.cwd, path)
             lines.append(f"Start scheduler process (warm: standby pid {scheduler.pid}), log file:{path}.")
-            await _listening(p.master_port, scheduler.proc, within_s=10.0)
+            if not await _listening(p.master_port, scheduler.proc, within_s=SCHEDULER_LISTEN_S):
+                how = (f"exited with code {scheduler.proc.returncode}" if scheduler.proc.returncode is not None
+                       else f"did not listen on port {p.master_port} within {SCHEDULER_LISTEN_S:g}s")
+                raise RuntimeError(f"the scheduler (standby pid {scheduler.pid}) {how}; see {path}")
         for i, (rs, standby) in enumerate(zip(self.ranks.values(), standbys)):
             path = os.path.join(self.log_dir, f"worker_{rs.rank}.log")
             await standby.hand_over({**env, **common, "MS_NODE_ID": str(rs.rank), "MS_ROLE": "MS_WORKER",
@@ -424,8 +460,9 @@ class Generation:
             self._warm_ranks[rs.rank] = standby
             lines.append(f"Start worker process with rank id:{rs.rank} (warm: standby pid {standby.pid}), "
                          f"log file:{path}.")
-        with open(os.path.join(self.log_dir, "msrun.log"), "a") as out:  # what msrun would have said
-            out.write("".join(line + "\n" for line in lines))
+        assert self._log is not None
+        self._log.write("".join(line + "\n" for line in lines).encode())  # what msrun would have said
+        self._log.flush()
         log.info("generation launched warm: standbys %s, master %s:%d, ranks %d..%d, logs %s",
                  [sb.pid for sb in self.standbys], p.master_addr, p.master_port, self.first_rank,
                  self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
@@ -448,12 +485,12 @@ class Generation:
         env[contract.ENV_STANDBY_SLOT] = "x" * contract.STANDBY_SLOT_BYTES
         return env
 
-    async def spawn_standby(self, marker: str) -> asyncio.subprocess.Process:
+    async def spawn_standby(self, marker: str, fd: int) -> asyncio.subprocess.Process:
         """Start a standby worker for this job (see ``mselastic.trainer.standby``): as the worker user,
-        with the job's environment and ``marker``, in the script's folder; its input and output pipes."""
+        with the job's environment and ``marker``, in the script's folder; ``fd`` (its end of a
+        socket pair) as its standard input, output and error."""
         return await spawn_as_worker([sys.executable, "-m", "mselastic.trainer.standby"], self.standby_env(marker),
-                                     self._job_env(), self.user, self.cwd, stdin=asyncio.subprocess.PIPE,
-                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                                     self._job_env(), self.user, self.cwd, stdin=fd, stdout=fd, stderr=fd)
 
     def launch_key(self) -> str:
         """What a standby was started with that a generation could change: equal keys, equal starts."""
@@ -478,6 +515,12 @@ class Generation:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     live.append(psutil.Process(proc.pid))
         return live
+
+    def _warm_scheduler(self) -> Standby | None:
+        """The standby that became this generation's scheduler (warm, node_rank 0), once handed over."""
+        if self.member.node_rank != 0 or not self._warm_ranks:
+            return None
+        return self.standbys[0]
 
     def _launch_exit_code(self) -> int | None:
         """msrun's exit code; warm: once every rank has exited, theirs (the first that is not 0);
@@ -670,6 +713,9 @@ class Generation:
     def _close(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.stop_file)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         if self._sock is not None:
@@ -912,6 +958,12 @@ class Generation:
                 return (first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})",
                         FailureCause.SIGTERM)
             return None
+        scheduler = self._warm_scheduler()
+        if scheduler is not None and scheduler.proc.returncode is not None and \
+                not all(rs.finished for rs in self.ranks.values()):
+            # msrun would notice only through its workers; the warm ranks would wait out MS_TOPO_TIMEOUT.
+            return (-1, f"the scheduler (standby pid {scheduler.pid}) exited with code {scheduler.proc.returncode} "
+                        f"while the ranks ran; see {self.log_dir}/scheduler.log", FailureCause.MSRUN_FAILED)
         for rs in self.ranks.values():
             if rs.pid and procs.stopped(rs.pid, rs.create_time):
                 rs.stopped_since = rs.stopped_since or now

@@ -174,6 +174,8 @@ class Session:
         self.tracked: list[Any] = []
         #: Model.train drives the steps (its callback), not the dataset's iterators.
         self.callback = False
+        #: The last pass over the data ran to its end and no iterator was made since.
+        self.pass_ended = False
         #: The sampler of the taken-over dataset's source (its stream starts where an iterator is made).
         self.sampler: Any = None
         self._saving: threading.Thread | None = None
@@ -277,14 +279,22 @@ class Session:
             raise RuntimeError(f"mselastic: the checkpoint could not be written: {e}") from e
 
     def at_exit(self) -> None:
-        """The script ends: a loop of its own that stopped before ``total_steps`` (fewer epochs than
-        the job's steps) ends the job there, said out loud; an uncaught exception does not."""
-        if self._done or self.ctx is None or hasattr(sys, "last_value"):
+        """The script ends. When its loop ran out of epochs before ``total_steps`` (its last pass over
+        the data went to the end and it asked for no other), the job ends there, said out loud,
+        after a last checkpoint. Anything else (an exception, ``sys.exit`` in the middle of a pass)
+        is not an end of training: nothing is saved and the agent is not told it finished."""
+        if self._done or self.ctx is None or not self.pass_ended or hasattr(sys, "last_value"):
             return
-        if self.ctx.total_steps and self.step < self.ctx.total_steps:
+        self.ended()
+
+    def ended(self) -> None:
+        """Training ended before ``total_steps`` by the script's own measure (its epochs): said out
+        loud, a last checkpoint, the agent told the job is done."""
+        ctx = self.context()
+        if ctx.total_steps and self.step < ctx.total_steps:
             log.warning("rank %d: the script's training loop ended at step %d, before the job's total_steps %d: "
-                        "the job ends here (give the script more epochs, or the job fewer steps)", self.ctx.rank,
-                        self.step, self.ctx.total_steps)
+                        "the job ends here (give the script more epochs, or the job fewer steps)", ctx.rank,
+                        self.step, ctx.total_steps)
         if self.step > self.saved_step:
             self.save(self.step)
         self.finish()
@@ -381,6 +391,7 @@ def _counting(create: Any) -> Any:
     the steps done so far, and the job's steps are counted."""
     def wrapped(*args: Any, **kwargs: Any) -> Iterator[Any]:
         _SESSION.sampler.stream.start = _SESSION.step
+        _SESSION.pass_ended = False
         return _Steps(create(*args, **kwargs))
     return wrapped
 
@@ -407,7 +418,11 @@ class _Steps:
         if total and s.step >= total:
             s.finish()
             raise StopIteration
-        batch = next(self.inner)
+        try:
+            batch = next(self.inner)
+        except StopIteration:
+            s.pass_ended = True
+            raise
         self.pending = True
         return batch
 
@@ -504,9 +519,11 @@ class Callback(_callback_base()):  # type: ignore[misc]
             run_context.request_stop()
 
     def on_train_end(self, run_context: Any) -> None:
+        """Model.train returned normally (it does not call this when it raises): at ``total_steps``
+        the job is done already, before it (the script's epochs ran out) it ends here."""
         s = _SESSION
-        if not s.passthrough:
-            s.wait_saved()
+        if not s.passthrough and s.agreed:
+            s.ended()
 
 
 def _loss(outputs: Any) -> float | None:

@@ -15,8 +15,7 @@ on its standard input for one handover, a JSON line with what msrun would have g
 
 It then becomes that process (environment, output, working directory, ``sys.argv``,
 ``sys.path[0]``; it already runs in a session of its own, as msrun's children do) and runs the
-script as ``__main__``, exiting as the interpreter would: with the script's ``SystemExit`` code,
-1 and a traceback on an uncaught exception, else 0. It is used once: a new standby replaces it.
+script as ``__main__``; how it ends is the interpreter's doing, as for ``python script.py``. It is used once: a new standby replaces it.
 Until the handover it carries no generation (no cluster variables, no heartbeat address), so it
 can only ever join the generation it is handed. End of input before a handover: it exits 0.
 
@@ -34,7 +33,6 @@ import json
 import os
 import runpy
 import sys
-import traceback
 from typing import Any
 
 from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_READY
@@ -121,12 +119,9 @@ def main() -> None:
     if not line.strip():
         sys.exit(0)  # discarded before it was needed
     become(json.loads(line))
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except Exception:  # what the interpreter does with an uncaught exception
-        traceback.print_exc()
-        sys.stderr.flush()
-        sys.exit(1)
+    # Uncaught exceptions go to the interpreter, as they would from `python script.py`: the
+    # traceback, exit code 1, sys.last_value set for exit handlers.
+    runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":
