@@ -255,7 +255,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     (generation 3, warm again), and the job finishes; no standby is left once it succeeded. No rank
     of any generation sleeps out MindSpore's 3 s address poll: a local peer's return from init()
     gets it nudged."""
-    total = 80
+    total = 60
     tmp = str(tmp_path)
     work = os.path.join(tmp, "work")
     endpoint = start_node(procs, etcd, namespace, work, "--warm-standbys", "true")
@@ -263,7 +263,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
                       total_steps=total, args=["--data", digits, "--out", os.path.join(tmp, "out"), "--lr", "0.05",
                                                "--step-sleep-s", "0.1"],
-                      env={"MSELASTIC_FAULT": "exception:rank=0:generation=2:step=55"})
+                      env={"MSELASTIC_FAULT": "exception:rank=0:generation=2:step=45"})
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     ready = wait_for("three standbys ready", lambda: len(s := [x for x in standbys(socket) if x.ready]) == 3 and s,
                      180, 0.2)

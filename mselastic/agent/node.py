@@ -12,6 +12,7 @@ committed; the coordinator adopts them (see ``Coordinator._excused``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -392,6 +393,7 @@ class NodeAgent:
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env)
             gen.standbys = self._take_standbys(gen)
+            gen.on_joined = self._tell_peers_joined
             self.generations[plan.job] = gen
             await gen.start()
             self._changed(gen)
@@ -425,6 +427,20 @@ class NodeAgent:
         for job in list(self.generations):
             left += await self.stop(job, 0, grace_s)
         return left
+
+    def _tell_peers_joined(self, gen: Generation) -> None:
+        """A local rank of ``gen`` got through init(): the other members' agents may nudge their
+        ranks still in it (``Agent.Nudge``; a node with one rank has no local peer to go by).
+        Best effort: a peer that does not answer within a second pays MindSpore's 3 s."""
+        async def tell(address: str) -> None:
+            async with self.cfg.tls.aio_channel(address) as ch:
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+                    await pb_grpc.AgentStub(ch).Nudge(pb.NudgeRequest(job=gen.plan.job, generation=gen.plan.generation),
+                                                      timeout=1.0)
+
+        for m in gen.plan.members:
+            if m.node_id != self.cfg.node_id:
+                asyncio.create_task(tell(m.agent_address), name=f"nudge-{m.node_id}")
 
     # -- standby workers ---------------------------------------------------
 

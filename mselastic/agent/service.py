@@ -70,6 +70,18 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens, etcd_reachable=reachable,
                                       standbys=standbys)
 
+    async def Nudge(self, request: pb.NudgeRequest, context: grpc.aio.ServicerContext) -> pb.NudgeResponse:
+        """A peer's rank of the generation got through init(): see ``Generation.peer_joined``."""
+        try:
+            check_id("job name", request.job)
+        except BadName as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        gen = self.agent.generations.get(request.job)
+        if gen is None or gen.plan.generation != request.generation or gen.state.terminal:
+            return pb.NudgeResponse(running=False)
+        gen.peer_joined()
+        return pb.NudgeResponse(running=True)
+
     async def Logs(self, request: pb.LogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogChunk]:
         """Stream ``worker_<rank>.log`` of a generation that ran here; with ``follow``, until it ends."""
         if not request.job or request.rank < 0 or request.generation < 0 or request.tail_bytes < 0:

@@ -339,6 +339,9 @@ class Generation:
         self.started_mono = 0.0
         self.done = asyncio.Event()
         self._on_change = on_change
+        #: Called once, when a local rank first gets through init() (the agent tells the other nodes).
+        self.on_joined: Callable[["Generation"], None] = lambda gen: None
+        self._remote_joined_at = 0.0
         self._poll_s = poll_interval_s
         self._msrun: asyncio.subprocess.Process | None = None
         #: Warm: the standbys handed this generation (the scheduler's first on node_rank 0), and the
@@ -782,11 +785,16 @@ class Generation:
             log.warning("heartbeat from rank %d of generation %d ignored", beat.rank, beat.generation,
                         extra=self._ctx)
             return
+        joined = any(_JOINED in r.phase_at for r in self.ranks.values())
         if beat.kind == BeatKind.PHASE:  # start-up progress: not a heartbeat (init() may wait long for other nodes)
             if beat.note in Beat.PHASES:
                 self._reached(rs, Beat.PHASES.index(beat.note))
+        else:
+            self._reached(rs, len(Beat.PHASES))  # any other beat comes after the start-up phases
+        if not joined and _JOINED in rs.phase_at:
+            self.on_joined(self)
+        if beat.kind == BeatKind.PHASE:
             return
-        self._reached(rs, len(Beat.PHASES))  # any other beat comes after the start-up phases
         rs.last_beat = time.monotonic()
         if beat.step > max(r.step for r in self.ranks.values()):
             self._progress.append((rs.last_beat, beat.step))
@@ -906,11 +914,18 @@ class Generation:
             if d.role == "MS_WORKER" and is_script and d.rank in self.ranks and not self.ranks[d.rank].pid:
                 self.ranks[d.rank].pid, self.ranks[d.rank].create_time = d.pid, d.create_time
 
+    def peer_joined(self) -> None:
+        """A rank of this generation on another node got through ``init()`` (its agent said so:
+        ``Agent.Nudge``): as good as a local peer for :meth:`_nudge`."""
+        self._remote_joined_at = self._remote_joined_at or time.monotonic()
+
     def _nudge(self) -> None:
-        """Wake a rank asleep in MindSpore's CPU collective address exchange once a local peer got
-        through ``init()`` (see ``contract.NUDGE_SIGNAL``): the addresses are all there by then.
-        Once per rank; a rank whose script does not handle the signal ignores it."""
+        """Wake a rank asleep in MindSpore's CPU collective address exchange once a peer got through
+        ``init()`` (see ``contract.NUDGE_SIGNAL``): the addresses are all there by then. A local peer,
+        or one on another node whose agent told us. Once per rank; a rank whose script does not
+        handle the signal ignores it."""
         through = [peer.phase_at[_JOINED] for peer in self.ranks.values() if _JOINED in peer.phase_at]
+        through += [self._remote_joined_at] if self._remote_joined_at else []
         if not through or time.monotonic() - min(through) < NUDGE_AFTER_S:
             return
         for rs in self.ranks.values():
@@ -918,7 +933,7 @@ class Generation:
                 rs.nudged = True
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rs.pid, contract.NUDGE_SIGNAL)
-                log.info("rank %d still in init() %.2fs after a local peer got through: nudged out of MindSpore's "
+                log.info("rank %d still in init() %.2fs after a peer got through: nudged out of MindSpore's "
                          "3 s address poll", rs.rank, time.monotonic() - min(through),
                          extra={**self._ctx, "rank": rs.rank})
 

@@ -46,6 +46,7 @@ RULES: dict[str, frozenset[Role]] = {
     "/mselastic.v1.Agent/Logs": frozenset({Role.ADMIN}),
     "/mselastic.v1.Agent/Launch": frozenset({Role.NODE}),
     "/mselastic.v1.Agent/Stop": frozenset({Role.NODE}),
+    "/mselastic.v1.Agent/Nudge": frozenset({Role.NODE}),
 }
 #: Methods a node identity may call only while it leads.
 LEADER_ONLY = frozenset({"/mselastic.v1.Agent/Launch", "/mselastic.v1.Agent/Stop"})

@@ -247,6 +247,20 @@ class LogChunk(_message.Message):
     generation: int
     def __init__(self, data: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class NudgeRequest(_message.Message):
+    __slots__ = ("job", "generation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class NudgeResponse(_message.Message):
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: bool
+    def __init__(self, running: _Optional[bool] = ...) -> None: ...
+
 class Failure(_message.Message):
     __slots__ = ("generation", "node_id", "rank", "reason", "detected_at", "recover_s", "cause")
     GENERATION_FIELD_NUMBER: _ClassVar[int]

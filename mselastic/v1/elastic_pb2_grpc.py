@@ -54,6 +54,11 @@ class AgentStub:
                 request_serializer=mselastic_dot_v1_dot_elastic__pb2.LogsRequest.SerializeToString,
                 response_deserializer=mselastic_dot_v1_dot_elastic__pb2.LogChunk.FromString,
                 _registered_method=True)
+        self.Nudge = channel.unary_unary(
+                '/mselastic.v1.Agent/Nudge',
+                request_serializer=mselastic_dot_v1_dot_elastic__pb2.NudgeRequest.SerializeToString,
+                response_deserializer=mselastic_dot_v1_dot_elastic__pb2.NudgeResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -83,6 +88,12 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Nudge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Logs,
                     request_deserializer=mselastic_dot_v1_dot_elastic__pb2.LogsRequest.FromString,
                     response_serializer=mselastic_dot_v1_dot_elastic__pb2.LogChunk.SerializeToString,
+            ),
+            'Nudge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nudge,
+                    request_deserializer=mselastic_dot_v1_dot_elastic__pb2.NudgeRequest.FromString,
+                    response_serializer=mselastic_dot_v1_dot_elastic__pb2.NudgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Agent:
             '/mselastic.v1.Agent/Logs',
             mselastic_dot_v1_dot_elastic__pb2.LogsRequest.SerializeToString,
             mselastic_dot_v1_dot_elastic__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nudge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mselastic.v1.Agent/Nudge',
+            mselastic_dot_v1_dot_elastic__pb2.NudgeRequest.SerializeToString,
+            mselastic_dot_v1_dot_elastic__pb2.NudgeResponse.FromString,
             options,
             channel_credentials,
             insecure,
