@@ -177,3 +177,44 @@ def test_model_train_in_sink_mode_checkpoints_and_stops_at_sink_boundaries(monke
     assert session.step == 30 and session.loss == 1.5
     callback.on_train_end(run)
     assert finished == [30]  # told once
+
+
+def test_model_train_that_runs_out_of_epochs_before_total_steps_ends_the_job_there(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Model.train returned normally at step 20 of 25 (its epochs ran out): the job ends there,
+    said out loud, after a last checkpoint."""
+    from mselastic.core.elastic import batch_layout
+    from mselastic.trainer import elastic
+    from mselastic.trainer.context import ElasticContext
+
+    layout = batch_layout(32, 2, ())
+    assert layout is not None
+    ctx = ElasticContext(rank=0, world_size=2, job="j", generation=2, restart_count=0, checkpoint_dir="",
+                         checkpoint_interval_steps=20, keep_checkpoints=3, total_steps=25, global_batch_size=32,
+                         layout=layout, stop_check_interval_steps=1000)
+    session = elastic.Session()
+    session.ctx, session.agreed = ctx, True
+    monkeypatch.setattr(elastic, "_SESSION", session)
+    saves: list[int] = []
+    monkeypatch.setattr(session, "save", lambda step: (saves.append(step), setattr(session, "saved_step", step)))
+    finished: list[int] = []
+    monkeypatch.setattr(ctx, "finished", lambda step, loss: finished.append(step))
+
+    class Params:
+        cur_step_num = 0
+        net_outputs = (2.0,)
+
+    class RunContext:
+        def original_args(self) -> Params:
+            return params
+
+        def request_stop(self) -> None:
+            raise AssertionError("not at total_steps")
+
+    params, run, callback = Params(), RunContext(), elastic.Callback()
+    for n in (10, 15):
+        params.cur_step_num = n
+        callback.on_train_step_end(run)
+    assert finished == [] and saves == []
+    callback.on_train_end(run)
+    assert saves == [15] and finished == [15] and "before the job's total_steps 25" in caplog.text

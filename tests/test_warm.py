@@ -129,8 +129,8 @@ out = dict(env=dict(os.environ), kernel=kernel, argv=sys.argv, cwd=os.getcwd(), 
 with open(os.path.join(sys.argv[1], name + ".json"), "w") as f:
     json.dump(out, f)
 if role == "MS_SCHED":
-    while len(os.listdir(sys.argv[1])) < 3:  # until the workers are there too
-        time.sleep(0.05)
+    while True:  # until the generation is torn down (msrun's scheduler outlives its workers too)
+        time.sleep(0.1)
 """
 
 

@@ -12,7 +12,6 @@ committed; the coordinator adopts them (see ``Coordinator._excused``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -76,6 +75,7 @@ class NodeAgent:
         #: Standby workers per job (see mselastic.agent.standby).
         self.standbys: dict[str, StandbyPool] = {}
         self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
@@ -433,14 +433,18 @@ class NodeAgent:
         ranks still in it (``Agent.Nudge``; a node with one rank has no local peer to go by).
         Best effort: a peer that does not answer within a second pays MindSpore's 3 s."""
         async def tell(address: str) -> None:
-            async with self.cfg.tls.aio_channel(address) as ch:
-                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            try:
+                async with self.cfg.tls.aio_channel(address) as ch:
                     await pb_grpc.AgentStub(ch).Nudge(pb.NudgeRequest(job=gen.plan.job, generation=gen.plan.generation),
                                                       timeout=1.0)
+            except Exception as e:  # best effort: that node's ranks pay the 3 s
+                log.debug("nudge to %s not delivered: %s", address, e, extra=self._ctx)
 
         for m in gen.plan.members:
             if m.node_id != self.cfg.node_id:
-                asyncio.create_task(tell(m.agent_address), name=f"nudge-{m.node_id}")
+                task = asyncio.create_task(tell(m.agent_address), name=f"nudge-{m.node_id}")
+                self._background.add(task)  # (a task nobody holds may be collected before it ends)
+                task.add_done_callback(self._background.discard)
 
     # -- standby workers ---------------------------------------------------
 

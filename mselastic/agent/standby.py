@@ -61,7 +61,13 @@ class Standby:
             raise
         finally:
             theirs.close()
-        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
         return cls(proc, marker, reader, writer)
 
     @property

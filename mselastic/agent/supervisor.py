@@ -247,8 +247,9 @@ def scheduler_host(addr: str) -> str:
         return str(socket.getaddrinfo(plain, None, socket.AF_UNSPEC, socket.SOCK_STREAM)[0][4][0])
 
 
-#: How long a warm scheduler has to listen on its port after its handover.
-SCHEDULER_LISTEN_S = 10.0
+#: How long the workers of a warm launch wait for its scheduler to listen before they are handed
+#: over anyway (they retry connecting; ``startup_timeout_s`` bounds the launch).
+SCHEDULER_LISTEN_S = 2.0
 
 
 def _open_own(path: str) -> Any:
@@ -283,7 +284,7 @@ async def _listening(port: int, proc: asyncio.subprocess.Process, within_s: floa
     """Wait until something on this node listens on TCP ``port`` (``proc``, a scheduler just handed
     its generation), at most ``within_s`` and while ``proc`` runs; nothing connects to it to find out."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and proc.returncode is None:
+    while time.monotonic() < deadline and proc.returncode is None:  # (killed by a stop: returns)
         if await asyncio.to_thread(_listens, port):  # (the tables can be long: off the event loop)
             return True
         await asyncio.sleep(0.01)
@@ -407,10 +408,19 @@ class Generation:
         if self.standbys:
             try:
                 await self._hand_over()
-            except (OSError, RuntimeError, asyncio.TimeoutError, psutil.Error) as e:
-                await self._fail(-1, f"the standby workers could not take over: {e}", FailureCause.LAUNCH_NODE)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug here must not leave the generation unwatched either
+                if self._stopping:
+                    return  # stopped meanwhile (its standbys killed under the handover): not a launch failure
+                known = isinstance(e, (OSError, RuntimeError, asyncio.TimeoutError, psutil.Error))
+                if not known:
+                    log.exception("handover failed", extra=self._ctx)
+                await self._fail(-1, f"the standby workers could not take over: {e}",
+                                 FailureCause.LAUNCH_NODE if known else FailureCause.SUPERVISOR_ERROR)
                 return
-        await self._watch()
+        if not self._stopping:
+            await self._watch()
 
     async def _start_msrun(self, msrun: str) -> None:
         """The cold path: msrun starts the scheduler (on node_rank 0) and the local ranks."""
@@ -451,11 +461,15 @@ class Generation:
             path = os.path.join(self.log_dir, "scheduler.log")
             await scheduler.hand_over({**env, **common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, self.cwd, path)
             lines.append(f"Start scheduler process (warm: standby pid {scheduler.pid}), log file:{path}.")
-            if not await _listening(p.master_port, scheduler.proc, within_s=SCHEDULER_LISTEN_S):
-                how = (f"exited with code {scheduler.proc.returncode}" if scheduler.proc.returncode is not None
-                       else f"did not listen on port {p.master_port} within {SCHEDULER_LISTEN_S:g}s")
-                raise RuntimeError(f"the scheduler (standby pid {scheduler.pid}) {how}; see {path}")
+            # The workers go once it listens (a worker that meets no scheduler retries only half a
+            # second later), or after a while anyway: they retry, and startup_timeout_s bounds it all.
+            await _listening(p.master_port, scheduler.proc, within_s=SCHEDULER_LISTEN_S)
+            if scheduler.proc.returncode is not None:
+                raise RuntimeError(f"the scheduler (standby pid {scheduler.pid}) exited with code "
+                                   f"{scheduler.proc.returncode}; see {path}")
         for i, (rs, standby) in enumerate(zip(self.ranks.values(), standbys)):
+            if self._stopping:
+                return
             path = os.path.join(self.log_dir, f"worker_{rs.rank}.log")
             await standby.hand_over({**env, **common, "MS_NODE_ID": str(rs.rank), "MS_ROLE": "MS_WORKER",
                                      "RANK_ID": str(rs.rank), "DEVICE_ID": str(i)}, argv, self.cwd, path)
@@ -463,9 +477,9 @@ class Generation:
             self._warm_ranks[rs.rank] = standby
             lines.append(f"Start worker process with rank id:{rs.rank} (warm: standby pid {standby.pid}), "
                          f"log file:{path}.")
-        assert self._log is not None
-        self._log.write("".join(line + "\n" for line in lines).encode())  # what msrun would have said
-        self._log.flush()
+        if self._log is not None:  # (closed: stopped meanwhile)
+            self._log.write("".join(line + "\n" for line in lines).encode())  # what msrun would have said
+            self._log.flush()
         log.info("generation launched warm: standbys %s, master %s:%d, ranks %d..%d, logs %s",
                  [sb.pid for sb in self.standbys], p.master_addr, p.master_port, self.first_rank,
                  self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
@@ -719,6 +733,8 @@ class Generation:
         if self._log is not None:
             self._log.close()
             self._log = None
+        for standby in self.standbys:  # (their end of the socket pair is gone since their handover)
+            standby.writer.close()
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         if self._sock is not None:
@@ -974,6 +990,8 @@ class Generation:
                         FailureCause.SIGTERM)
             return None
         scheduler = self._warm_scheduler()
+        if scheduler is not None and scheduler.proc.returncode is not None:
+            self._drain_beats()  # (a rank's finished beat may be queued)
         if scheduler is not None and scheduler.proc.returncode is not None and \
                 not all(rs.finished for rs in self.ranks.values()):
             # msrun would notice only through its workers; the warm ranks would wait out MS_TOPO_TIMEOUT.

@@ -283,7 +283,12 @@ class Session:
         the data went to the end and it asked for no other), the job ends there, said out loud,
         after a last checkpoint. Anything else (an exception, ``sys.exit`` in the middle of a pass)
         is not an end of training: nothing is saved and the agent is not told it finished."""
-        if self._done or self.ctx is None or not self.pass_ended or hasattr(sys, "last_value"):
+        if self._done or self.ctx is None or hasattr(sys, "last_value"):
+            return
+        if not self.pass_ended:
+            log.warning("rank %d: the script exits at step %d, in the middle of a pass over the data and before "
+                        "total_steps %d: elasticd takes it for a failure and relaunches; if training is done, call "
+                        "elastic.finished() first", self.ctx.rank, self.step, self.ctx.total_steps)
             return
         self.ended()
 
@@ -423,6 +428,7 @@ class _Steps:
         except StopIteration:
             s.pass_ended = True
             raise
+        s.pass_ended = False  # (an iterator of several epochs goes on after a pass ended)
         self.pending = True
         return batch
 
