@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale bench-checkpoint \
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput \
 	systemd-tools clean
 
 venv: $(STAMP)
@@ -74,6 +74,14 @@ bench-cluster: $(STAMP) data
 # The per-step cost of a planned stop (a named step; the backstop at 1 and 20) against plain msrun.
 bench-stop: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/stop_check.py --data $(DATA) --runs 3
+
+# Steady-state step time under elasticd, and with per-step snapshots, against plain msrun.
+bench-steady: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/steady_state.py --data $(DATA) --runs 3
+
+# Goodput over 10 minutes with a rank SIGKILLed every 2 minutes, against a fault-free run (~25 min).
+bench-goodput: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/goodput.py --data $(DATA) --minutes 10 --kill-every-s 120
 
 # How long a checkpoint save holds training up: on the training thread, and copied then written in the background.
 bench-checkpoint: $(STAMP)

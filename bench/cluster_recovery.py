@@ -5,6 +5,7 @@ and next to a plain-msrun cold start on the same namespaces:
 
 - rank kill -> first step of the next generation
 - node loss (elasticd + workers SIGKILLed) -> new plan, and -> first step of it
+- from 3 nodes: a node cut off (its veth down) -> new plan, and -> first step of it
 - leader loss (a coordinator-only node SIGKILLed) -> new leader
 
 Usage: python bench/cluster_recovery.py [--nodes 2 4]   (root: it creates namespaces)
@@ -103,7 +104,8 @@ def measure(n: int, tmp: str) -> dict[str, float]:
         out: dict[str, float] = {}
         job = "lenet"
         spec = lenet_spec(os.path.join(tmp, "job.toml"), job, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
-                          400, workers=1, min_nodes=1, max_nodes=n, global_batch_size=24)
+                          400, workers=1, min_nodes=1, max_nodes=n, global_batch_size=24,
+                          scale_up_settle_s=600)  # a healed node is not taken back during the bench
         assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
         last = f"n{n}"
         wait_for("training", lambda: (r := report(cluster, job, 1, last)) and r.step >= 15, 300, 0.2)
@@ -124,6 +126,19 @@ def measure(n: int, tmp: str) -> dict[str, float]:
                          and r, 300, 0.1)
         out["node_loss_to_plan_s"] = generation_event_at(cluster, job, 3) - killed
         out["node_loss_to_first_step_s"] = third.first_step_at - killed
+
+        # 2b. A node cut off (its veth down: no reset, the leader's keepalive pings go unanswered),
+        # when one is left to train without it.
+        if n >= 3:
+            wait_for("training in gen 3", lambda: (r := report(cluster, job, 3, "n1")) and r.step >= 40, 300, 0.2)
+            cluster.inject(ClusterFault.PARTITION, n - 1)
+            cut = time.time()
+            fourth = wait_for("gen 4 first step", lambda: (r := report(cluster, job, 4, "n1")) and r.first_step_at
+                              and r, 300, 0.1)
+            out["partition_to_plan_s"] = generation_event_at(cluster, job, 4) - cut
+            out["partition_to_first_step_s"] = fourth.first_step_at - cut
+            cluster.inject(ClusterFault.HEAL, n - 1)  # (the plain-msrun run below needs every namespace)
+            cluster.wait_registered(n - 1, timeout_s=30)
 
         # 3. Leader loss: n0 holds no ranks.
         cluster.inject(ClusterFault.KILL_LEADER)
@@ -157,8 +172,10 @@ def main() -> int:
     print(f"\n{'':<30}" + "".join(f"{f'{n} nodes':>12}" for n in results) + f"{'TTL':>8}")
     rows = ["cold_start_s", "rank_kill_to_first_step_s", "node_loss_to_plan_s", "node_loss_to_first_step_s",
             "leader_loss_to_new_leader_s"]
+    rows[4:4] = ["partition_to_plan_s", "partition_to_first_step_s"]
     for k in rows:
-        print(f"{k:<30}" + "".join(f"{results[n][k]:>12.2f}" for n in results) + f"{TTL_S:>8}")
+        print(f"{k:<30}" + "".join(f"{results[n][k]:>12.2f}" if k in results[n] else f"{'-':>12}" for n in results)
+              + f"{TTL_S:>8}")
     for n in results:
         print(f"ratio rank kill -> first step / cold start, {n} nodes: "
               f"{results[n]['rank_kill_to_first_step_s'] / results[n]['cold_start_s']:.2f}")

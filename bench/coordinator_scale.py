@@ -134,8 +134,9 @@ async def live(endpoint: str, n: int, seconds: float) -> dict[str, float]:
         await populate(store, n, 0)
         term = await Election(store, LeaderRecord("bench", "127.0.0.1:9").to_json(), 30).campaign(stop)
         assert term is not None
+        # (No liveness watch: these members have no agents, every one would be asked and lost.)
         coord = Coordinator(store, CoordinatorConfig("bench", "127.0.0.1:9", 30, progress_interval_s=10,
-                                                     reconcile_interval_s=1.0))
+                                                     reconcile_interval_s=1.0, peer_evidence=False))
         lead = asyncio.create_task(coord._lead(term, stop))
         writer = subprocess.Popen([sys.executable, __file__, "--writer", endpoint, namespace, str(n),
                                    str(seconds + 5)])

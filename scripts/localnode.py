@@ -48,7 +48,8 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: fl
         raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
 
 
-def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int) -> str:
+def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int,
+                     max_restarts: int = 3, quarantine_after_failures: int = 3) -> str:
     """The spec, and its output and checkpoint folders made writable by the workers (they run as
     an unprivileged user: nobody here, unless the system has an mselastic user)."""
     for d in (out_dir, ckpt_dir):  # (the demo's own folders: the workers' user may write them)
@@ -58,7 +59,8 @@ def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: st
         f.write(f'name = "{name}"\nscript = "{TRAIN}"\n'
                 f'args = ["--data", "{os.path.abspath(data)}", "--out", "{out_dir}", "--lr", "0.05"]\n'
                 f'workers_per_node = 2\ntotal_steps = {steps}\nglobal_batch_size = 32\n'
-                f'checkpoint_dir = "{ckpt_dir}"\ncheckpoint_interval_steps = 10\nmax_restarts = 3\n')
+                f'checkpoint_dir = "{ckpt_dir}"\ncheckpoint_interval_steps = 10\nmax_restarts = {max_restarts}\n'
+                f'quarantine_after_failures = {quarantine_after_failures}\n')
     return path
 
 

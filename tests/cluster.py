@@ -196,6 +196,13 @@ class Cluster:
         elif fault is ClusterFault.RECONNECT_ETCD:
             _ip("-n", self.nodes[node], "route", "del", "blackhole", f"{self.gateway}/32")
 
+    def cut(self, i: int, j: int, heal: bool = False) -> None:
+        """Nodes ``i`` and ``j`` stop reaching each other (a blackhole route each way); each still
+        reaches etcd and the other nodes. ``heal``: the routes removed."""
+        op = "del" if heal else "add"
+        _ip("-n", self.nodes[i], "route", op, "blackhole", f"{self.address(j)}/32")
+        _ip("-n", self.nodes[j], "route", op, "blackhole", f"{self.address(i)}/32")
+
     def thaw(self) -> None:
         for member in self.frozen:
             if member.proc is not None:

@@ -166,13 +166,15 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
     ``tests/test_e2e.py`` runs them as nobody. Several nodes on loopback without TLS reach each
     other in plaintext, which takes ``insecure`` (as it would on a network). No standby workers
     unless asked (``tests/test_warm.py``): their imports share the two cores with the ranks of jobs
-    that mostly end, or fault, before they would be used, and the suite has a time budget."""
+    that mostly end, or fault, before they would be used, and the suite has a time budget.
+    Snapshots in the test's own folder (removed with it), not in the machine's /dev/shm."""
     return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,
             "--namespace", namespace, "--lease-ttl-s", str(lease_ttl_s), "--reconcile-interval-s", "0.5",
             "--shutdown-grace-s", "3", "--progress-interval-s", "1", "--metrics-listen", metrics_listen,
             "--worker-user", worker_user, "--pass-env", TEST_MARK,  # (the mark finds this test's processes)
-            "--socket", local_socket(work_dir), "--warm-standbys", "true" if warm_standbys else "false"] + \
+            "--socket", local_socket(work_dir), "--warm-standbys", "true" if warm_standbys else "false",
+            "--snapshot-dir", os.path.join(work_dir, "snapshots")] + \
         (["--insecure", "true"] if insecure else [])
 
 
@@ -183,13 +185,16 @@ def local_socket(work_dir: str) -> str:
 
 def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: int, workers: int = 2,
                **overrides: Any) -> str:
-    """Write a LeNet job spec (TOML); ``overrides`` replace or add fields."""
+    """Write a LeNet job spec (TOML); ``overrides`` replace or add fields. No snapshots between
+    checkpoints unless asked (``snapshot_interval_steps``): most tests assert where a relaunch
+    resumes from the checkpoints alone; ``tests/test_snapshots.py`` and the trainer API's tests turn
+    them on."""
     fields: dict[str, Any] = dict(
         name=name, script=os.path.join(REPO, "examples", "lenet", "train.py"),
         args=["--data", DATA_DIR, "--out", out_dir, "--lr", "0.05"],
         workers_per_node=workers, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
         global_batch_size=32, checkpoint_dir=ckpt_dir, checkpoint_interval_steps=10, keep_checkpoints=3,
-        hang_timeout_s=60, stop_grace_period_s=5)
+        hang_timeout_s=60, stop_grace_period_s=5, snapshot_interval_steps=0)
     fields.update(overrides)
     with open(path, "w") as f:
         for key, value in fields.items():
@@ -241,15 +246,15 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
     return ranks
 
 
-def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) -> list[Plan]:
+def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, snapshots: bool = False) -> list[Plan]:
     """The invariants every elastic or faulted job must keep, read back from etcd after it succeeded:
 
     generations numbered 1, 2, ... with a new master port each; surviving nodes keep
     their relative order; a generation after a planned relaunch (drain, scale-up) or
     after ranks that exited on SIGTERM resumed exactly at the step those ranks
     checkpointed at (nothing recomputed); any other resumed from an interval checkpoint
-    (or one taken on a SIGTERM earlier), every rank from the same, at or after the previous resume and no later than the step the previous one
-    reached; the final generation reached exactly ``total_steps``; the event log has
+    (or one taken on a SIGTERM earlier; with ``snapshots``, a snapshot of any step), every rank from
+    the same, at or after the previous resume and no later than the step the previous one reached; the final generation reached exactly ``total_steps``; the event log has
     each relaunch with its reason, and after faults the job status has the last
     failure's detection time.
     """
@@ -278,7 +283,8 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10) ->
                 assert after.planned or after.restart_count == before.restart_count + 1
             else:
                 assert relaunches[after.generation]["detected_at"] > 0, "the relaunch event lacks the detection time"
-                assert (step % interval == 0 or step in checkpointed) and previous_resume <= step <= previous_reached, \
+                assert (step % interval == 0 or step in checkpointed or snapshots) \
+                    and previous_resume <= step <= previous_reached, \
                     f"generation {after.generation} resumed at {step} (previous: from {previous_resume} to " \
                     f"{previous_reached})"
             assert after.restart_count == before.restart_count + (0 if after.planned else 1)

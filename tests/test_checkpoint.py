@@ -29,7 +29,8 @@ def test_save_keep_and_fall_back_past_corruption(tmp_path: os.PathLike[str]) -> 
     assert ck.manifests() == ["ckpt-00000030-g000003.json", "ckpt-00000020-g000003.json"]  # last K kept
     assert not os.path.exists(os.path.join(d, "ckpt-00000010-g000003.ckpt"))
     with open(os.path.join(d, "latest.json")) as f:
-        assert json.load(f) == {"manifest": "ckpt-00000030-g000003.json", "generation": 3, "job": ""}
+        latest = json.load(f)
+    assert latest.pop("lineage") and latest == {"manifest": "ckpt-00000030-g000003.json", "generation": 3, "job": ""}
 
     newest = ck.load()
     assert newest is not None and newest.manifest.step == 30 and not newest.skipped
@@ -37,12 +38,7 @@ def test_save_keep_and_fall_back_past_corruption(tmp_path: os.PathLike[str]) -> 
     assert {"weight", "bias", "moments.weight", "moments.bias", "global_step", "learning_rate"} <= set(newest.params)
 
     # Flip a byte in the middle of the newest checkpoint: its checksum fails, step 20 is used.
-    path = os.path.join(d, "ckpt-00000030-g000003.ckpt")
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(os.path.join(d, "ckpt-00000030-g000003.ckpt"))
     fallback = Checkpointer(d, rank=1, world_size=2, generation=4).load()
     assert fallback is not None and fallback.manifest.step == 20
     assert [n for n, _ in fallback.skipped] == ["ckpt-00000030-g000003.json"]
@@ -80,7 +76,9 @@ def test_a_replaced_generation_cannot_publish_over_the_newer_one(tmp_path: os.Pa
     assert not [n for n in os.listdir(d) if n.startswith("ckpt-00000020")]
     assert new.save(make_opt(3), step=15, epoch=0) is not None
     with open(os.path.join(d, "latest.json")) as f:
-        assert json.load(f) == {"manifest": "ckpt-00000015-g000002.json", "generation": 2, "job": "lenet"}
+        latest = json.load(f)
+    assert latest.pop("lineage") and latest == {"manifest": "ckpt-00000015-g000002.json", "generation": 2,
+                                                "job": "lenet"}
     newest = Checkpointer(d, rank=1, world_size=2, generation=3, job="lenet").load()
     assert newest is not None and newest.manifest.step == 15 and newest.manifest.generation == 2
     # A replaced generation that starts late (its rank 0 loads after the claim) stops at once.
@@ -146,3 +144,56 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_its_litter_is_s
     assert resumed is not None and resumed.manifest.step == 10
     assert sorted(os.listdir(d)) == [".latest.lock", "ckpt-00000010-g000001.ckpt", "ckpt-00000010-g000001.json",
                                      "latest.json"]
+
+
+def test_a_snapshot_newer_than_every_checkpoint_becomes_one_and_only_the_owners(tmp_path: os.PathLike[str]) -> None:
+    """Snapshots (the node's memory) between checkpoints: the next generation's rank 0 keeps the
+    newest as an ordinary checkpoint, loadable by plain MindSpore, when it is newer than every
+    checkpoint and the generation that took it owns the folder; never a replaced generation's."""
+    d, snaps = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "snap")
+    os.makedirs(snaps)
+    g1 = Checkpointer(d, rank=0, world_size=2, generation=1, job="j", snapshot_dir=snaps, snapshot_interval=1,
+                      keeper=True)
+    assert g1.load() is None  # claims the folder for generation 1
+    g1.save(make_opt(10), step=10, epoch=0)
+    for step in (11, 12, 13):
+        assert g1.snapshot(make_opt(step), step=step, epoch=0, cursor=step * 8)
+        assert g1._snapping is not None
+        g1._snapping.join()
+    assert sorted(os.listdir(snaps)) == [f"ckpt-000000{s}-g000001.{x}" for s in (12, 13) for x in ("ckpt", "json")]
+    # A rank that is not its node's first takes none; nor does one when none is due.
+    other = Checkpointer(d, rank=1, world_size=2, generation=1, job="j", snapshot_dir=snaps, snapshot_interval=1)
+    assert not other.snapshot(make_opt(14), step=14, epoch=0)
+    assert not Checkpointer(d, 0, 2, 1, job="j", snapshot_dir=snaps, snapshot_interval=5,
+                            keeper=True).snapshot(make_opt(14), step=14, epoch=0)
+
+    # The newest one is damaged in memory (its CRC fails): the one before is kept instead.
+    flip_byte(os.path.join(snaps, "ckpt-00000013-g000001.ckpt"))
+    g2 = Checkpointer(d, rank=0, world_size=1, generation=2, job="j", snapshot_dir=snaps)
+    resumed = g2.load()
+    assert resumed is not None and resumed.manifest.step == 12 and resumed.manifest.cursor == 96
+    assert ms.load_checkpoint(os.path.join(d, "ckpt-00000012-g000001.ckpt"))["weight"].shape == (3, 4)
+    with open(os.path.join(d, "ckpt-00000012-g000001.json")) as f:
+        assert len(json.load(f)["sha256"]) == 64
+    assert not [n for n in os.listdir(d) if n.startswith("ckpt-00000013")]
+    # Not newer than the newest checkpoint: nothing is adopted, the checkpoint is resumed from.
+    g2.save(make_opt(20), step=20, epoch=0)
+    assert Checkpointer(d, rank=0, world_size=1, generation=3, job="j", snapshot_dir=snaps).load().manifest.step == 20
+
+    # Generation 3 owns the folder now; a snapshot that generation 2 (replaced, training on while
+    # cut off) took later is not adopted by generation 4.
+    late = Checkpointer(d, rank=0, world_size=1, generation=2, job="j", snapshot_dir=snaps, snapshot_interval=1,
+                        keeper=True)
+    late._lineage = g1._lineage
+    late._write_snapshot([{"name": "w", "data": ms.Tensor([1.0])}], 30, 0, 0, 0, {}, {})
+    assert Checkpointer(d, rank=0, world_size=1, generation=4, job="j", snapshot_dir=snaps).load().manifest.step == 20
+    assert not os.path.exists(os.path.join(d, "ckpt-00000030-g000002.json"))
+
+    # The same job name with another checkpoint folder (another checkpoint_dir, or an etcd wiped
+    # since): the snapshots on the node continue another history and are not adopted.
+    elsewhere = os.path.join(str(tmp_path), "ckpt2")
+    fresh = Checkpointer(elsewhere, rank=0, world_size=1, generation=1, job="j")
+    assert fresh.load() is None
+    fresh.save(make_opt(1), step=1, epoch=0)
+    again = Checkpointer(elsewhere, rank=0, world_size=1, generation=9, job="j", snapshot_dir=snaps).load()
+    assert again is not None and again.manifest.step == 1

@@ -251,7 +251,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     """elasticd keeps three standbys for the 2-rank job once it trains (two ranks and a scheduler);
     a rank SIGKILLed from outside is relaunched warm: generation 2's ranks are exactly those standby
     processes (seen in /proc as generation 2's, like msrun's), it resumes from the checkpoint; new
-    standbys replace the used ones. A warm rank that raises is a failed rank like any other
+    standbys replace the used ones; with snapshots on (the default) it loses at most a step. A warm rank that raises is a failed rank like any other
     (generation 3, warm again), and the job finishes; no standby is left once it succeeded. No rank
     of any generation sleeps out MindSpore's 3 s address poll: a local peer's return from init()
     gets it nudged."""
@@ -263,7 +263,8 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
                       total_steps=total, args=["--data", digits, "--out", os.path.join(tmp, "out"), "--lr", "0.05",
                                                "--step-sleep-s", "0.1"],
-                      env={"MSELASTIC_FAULT": "exception:rank=0:generation=2:step=45"})
+                      env={"MSELASTIC_FAULT": "exception:rank=0:generation=2:step=45"},
+                      snapshot_interval_steps=1)  # (the default: warm relaunches and snapshots together)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     ready = wait_for("three standbys ready", lambda: len(s := [x for x in standbys(socket) if x.ready]) == 3 and s,
                      180, 0.2)
@@ -276,7 +277,8 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     os.kill(worker_pids(procs, 1)[1], signal.SIGKILL)
     second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r,
                       60, 0.1)
-    assert second.warm and second.resumed_step in (10, 20)
+    reached = etcd.report(JOB, 1, "n0").step  # type: ignore[union-attr]
+    assert second.warm and reached - 1 <= second.resumed_step <= reached, (reached, second.resumed_step)
     ranks = worker_pids(procs, 2)  # from /proc/<pid>/environ, as for msrun's workers
     assert len(ranks) == 2 and set(ranks.values()) < pids, (ranks, pids)
     fresh = wait_for("three new standbys",
@@ -291,7 +293,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 3 and etcd.report(JOB, 3, "n0").state is GenerationState.SUCCEEDED  # type: ignore
-    check_history(etcd, JOB, total)
+    check_history(etcd, JOB, total, snapshots=True)
     assert not etcd.report(JOB, 1, "n0").warm  # type: ignore[union-attr]
     wait_for("standbys stopped after the job succeeded", lambda: not standby_processes(procs), 30)
     logs = os.path.join(work, "logs", JOB)

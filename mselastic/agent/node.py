@@ -15,13 +15,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 import grpc
 
 from mselastic import __version__
 from mselastic.agent.standby import Standby, StandbyPool
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.supervisor import Generation, remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.users import WorkerUser
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
@@ -52,6 +52,8 @@ class AgentConfig:
     pass_env: frozenset[str] = frozenset()
     #: Keep standby workers for the jobs running here (see mselastic.agent.standby).
     warm_standbys: bool = True
+    #: This node's folder in memory for the jobs' snapshots ("": none; see Generation).
+    snapshot_root: str = ""
 
 
 #: A job's standbys are stopped this long after its last generation here ended (at once when it
@@ -76,6 +78,7 @@ class NodeAgent:
         self.standbys: dict[str, StandbyPool] = {}
         self._retiring: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
@@ -95,6 +98,7 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
         reporter = asyncio.create_task(self._report_loop(stop), name="reporter")
+        fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
         try:
             await self._close_stale_reports(stop)
             while not stop.is_set():
@@ -128,7 +132,8 @@ class NodeAgent:
             if self._lease is not None:
                 await self._lease.release()
             reporter.cancel()
-            await asyncio.gather(reporter, return_exceptions=True)
+            fencer.cancel()
+            await asyncio.gather(reporter, fencer, return_exceptions=True)
 
     async def _close_stale_reports(self, stop: asyncio.Event) -> None:
         """Close what a previous elasticd of this node left open in etcd, before registering.
@@ -188,6 +193,46 @@ class NodeAgent:
                     else:
                         log.info("generation %d is still the committed plan: it goes on", gen.plan.generation,
                                  extra=ctx)
+
+    async def _fence_loop(self, stop: asyncio.Event) -> None:
+        """Every lease TTL: a generation running here that a newer committed plan replaced, and that
+        nobody stopped, is stopped as the leader's Stop would have stopped it (a planned change: at
+        the step the plan names, with the job's grace period; else at once). The leader may have
+        left this node out on peer evidence (its connection here dropped) while this node still
+        renews its lease: no lease expiry fences it then, and its Stop cannot get through. Seen on
+        two checks in a row first: the leader's own push is on its way."""
+        seen: set[tuple[str, int]] = set()
+        while not stop.is_set():
+            await _first(stop, timeout_s=self.cfg.lease_ttl_s)
+            try:
+                seen = await self._fence_superseded(seen)
+            except (TemporaryError, PermanentError, MalformedRecord) as e:  # etcd away: the lease decides
+                log.debug("superseded-generation check skipped: %s", e, extra=self._ctx)
+
+    async def _fence_superseded(self, seen: set[tuple[str, int]]) -> set[tuple[str, int]]:
+        k, now_seen = self.store.keys, set()
+        for job, gen in list(self.generations.items()):
+            if gen.done.is_set() or gen.stopping:
+                continue
+            kv = await self.store.get(k.plan(job))
+            committed = Plan.from_json(kv.value) if kv is not None else None
+            if committed is not None and committed.generation <= gen.plan.generation:
+                continue
+            key = (job, gen.plan.generation)
+            now_seen.add(key)
+            if key not in seen or gen.done.is_set() or gen.stopping:
+                continue
+            planned = committed is not None and committed.planned and committed.generation == gen.plan.generation + 1
+            spec_kv = await self.store.get(k.spec(job)) if planned else None
+            grace = JobSpec.from_json(spec_kv.value).stop_grace_period_s if spec_kv is not None else 0.0
+            log.warning("generation %d was replaced (%s) and nobody stopped it here (the leader cannot reach this "
+                        "node?): stopping it%s", gen.plan.generation,
+                        f"by generation {committed.generation}" if committed else "the job is gone",
+                        f" at step {committed.stop_previous_at_step}" if planned and committed else "",
+                        extra=dict(self._ctx, job=job, generation=gen.plan.generation))
+            await self.stop(job, gen.plan.generation, grace, committed.stop_previous_at_step if planned and committed
+                            else 0)
+        return now_seen
 
     async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
         """Return once the lease has expired (or on stop), fencing meanwhile if partitioned.
@@ -391,8 +436,15 @@ class NodeAgent:
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
-                             user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env)
+                             user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
+                             snapshot_root=self.cfg.snapshot_root)
+            gen.prepare_snapshots()
             gen.standbys = self._take_standbys(gen)
+            if self.cfg.snapshot_root and plan.job not in self._swept:
+                self._swept.add(plan.job)  # once per job and elasticd: the folders of jobs long gone
+                self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root, self.cfg.worker_user,
+                                                   {j for j, g in self.generations.items() if not g.done.is_set()}
+                                                   | {plan.job}))
             gen.on_joined = self._tell_peers_joined
             self.generations[plan.job] = gen
             await gen.start()
@@ -442,9 +494,7 @@ class NodeAgent:
 
         for m in gen.plan.members:
             if m.node_id != self.cfg.node_id:
-                task = asyncio.create_task(tell(m.agent_address), name=f"nudge-{m.node_id}")
-                self._background.add(task)  # (a task nobody holds may be collected before it ends)
-                task.add_done_callback(self._background.discard)
+                self._spawn(tell(m.agent_address))
 
     # -- standby workers ---------------------------------------------------
 
@@ -506,6 +556,17 @@ class NodeAgent:
 
     # -- reports -----------------------------------------------------------
 
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)  # (a task nobody holds may be collected before it ends)
+        task.add_done_callback(self._background.discard)
+
+    async def _remove_snapshots_after(self, gen: Generation) -> None:
+        await gen.done.wait()  # every process of it gone first
+        current = self.generations.get(gen.plan.job)
+        if current is None or current is gen or current.done.is_set():
+            await remove_snapshot_folder(gen.snapshot_dir, self.cfg.worker_user)
+
     def _changed(self, gen: Generation, urgent: bool = True) -> None:
         self._dirty[(gen.plan.job, gen.plan.generation)] = gen
         self._wake.set()
@@ -515,6 +576,9 @@ class NodeAgent:
                 self._keep_standbys(gen)
             elif gen.state.terminal:
                 self._retire_standbys(gen)
+                if gen.state is GenerationState.SUCCEEDED and gen.snapshot_dir:
+                    # The job is done: its snapshots are memory nobody will read again.
+                    self._spawn(self._remove_snapshots_after(gen))
 
     async def _report_loop(self, stop: asyncio.Event) -> None:
         """Write changed reports; etcd errors are retried on the next round, training goes on.

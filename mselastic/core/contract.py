@@ -30,6 +30,10 @@ ENV_RUN_ID = "MSELASTIC_RUN_ID"  # marks every process of one generation on one 
 #: A file holding the step at which every rank of the generation stops (a planned stop): written by
 #: the agent before it sends the ranks SIGTERM, read by a rank once it got the signal.
 ENV_STOP_FILE = "MSELASTIC_STOP_FILE"
+#: A folder in memory (tmpfs) of this node, the job's own, where the ranks keep snapshots of the
+#: training state between checkpoints (unset: none), and how often they take one (0: never).
+ENV_SNAPSHOT_DIR = "MSELASTIC_SNAPSHOT_DIR"
+ENV_SNAPSHOT_INTERVAL = "MSELASTIC_SNAPSHOT_INTERVAL_STEPS"
 
 #: Standby workers (mselastic.trainer.standby): what one prints once MindSpore is imported, and the
 #: variable after its marker whose bytes its handover rewrites with the generation's variables (so
@@ -42,7 +46,7 @@ STANDBY_SLOT_BYTES = 4096
 DAEMON_VARS = frozenset({
     ENV_JOB, ENV_GENERATION, ENV_RESTART_COUNT, ENV_NODE_ID, ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_INTERVAL,
     ENV_KEEP_CHECKPOINTS, ENV_STOP_CHECK_INTERVAL, ENV_TOTAL_STEPS, ENV_GLOBAL_BATCH, ENV_MICRO_BATCHES,
-    ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE, ENV_STANDBY_SLOT,
+    ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE, ENV_STANDBY_SLOT, ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_INTERVAL,
 })
 
 def default_sockets() -> list[str]:

@@ -28,6 +28,7 @@ MAX_INTS: dict[str, int] = {
     "workers_per_node": 1024, "min_nodes": 100_000, "max_nodes": 100_000, "max_restarts": 1_000_000,
     "quarantine_after_failures": 1_000_000, "total_steps": 2**53, "global_batch_size": 2**31 - 1,
     "checkpoint_interval_steps": 2**53, "keep_checkpoints": 10_000, "stop_check_interval_steps": 1_000_000,
+    "snapshot_interval_steps": 2**53,
 }
 #: Every duration is at most 30 days.
 MAX_SECONDS = 30 * 24 * 3600.0
@@ -79,6 +80,11 @@ class JobSpec:
     checkpoint_interval_steps: int = 10
     #: Checkpoints kept; older ones are deleted after a newer one is committed.
     keep_checkpoints: int = 3
+    #: Between checkpoints, the first rank of every node keeps a copy of the training state in the
+    #: node's memory every this many steps (0: never); after a crash the relaunch resumes from it
+    #: when it is newer than the newest checkpoint. It costs a copy of the parameters to host memory
+    #: on the training thread, and twice the checkpoint's size in memory on every node.
+    snapshot_interval_steps: int = 1
     #: The backstop for a stop that comes without a stop step (a SIGTERM from outside elasticd to
     #: a rank of a multi-node job, elasticd itself stopped on one node of it): the ranks agree on it
     #: (one allreduce, a host sync) every this many steps (the agent waits that many steps, at the
@@ -160,8 +166,9 @@ class JobSpec:
                     "quarantine_after_failures"):
             if getattr(self, key) <= 0:
                 _fail(key, f"must be a positive integer (got {getattr(self, key)})")
-        if self.max_restarts < 0:
-            _fail("max_restarts", f"must be >= 0 (got {self.max_restarts})")
+        for key in ("max_restarts", "snapshot_interval_steps"):
+            if getattr(self, key) < 0:
+                _fail(key, f"must be >= 0 (got {getattr(self, key)})")
         for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
                     "quarantine_cooldown_s", "scale_up_settle_s"):
             if not getattr(self, key) > 0:

@@ -42,6 +42,7 @@ from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, Tempora
 from mselastic.store.informer import Informer
 from mselastic.store.lease import Election, Term, probe_s
 from mselastic.store.views import ClusterView, JobView, read_cluster
+from mselastic.daemon import liveness
 from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -153,6 +154,9 @@ class CoordinatorConfig:
     keep_report_generations: int = 50
     #: This node's local socket (``unix:PATH``): its own agent is reached there.
     local_socket: str = ""
+    #: Watch the connections to the members' agents (see :mod:`mselastic.daemon.liveness`). Off
+    #: only where the members have no agents at all (``bench/coordinator_scale.py``).
+    peer_evidence: bool = True
 
 
 #: Refusals a push will meet again until someone changes a configuration or a record.
@@ -176,11 +180,15 @@ class Agents:
         self.local = local or {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def stub(self, address: str) -> pb_grpc.AgentStub:
+    def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
+            options = {**CHANNEL_OPTIONS, **liveness.CLIENT_OPTIONS}
             self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
-                                                           options=list(CHANNEL_OPTIONS.items()))
-        return pb_grpc.AgentStub(self._channels[address])
+                                                           options=list(options.items()))
+        return self._channels[address]
+
+    def stub(self, address: str) -> pb_grpc.AgentStub:
+        return pb_grpc.AgentStub(self.channel(address))
 
     async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> dict[str, str]:
         """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised.
@@ -294,6 +302,9 @@ class Coordinator:
         self._queued: set[str] = set()
         #: Members of live plans seen unregistered, by node id (see :meth:`_excused`).
         self._absent: dict[str, Absence] = {}
+        #: Members of live plans whose agent's connection dropped: unregistered until it answers.
+        self.liveness = liveness.Liveness(self.agents.channel, self._wake.set)
+        self._blind = False  # (logged once) the evidence is ignored: most connections dropped at once
         #: One clock per decision (see :meth:`_on_my_clock`): the times this leader wrote in statuses
         #: during its term, and another writer's times mapped to this leader's clock when first seen.
         self._mine: set[float] = set()
@@ -372,6 +383,7 @@ class Coordinator:
             self._tasks.clear()
             self._inflight.clear()
             self.informer = None
+            await self.liveness.close()
 
     async def _sleep(self, stop: asyncio.Event, term: Term, rest_s: float = 0.0) -> None:
         """Until a change wakes the loop (or ``reconcile_interval_s``), but first ``rest_s``: changes
@@ -395,7 +407,7 @@ class Coordinator:
         informer = self.informer
         if informer is not None and not informer.synced.is_set():
             return  # the first list is under way; it wakes the loop when done
-        cluster = informer.view() if informer is not None else await read_cluster(self.store)
+        cluster = self._suspected(informer.view() if informer is not None else await read_cluster(self.store))
         excused = self._excused(cluster)
         self.passes += 1
         now, mono = time.time(), time.monotonic()
@@ -432,6 +444,33 @@ class Coordinator:
         self._queued = queued
         await self._finish_drains(term, cluster, held)
 
+    def _suspected(self, cluster: ClusterView) -> ClusterView:
+        """Watch the connections to the agents of live plans' members (and of the suspects, until
+        they answer or their registration goes), and pass the cluster on with the suspects taken
+        out of its registered nodes: to the planner and to :meth:`_excused` they look unregistered
+        (peer evidence, ahead of the lease; see :mod:`mselastic.daemon.liveness`)."""
+        registered = {n.node_id: n.agent_address for n in cluster.nodes}
+        watch: dict[str, str] = {}
+        for view in cluster.jobs.values():
+            if view.plan is not None and not view.status.state.terminal:
+                for m in view.plan.members:
+                    if registered.get(m.node_id) == m.agent_address:
+                        watch[m.node_id] = m.agent_address
+        watch.update((n, registered[n]) for n in self.liveness.suspects if n in registered)
+        self.liveness.watch(watch if self.cfg.peer_evidence else {})
+        if not self.liveness.suspects:
+            self._blind = False
+            return cluster
+        remote = len(set(watch) - {self.cfg.node_id})
+        if len(self.liveness.suspects) >= 2 and 2 * len(self.liveness.suspects) > remote:
+            if not self._blind:  # most of them at once: this leader's network, more likely than theirs
+                log.warning("the connections to %d of %d nodes dropped at once: ignored, their leases decide",
+                            len(self.liveness.suspects), remote, extra=dict(node=self.cfg.node_id))
+            self._blind = True
+            return cluster
+        self._blind = False
+        return dataclasses.replace(cluster, nodes=[n for n in cluster.nodes if n.node_id not in self.liveness.suspects])
+
     def _excused(self, cluster: ClusterView) -> set[str]:
         """Jobs to leave alone in this pass: a member of their plan is unregistered but excused.
 
@@ -442,7 +481,9 @@ class Coordinator:
         again, and its jobs get no decision meanwhile (no relaunch, no planned change): the running
         generation is adopted when it is back. A member whose agent says it runs nothing (it fenced
         itself) is lost at once, one that does not answer twice in a row (a dead node, a partition)
-        within about a second; until the first answer it waits at most half a TTL."""
+        within about a second (a suspect, whose connection dropped already: once); until the first
+        answer it waits at most half a TTL. Suspects (see :meth:`_suspected`) come here as if
+        unregistered."""
         registered = {n.node_id for n in cluster.nodes}
         wanted: dict[str, list[tuple[str, int]]] = {}
         members: dict[str, Member] = {}
@@ -459,8 +500,8 @@ class Coordinator:
                 if gone.task is not None:
                     gone.task.cancel()
                 if gone.excused and node_id in registered:
-                    log.warning("node %s registered again after %.1fs with its generation(s) intact: adopted",
-                                node_id, time.monotonic() - gone.since, extra=dict(node=node_id))
+                    log.warning("node %s registered or answering again after %.1fs with its generation(s) intact: "
+                                "adopted", node_id, time.monotonic() - gone.since, extra=dict(node=node_id))
         now, grace = time.monotonic(), STALL_GRACE_TTLS * self.cfg.lease_ttl_s
         held: set[str] = set()
         for node_id, gens in wanted.items():
@@ -532,14 +573,20 @@ class Coordinator:
         failed = 0
         while True:
             try:
-                res = await self.agents.stub(a.member.agent_address).Status(pb.AgentStatusRequest(),
-                                                                            timeout=probe_s(self.cfg.lease_ttl_s))
+                # (Waiting for a connection up to the deadline: a channel that is reconnecting would
+                # fail the call at once, and two of those 0.1 s apart would lose a healthy node.)
+                res = await self.agents.stub(a.member.agent_address).Status(
+                    pb.AgentStatusRequest(), timeout=probe_s(self.cfg.lease_ttl_s), wait_for_ready=True)
                 running = {(g.job, g.generation) for g in res.generations
                            if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING)}
                 a.running, failed = (running if res.node_id == a.member.node_id else set()), 0
+                if res.node_id == a.member.node_id:
+                    self.liveness.clear(res.node_id)
             except grpc.aio.AioRpcError:
                 failed += 1
-                if failed >= 2:
+                # A suspect's connection dropped already (unanswered pings, or a reset) and this
+                # question waited its whole deadline for a new one: evidence enough at the first.
+                if failed >= (1 if a.member.node_id in self.liveness.suspects else 2):
                     a.running = set()
             self._wake.set()
             await asyncio.sleep(self.cfg.lease_ttl_s / 3 if not failed else 0.1)

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import grp
+import hashlib
 import ipaddress
 import logging
 import os
@@ -49,7 +50,7 @@ from mselastic.core.contract import default_sockets
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
 from mselastic import metrics
-from mselastic.daemon import logs, systemd
+from mselastic.daemon import liveness, logs, systemd
 from mselastic.daemon.auth import Authorizer
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
@@ -155,6 +156,10 @@ class Settings:
     #: and one for a scheduler): a relaunch hands them the generation instead of starting msrun and
     #: new Pythons. Each costs the memory of an idle Python with MindSpore imported.
     warm_standbys: bool = True
+    #: Folder in memory (tmpfs) where the ranks keep snapshots of the training state between
+    #: checkpoints (a job's ``snapshot_interval_steps``): ``<snapshot_dir>/<node>-<namespace
+    #: hash>/<job>``, removed when the job succeeds here. "": no snapshots on this node.
+    snapshot_dir: str = "/dev/shm/mselastic"
 
     def validate(self) -> "Settings":
         try:
@@ -338,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
         "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
         "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
+        "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none)",
     }
     for key, f in FIELDS.items():
         kinds: dict[str, Callable[[str], object]] = {"int": int, "float": float, "bool": _flag}
@@ -415,6 +421,14 @@ def _read_config(path: str) -> dict[str, object]:
         if key not in FIELDS:
             raise SettingsError(f"{key} (from {path}): unknown key; known keys are {', '.join(FIELDS)}")
     return data
+
+
+def snapshot_root(s: "Settings") -> str:
+    """This elasticd's own folder under ``snapshot_dir``: several (nodes of a test cluster, two
+    namespaces) may share a machine."""
+    if not s.snapshot_dir:
+        return ""
+    return os.path.join(s.snapshot_dir, f"{s.node_id}-{hashlib.sha256(s.namespace.encode()).hexdigest()[:8]}")
 
 
 def _bind_socket(server: grpc.aio.Server, s: Settings) -> str:
@@ -520,7 +534,8 @@ async def serve(s: Settings) -> None:
 
     # Requests are small (a spec is bounded far below this); answers may be larger (events).
     server = grpc.aio.server(interceptors=[Authorizer(s.insecure, leader)],
-                             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+                             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                                      *liveness.SERVER_OPTIONS])
     local = _bind_socket(server, s)
     try:
         port = (server.add_secure_port(s.listen, s.tls.server_credentials()) if s.tls_cert
@@ -533,7 +548,7 @@ async def serve(s: Settings) -> None:
     agent = NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                          slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                          worker_user=worker, allow_env=s.allowed_env, pass_env=_names(s.pass_env),
-                                         warm_standbys=s.warm_standbys))
+                                         warm_standbys=s.warm_standbys, snapshot_root=snapshot_root(s)))
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),

@@ -20,6 +20,8 @@ position and gradient accumulation themselves::
     if step % ctx.checkpoint_interval_steps == 0 or stop:
         ckpt.save(optimizer, step, pos.epoch, pos.cursor, pos.seed)
         if stop: ctx.planned_exit(step)
+    else:                                        # a snapshot in the node's memory between them
+        ckpt.snapshot(optimizer, step, pos.epoch, pos.cursor, pos.seed)
     ctx.finished(step, loss)
 """
 

@@ -14,6 +14,16 @@ checkpoint the newest complete one. Only rank 0 writes (data parallel: every ran
 holds the same parameters). The manifest also carries MindSpore's random state,
 restored by ``load`` (dropout masks continue as if never interrupted).
 
+Between checkpoints the first local rank of every node keeps a *snapshot* of the same state
+every ``snapshot_interval_steps`` in a folder in memory the agent gives it (tmpfs, the node's
+own: ``MSELASTIC_SNAPSHOT_DIR``): copied on the training thread, written in the background, the
+newest two kept. A rank's death does not take them with it; the next generation's rank 0, before
+the ranks agree, turns the newest one on its node into an ordinary checkpoint (copied, checked,
+published like any save) when it is newer than every checkpoint of the job, was taken by the
+generation that owns the folder (or a later one) and continues the folder's lineage (a random id
+``latest.json`` keeps from its first pointer on): a crash then costs the steps since the last snapshot, not since
+the last checkpoint (DLRover's flash checkpoint, on the files a rank already writes).
+
 ``load`` makes every rank resume from the same checkpoint: rank 0 proposes its
 candidates (the pointer's, then the newest first), each rank tries to load the
 proposal, and the first one every rank loaded is taken (two allreduces per
@@ -40,6 +50,8 @@ import os
 import re
 import shutil
 import sys
+import threading
+import uuid
 from typing import Any, Callable, NoReturn
 
 from mselastic.core.contract import LATEST_CHECKPOINT
@@ -56,6 +68,28 @@ _UNUSABLE = (OSError, ValueError, TypeError, RuntimeError, KeyError)
 
 def _stem(step: int, generation: int | None) -> str:
     return f"ckpt-{step:08d}" + ("" if generation is None else f"-g{generation:06d}")
+
+
+def host_copy(objects: list[Any]) -> list[dict[str, Any]]:
+    """The parameters of ``objects`` (cells, optimizers), copied to host memory (numpy arrays):
+    what a checkpoint holds. Names as MindSpore gives them, each once (an optimizer holds the
+    network's weights too)."""
+    seen: dict[str, Any] = {}
+    for obj in objects:
+        for p in obj.get_parameters():
+            seen.setdefault(p.name, p)
+    return [{"name": name, "data": p.asnumpy().copy()} for name, p in seen.items()]
+
+
+def _tensors(values: Any) -> Any:
+    """A :func:`host_copy` as ``mindspore.save_checkpoint`` takes it (made into Tensors by the
+    thread that writes it, without a copy: ``Tensor(array)`` would copy it again, holding the GIL)."""
+    import mindspore as ms
+
+    if not isinstance(values, list):
+        return values
+    return [v if isinstance(v.get("data"), ms.Tensor) else dict(v, data=ms.Tensor.from_numpy(v["data"]))
+            for v in values]
 
 
 def rng_state() -> dict[str, Any]:
@@ -106,6 +140,9 @@ class Manifest:
     job: str = ""
     #: MindSpore's random state when it was taken (:func:`rng_state`), restored by ``load``.
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The checkpoint folder's lineage (``latest.json``'s) when a snapshot was taken: a snapshot is
+    #: only ever adopted into the folder whose history it continues.
+    lineage: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +178,7 @@ def _sha256(path: str) -> str:
 
 
 def _fsync_file(path: str) -> None:
+    """fsync a file, or a folder (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -172,9 +210,17 @@ class Checkpointer:
     the generation too, so two generations never write the same file."""
 
     def __init__(self, directory: str, rank: int, world_size: int, generation: int, keep: int = 3,
-                 job: str = "", ctx: Any = None) -> None:
+                 job: str = "", ctx: Any = None, snapshot_dir: str = "", snapshot_interval: int = 0,
+                 keeper: bool = False) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
+        #: This node's in-memory folder for snapshots ("": none), every how many steps, and
+        #: whether this rank takes them (see the module's notes).
+        self.snapshot_dir = snapshot_dir
+        self.snapshot_interval = snapshot_interval
+        self.keeper = keeper
+        self._snapping: threading.Thread | None = None
+        self._lineage: str | None = None
         self.dir = directory
         self.rank = rank
         self.world_size = world_size
@@ -189,7 +235,9 @@ class Checkpointer:
     @classmethod
     def from_context(cls, ctx: Any) -> "Checkpointer":
         job = ctx.job if ctx.generation else ""  # plain msrun (generation 0): no owner to check
-        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints, job, ctx)
+        return cls(ctx.checkpoint_dir, ctx.rank, ctx.world_size, ctx.generation, ctx.keep_checkpoints, job, ctx,
+                   snapshot_dir=ctx.snapshot_dir, snapshot_interval=ctx.snapshot_interval_steps,
+                   keeper=ctx.snapshot_keeper)
 
     def _fatal(self, reason: str) -> NoReturn:
         if self.ctx is not None:
@@ -221,10 +269,12 @@ class Checkpointer:
             if self.generation and same_job and isinstance(owner, int) and owner > self.generation:
                 return False
             pointer = manifest or current.get("manifest")
-            if pointer is None:
-                return True
+            # The folder's lineage: made with its first pointer (or when another job's is taken
+            # over), kept by every later one; snapshots carry it (see _adopt_snapshot).
+            lineage = current.get("lineage") if same_job and isinstance(current.get("lineage"), str) else ""
             _write_atomic(os.path.join(self.dir, LATEST_CHECKPOINT),
-                          json.dumps({"manifest": pointer, "generation": self.generation, "job": self.job}))
+                          json.dumps({"manifest": pointer, "generation": self.generation, "job": self.job,
+                                      "lineage": lineage or uuid.uuid4().hex}))
         return True
 
     def claim(self) -> None:
@@ -259,17 +309,18 @@ class Checkpointer:
              extra: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> Manifest | None:
         """Write a checkpoint of ``obj`` at ``step``; rank 0 only. ``obj``: the optimizer, whose
         parameters are the network's plus its own state (momentum buffers, learning rate, global
-        step), so all of it is carried across relaunches; or what ``mindspore.save_checkpoint``
-        takes (a list of ``{"name", "data"}``: values copied earlier, written by another thread,
-        which then passes ``rng``, MindSpore's random state taken with them)."""
+        step), so all of it is carried across relaunches; or a :func:`host_copy` (a list of
+        ``{"name", "data"}``, the data numpy arrays or Tensors: values copied earlier, written by
+        another thread, which then passes ``rng``, MindSpore's random state taken with them)."""
         if not self.writer:
             return None
         import mindspore as ms
 
+        self.wait_snapshot()  # (MindSpore writes one checkpoint at a time: this save would wait for it anyway)
         name = _stem(step, self.generation)
         path = os.path.join(self.dir, name + ".ckpt")
         try:
-            ms.save_checkpoint(obj, path, crc_check=True)
+            ms.save_checkpoint(_tensors(obj), path, crc_check=True)
             _fsync_file(path)
             manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
                                 file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path),
@@ -292,13 +343,126 @@ class Checkpointer:
             log.error("checkpoint of step %d withdrawn: generation %s owns %s, this one (%d) was replaced",
                       step, self._latest().get("generation"), self.dir, self.generation)
             return None
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_file(self.dir)
         self._prune()
         return manifest
+
+    # -- snapshots between checkpoints ------------------------------------------
+
+    def snapshot(self, obj: Any, step: int, epoch: int, cursor: int = 0, seed: int = 0,
+                 extra: dict[str, Any] | None = None) -> bool:
+        """Keep a snapshot of ``obj`` (the optimizer, or a list of cells and optimizers) at ``step`` in this
+        node's in-memory folder, when this rank keeps them and one is due. The values are copied
+        now; the write happens in the background, and a snapshot due while the previous one is
+        still being written is skipped (training never waits for one). True: one was taken."""
+        if not (self.snapshot_dir and self.keeper and self.snapshot_interval > 0) or step % self.snapshot_interval:
+            return False
+        if self._snapping is not None and self._snapping.is_alive():
+            return False
+        if self._lineage is None:  # (read once: rank 0 claimed the folder before the first step)
+            lineage = self._latest().get("lineage")
+            self._lineage = lineage if isinstance(lineage, str) else ""
+            if not self._lineage:
+                log.warning("no snapshots: %s has no lineage yet (no checkpoint of this job was published there)",
+                            self.dir)
+        if not self._lineage:
+            return False
+        values = host_copy(list(obj) if isinstance(obj, (list, tuple)) else [obj])
+        rng = rng_state()
+
+        def write() -> None:
+            try:
+                self._write_snapshot(values, step, epoch, cursor, seed, extra or {}, rng)
+            except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation: the checkpoints stand
+                log.warning("snapshot of step %d not kept (%s)", step, e)
+
+        self._snapping = threading.Thread(target=write, name=f"mselastic-snapshot-{step}", daemon=True)
+        self._snapping.start()
+        return True
+
+    def wait_snapshot(self) -> None:
+        """Until the snapshot being written (if any) is kept: before a checkpoint, and at the end."""
+        if self._snapping is not None:
+            self._snapping.join()
+
+    def _write_snapshot(self, values: list[dict[str, Any]], step: int, epoch: int, cursor: int, seed: int,
+                        extra: dict[str, Any], rng: dict[str, Any]) -> None:
+        import mindspore as ms
+
+        name = _stem(step, self.generation)
+        path = os.path.join(self.snapshot_dir, name + ".ckpt")
+        ms.save_checkpoint(_tensors(values), path, crc_check=True)
+        manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
+                            file=name + ".ckpt", sha256="", size=os.path.getsize(path), cursor=cursor, seed=seed,
+                            extra=extra, job=self.job, rng=rng, lineage=self._lineage or "")
+        _write_atomic(os.path.join(self.snapshot_dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
+        # Kept: this generation's two newest. An older generation's can no longer be adopted (this
+        # one owns the checkpoint folder), and what a killed writer left half-written is litter.
+        mine = sorted(n[: -len(".json")] for n in os.listdir(self.snapshot_dir)
+                      if (found := _MANIFEST.match(n)) and found.group(2) and int(found.group(2)) == self.generation)
+        for entry in os.listdir(self.snapshot_dir):
+            if entry.split(".", 1)[0] not in mine[-2:]:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.snapshot_dir, entry))
+
+    def _adopt_snapshot(self) -> None:
+        """Rank 0 of a new generation: the newest snapshot on this node becomes a checkpoint when it
+        is newer than every checkpoint of the job, continues the folder's lineage (not the same job
+        name's in another folder, or from before etcd was wiped) and was taken by the generation
+        that owns the folder or a later one (a replaced generation's, cut off and training on, is not). Copied, checked and
+        published as a save is; anything wrong and the checkpoints are resumed from as they are."""
+        if not (self.writer and self.generation and self.snapshot_dir and os.path.isdir(self.snapshot_dir)):
+            return
+        newest_step = max((int(found.group(1)) for n in self.manifests() if (found := _MANIFEST.match(n))
+                           and self._owner(n) in ("", self.job)), default=-1)
+        owner = self._latest()
+        if owner.get("job", "") not in ("", self.job) or not owner.get("lineage"):
+            return  # another job's folder, or one whose history no snapshot can continue
+        owner_gen = owner.get("generation", 0)
+        for name in sorted((n for n in os.listdir(self.snapshot_dir) if _MANIFEST.match(n)), reverse=True):
+            try:
+                with open(os.path.join(self.snapshot_dir, name)) as f:
+                    m = Manifest(**json.load(f))
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("snapshot %s unreadable (%s)", name, e)
+                continue
+            if m.step <= newest_step:
+                return  # (newest first: none further down is newer than the checkpoints)
+            if m.job != self.job or m.generation >= self.generation or m.lineage != owner["lineage"] \
+                    or (isinstance(owner_gen, int) and m.generation < owner_gen):
+                continue  # another folder's history (the same job name elsewhere, an etcd since wiped), or fenced
+            if self._persist(m):
+                return
+
+    def _persist(self, m: Manifest) -> bool:
+        """Copy the snapshot ``m`` into the checkpoint folder, checked (size, MindSpore's CRC) and
+        published as a save is. False (logged, nothing left behind) when it cannot be."""
+        import mindspore as ms
+
+        stem = m.file[: -len(".ckpt")]
+        src, dst = os.path.join(self.snapshot_dir, m.file), os.path.join(self.dir, m.file)
+        tmp = os.path.join(self.dir, f"{stem}.tmp{os.getpid()}.ckpt")  # (MindSpore loads only *.ckpt)
+        try:
+            shutil.copyfile(src, tmp)
+            _fsync_file(tmp)
+            if os.path.getsize(tmp) != m.size:
+                raise ValueError(f"{m.size} bytes expected, {os.path.getsize(tmp)} copied")
+            ms.load_checkpoint(tmp, crc_check=True)  # (raises on a torn or flipped file)
+            os.replace(tmp, dst)
+            kept = dataclasses.replace(m, sha256=_sha256(dst))
+            _write_atomic(os.path.join(self.dir, stem + ".json"), json.dumps(dataclasses.asdict(kept)))
+            if not self._publish(stem + ".json"):
+                raise ValueError("a newer generation owns the folder")
+            _fsync_file(self.dir)
+        except _UNUSABLE as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            self._withdraw(stem)
+            log.warning("snapshot of step %d not kept as a checkpoint (%s)", m.step, e)
+            return False
+        log.warning("the snapshot of step %d (generation %d) on this node is newer than every checkpoint: kept as "
+                    "%s", m.step, m.generation, stem + ".json")
+        return True
 
     def _withdraw(self, name: str) -> None:
         """Remove a checkpoint that was not published (its files, its manifest's temp file)."""
@@ -354,6 +518,7 @@ class Checkpointer:
         from it unless ``restore_rng`` is False (then :meth:`Resumed.restore_rng`, once the network
         is built: building it consumes seeds)."""
         try:
+            self._adopt_snapshot()
             resumed = self._load()
         finally:
             self.claim()

@@ -130,6 +130,11 @@ class ElasticContext:
     stop_requested: bool = False
     #: The step every rank stops at, once read from ``stop_file``.
     stop_at: int | None = None
+    #: This node's in-memory folder for snapshots between checkpoints ("": none), how often
+    #: (steps; 0: never), and whether this rank keeps them (the first local rank of each node).
+    snapshot_dir: str = ""
+    snapshot_interval_steps: int = 0
+    snapshot_keeper: bool = False
     fault: FaultPlan | None = None
     _sock: socket.socket | None = None
     _sum: Any = None
@@ -174,6 +179,9 @@ class ElasticContext:
             heartbeat_address=os.environ.get(contract.ENV_HEARTBEAT, ""),
             stop_check_interval_steps=max(1, _env_int(contract.ENV_STOP_CHECK_INTERVAL, 20)),
             stop_file=os.environ.get(contract.ENV_STOP_FILE, ""),
+            snapshot_dir=os.environ.get(contract.ENV_SNAPSHOT_DIR, ""),
+            snapshot_interval_steps=max(0, _env_int(contract.ENV_SNAPSHOT_INTERVAL, 0)),
+            snapshot_keeper=os.environ.get("DEVICE_ID", "0") == "0",  # msrun's local index of the rank
             fault=FaultPlan.from_env(),
         )
         if ctx.heartbeat_address:

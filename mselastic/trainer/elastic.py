@@ -68,7 +68,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mselastic.core import contract
-from mselastic.trainer.checkpoint import Checkpointer, Resumed, rng_state
+from mselastic.trainer.checkpoint import Checkpointer, Resumed, host_copy, rng_state
 from mselastic.trainer.context import ElasticContext, joining
 
 log = logging.getLogger("mselastic.trainer")
@@ -236,6 +236,9 @@ class Session:
         at_end = bool(total) and step >= total
         if stop or at_end or step // interval > previous // interval:
             self.save(step)
+        elif self.tracked and self.ckpt is not None:
+            epoch, cursor = self._position(step)
+            self.ckpt.snapshot(self.tracked, step, epoch, cursor, self.seed, extra={"num_samples": self.num_samples})
         if stop:
             self.wait_saved()
             ctx.planned_exit(step)
@@ -250,10 +253,8 @@ class Session:
         if not self.tracked or self.ckpt is None or not self.ckpt.writer:
             return
         self.wait_saved()
-        values, rng = _snapshot(self.tracked), rng_state()
-        epoch, offset = divmod(step, max(1, self.num_samples // self.context().global_batch_size)) \
-            if self.num_samples else (0, 0)
-        cursor = offset * self.context().global_batch_size
+        values, rng = host_copy(self.tracked), rng_state()
+        epoch, cursor = self._position(step)
         ckpt = self.ckpt
 
         def write() -> None:
@@ -264,6 +265,14 @@ class Session:
 
         self._saving = threading.Thread(target=write, name=f"mselastic-save-{step}", daemon=True)
         self._saving.start()
+
+    def _position(self, step: int) -> tuple[int, int]:
+        """The data position after ``step``: the epoch, and the samples of it consumed."""
+        if not self.num_samples:
+            return 0, 0
+        gbs = self.context().global_batch_size
+        epoch, offset = divmod(step, max(1, self.num_samples // gbs))
+        return epoch, offset * gbs
 
     def wait_saved(self) -> None:
         if self._saving is not None:
@@ -310,6 +319,8 @@ class Session:
             return
         self._done = True
         self.wait_saved()
+        if self.ckpt is not None:
+            self.ckpt.wait_snapshot()
         self.context().finished(self.step, self.loss)
 
 
@@ -319,18 +330,6 @@ _SESSION = Session()
 def session() -> Session:
     """This process's elastic state (for tests and tools)."""
     return _SESSION
-
-
-def _snapshot(objects: list[Any]) -> list[dict[str, Any]]:
-    """The parameters of ``objects`` (cells, optimizers), copied: what a checkpoint holds. Names as
-    MindSpore gives them, each once (an optimizer holds the network's weights too)."""
-    import mindspore as ms
-
-    seen: dict[str, Any] = {}
-    for obj in objects:
-        for p in obj.get_parameters():
-            seen.setdefault(p.name, p)
-    return [{"name": name, "data": ms.Tensor(p.asnumpy().copy())} for name, p in seen.items()]
 
 
 def _nodes(dataset: Any) -> Iterator[Any]:

@@ -1,0 +1,113 @@
+"""What training costs under elasticd, and what the per-step snapshots cost, against plain msrun.
+
+The LeNet job, 2 ranks, a checkpoint every 10 steps in every mode, side by side in one
+invocation (the modes alternate within each round, ``--runs`` rounds, medians):
+
+* plain: plain msrun, no daemon, no snapshots (the baseline);
+* plain + snapshots: plain msrun with a snapshot of the training state every step (what
+  ``snapshot_interval_steps = 1``, the default, costs the ranks: a copy of the parameters to host
+  memory on the training thread, written to a tmpfs folder in the background);
+* elasticd: the job submitted to an elasticd with its defaults (snapshots every step, standby
+  workers started once it trains, heartbeats, reports).
+
+Milliseconds per step of rank 0 between ``--from-step`` and ``--to-step`` (plain: the trainer's
+own heartbeat times; elasticd: rank 0's step as the agent reports it, polled every 10 ms), and
+each mode's ratio to the baseline (steps per second, so 1.00 is "costs nothing", < 1 slower).
+
+Usage: make bench-steady   (or: python bench/steady_state.py --data build/data/digits --runs 3)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+from localnode import LocalNode, plain_msrun, wait_for, write_lenet_spec  # noqa: E402
+
+from mselastic.core import contract  # noqa: E402
+
+MODES = ("plain", "plain + snapshots", "elasticd")
+
+
+def plain(data: str, work: str, snapshots: bool, from_step: int, to_step: int) -> float:
+    env = {contract.ENV_TOTAL_STEPS: str(to_step + 20), contract.ENV_CHECKPOINT_INTERVAL: "10",
+           contract.ENV_GLOBAL_BATCH: "32"}
+    if snapshots:
+        folder = tempfile.mkdtemp(prefix="mselastic-bench-snap-", dir="/dev/shm")
+        env.update({contract.ENV_SNAPSHOT_DIR: folder, contract.ENV_SNAPSHOT_INTERVAL: "1"})
+    at: dict[int, float] = {}
+    try:
+        with plain_msrun(data, work, env) as job:
+            while to_step not in at:
+                beat = job.beat()
+                if beat.kind == "step" and beat.rank == 0:
+                    at[beat.step] = beat.at
+    finally:
+        if snapshots:
+            shutil.rmtree(folder, ignore_errors=True)
+    return (at[to_step] - at[from_step]) / (to_step - from_step) * 1000
+
+
+def under_elasticd(data: str, work: str, from_step: int, to_step: int) -> float:
+    node = LocalNode(work).start()
+    try:
+        spec = write_lenet_spec(os.path.join(work, "job.toml"), "bench", data, os.path.join(work, "out"),
+                                os.path.join(work, "ckpt"), to_step + 20)
+        assert node.elasticctl("submit", spec).returncode == 0
+        wait_for("training", lambda: (r := node.ranks("bench")[1].get(0)) and r.step >= from_step - 5, 180, 0.1)
+        at: dict[int, float] = {}
+        while to_step not in at:
+            r = node.ranks("bench")[1].get(0)
+            now = time.time()
+            if r is not None and r.step in (from_step, to_step) and r.step not in at:
+                at[r.step] = now
+            elif r is not None and r.step > to_step:
+                raise RuntimeError("missed the last step: the poll is too slow")
+            time.sleep(0.01)
+        return (at[to_step] - at[from_step]) / (to_step - from_step) * 1000
+    finally:
+        left = node.stop()
+        if left:
+            print(f"warning: killed leftover processes {left}", file=sys.stderr)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--from-step", type=int, default=20)
+    p.add_argument("--to-step", type=int, default=120)
+    args = p.parse_args()
+    results: dict[str, list[float]] = {m: [] for m in MODES}
+    root = tempfile.mkdtemp(prefix="mselastic-bench-steady-")
+    os.chmod(root, 0o755)  # (elasticd's workers run as an unprivileged user)
+    try:
+        for i in range(args.runs):
+            for mode in MODES:
+                work = os.path.join(root, f"{i}-{mode.replace(' ', '').replace('+', '-')}")
+                ms = (under_elasticd(args.data, work, args.from_step, args.to_step) if mode == "elasticd" else
+                      plain(args.data, work, mode != "plain", args.from_step, args.to_step))
+                results[mode].append(ms)
+                print(f"run {i + 1} {mode}: {ms:.1f} ms/step", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = statistics.median(results["plain"])
+    print(f"\n{'mode':<20}{'ms/step':>10}{'ratio':>8}   (ratio: plain's ms/step over this one's; 1.00 = no cost)")
+    for mode in MODES:
+        med = statistics.median(results[mode])
+        print(f"{mode:<20}{med:>10.1f}{base / med:>8.3f}")
+    print("BENCH " + json.dumps({m.replace(" + ", "_").replace(" ", "_") + "_ms_per_step":
+                                 round(statistics.median(v), 2) for m, v in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
