@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from localnode import LocalNode, wait_for, write_lenet_spec  # noqa: E402
+from localnode import LocalNode, bench_folder, wait_for, write_lenet_spec  # noqa: E402
 
 
 def step_now(node: LocalNode) -> int:
@@ -34,8 +32,7 @@ def step_now(node: LocalNode) -> int:
 
 
 def run(data: str, work: str, seconds: float, kill_every_s: float) -> dict[str, float]:
-    node = LocalNode(work).start()
-    try:
+    with LocalNode(work).start() as node:
         # (Every kill is blamed on the one node: it must not be quarantined or run out of restarts.)
         spec = write_lenet_spec(os.path.join(work, "job.toml"), "bench", data, os.path.join(work, "out"),
                                 os.path.join(work, "ckpt"), 10_000_000, max_restarts=1000,
@@ -56,10 +53,6 @@ def run(data: str, work: str, seconds: float, kill_every_s: float) -> dict[str, 
         job = node.job("bench")
         return {"steps": float(last - first), "kills": float(kills),
                 "restarts": float(job.restart_count if job is not None else -1)}
-    finally:
-        left = node.stop()
-        if left:
-            print(f"warning: killed leftover processes {left}", file=sys.stderr)
 
 
 def main() -> int:
@@ -68,16 +61,12 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--kill-every-s", type=float, default=120.0)
     args = p.parse_args()
-    root = tempfile.mkdtemp(prefix="mselastic-bench-goodput-")
-    os.chmod(root, 0o755)  # (elasticd's workers run as an unprivileged user)
-    try:
+    with bench_folder("goodput") as root:
         clean = run(args.data, os.path.join(root, "clean"), args.minutes * 60, 0)
         print(f"fault-free: {clean['steps']:.0f} steps in {args.minutes:g} min", flush=True)
         faulty = run(args.data, os.path.join(root, "faulty"), args.minutes * 60, args.kill_every_s)
         print(f"a rank SIGKILLed every {args.kill_every_s:g} s: {faulty['steps']:.0f} steps in {args.minutes:g} min "
               f"({faulty['kills']:.0f} kills, {faulty['restarts']:.0f} restarts)", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     goodput = faulty["steps"] / clean["steps"]
     print(f"goodput: {goodput:.3f} (goal >= 0.90)")
     print("BENCH " + json.dumps({"goodput": round(goodput, 4), "clean_steps": clean["steps"],

@@ -69,8 +69,7 @@ def _cost(pids: list[int], seconds: float = 3.0) -> tuple[float, float]:
 
 
 def elastic_recovery(data: str, work: str, kill_at_step: int, warm: bool) -> dict[str, float]:
-    node = LocalNode(work).start(*([] if warm else ["--warm-standbys", "false"]))
-    try:
+    with LocalNode(work).start(*([] if warm else ["--warm-standbys", "false"])) as node:
         spec = write_lenet_spec(os.path.join(work, "job.toml"), "bench", data, os.path.join(work, "out"),
                                 os.path.join(work, "ckpt"), kill_at_step + 200)
         assert node.elasticctl("submit", spec).returncode == 0
@@ -100,10 +99,6 @@ def elastic_recovery(data: str, work: str, kill_at_step: int, warm: bool) -> dic
                 "plan_s": committed - failed.stopped_at, "relaunch_to_first_step_s": second.first_step_at - committed,
                 "recovery_s": second.first_step_at - killed,
                 "steps_recomputed": float(failed.step - second.resumed_step), **cost}
-    finally:
-        left = node.stop()
-        if left:
-            print(f"warning: killed leftover processes {left}", file=sys.stderr)
 
 
 @contextlib.contextmanager

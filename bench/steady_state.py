@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from localnode import LocalNode, plain_msrun, wait_for, write_lenet_spec  # noqa: E402
+from localnode import LocalNode, bench_folder, plain_msrun, wait_for, write_lenet_spec  # noqa: E402
 
 from mselastic.core import contract  # noqa: E402
 
@@ -57,8 +57,7 @@ def plain(data: str, work: str, snapshots: bool, from_step: int, to_step: int) -
 
 
 def under_elasticd(data: str, work: str, from_step: int, to_step: int) -> float:
-    node = LocalNode(work).start()
-    try:
+    with LocalNode(work).start() as node:
         spec = write_lenet_spec(os.path.join(work, "job.toml"), "bench", data, os.path.join(work, "out"),
                                 os.path.join(work, "ckpt"), to_step + 20)
         assert node.elasticctl("submit", spec).returncode == 0
@@ -73,10 +72,6 @@ def under_elasticd(data: str, work: str, from_step: int, to_step: int) -> float:
                 raise RuntimeError("missed the last step: the poll is too slow")
             time.sleep(0.01)
         return (at[to_step] - at[from_step]) / (to_step - from_step) * 1000
-    finally:
-        left = node.stop()
-        if left:
-            print(f"warning: killed leftover processes {left}", file=sys.stderr)
 
 
 def main() -> int:
@@ -87,9 +82,7 @@ def main() -> int:
     p.add_argument("--to-step", type=int, default=120)
     args = p.parse_args()
     results: dict[str, list[float]] = {m: [] for m in MODES}
-    root = tempfile.mkdtemp(prefix="mselastic-bench-steady-")
-    os.chmod(root, 0o755)  # (elasticd's workers run as an unprivileged user)
-    try:
+    with bench_folder("steady") as root:
         for i in range(args.runs):
             for mode in MODES:
                 work = os.path.join(root, f"{i}-{mode.replace(' ', '').replace('+', '-')}")
@@ -97,8 +90,6 @@ def main() -> int:
                       plain(args.data, work, mode != "plain", args.from_step, args.to_step))
                 results[mode].append(ms)
                 print(f"run {i + 1} {mode}: {ms:.1f} ms/step", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     base = statistics.median(results["plain"])
     print(f"\n{'mode':<20}{'ms/step':>10}{'ratio':>8}   (ratio: plain's ms/step over this one's; 1.00 = no cost)")
     for mode in MODES:

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from typing import Callable, Iterator, TypeVar
@@ -46,6 +47,18 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout_s: float, poll_s: fl
                                  retry=tenacity.retry_if_result(lambda v: not v))(fn)  # type: ignore[return-value]
     except tenacity.RetryError:
         raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
+
+
+@contextlib.contextmanager
+def bench_folder(name: str) -> Iterator[str]:
+    """A temporary folder for a benchmark's runs that elasticd's unprivileged workers may enter,
+    removed on the way out."""
+    root = tempfile.mkdtemp(prefix=f"mselastic-bench-{name}-")
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int,
@@ -190,6 +203,14 @@ class LocalNode:
     def etcd_values(self, prefix: str) -> list[bytes]:
         return [line for line in self.etcdctl("get", prefix, "--prefix", "--print-value-only").splitlines()
                 if line.strip()]
+
+    def __enter__(self) -> "LocalNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        left = self.stop()
+        if left:
+            print(f"warning: killed leftover processes {left}", file=sys.stderr)
 
     def stop(self) -> list[int]:
         """Stop elasticd (it stops its workers and etcd); kill and return any marked leftovers."""

@@ -137,11 +137,10 @@ def test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy
     assert worst < WORLD_CHANGE_ATOL, f"parameters {worst:.2e} from the uninterrupted run"
 
 
-def test_model_train_in_sink_mode_checkpoints_and_stops_at_sink_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Data sink mode calls back once per sink (every 10 steps here): a checkpoint at each boundary
-    past a multiple of the interval, total_steps (25) reached at the first boundary past it (30),
-    where the job is told it finished and Model.train to stop. (On CPU MindSpore never sinks: this
-    is the accounting alone, with the callback MindSpore would call.)"""
+def model_train_session(monkeypatch: pytest.MonkeyPatch, checkpoint_interval_steps: int) -> tuple[Any, list[int]]:
+    """This process's elastic session as rank 0 of 2 in generation 2 (total_steps 25), agreed on
+    a fresh start, with no MindSpore cluster: the callbacks' accounting alone. Returns it and the
+    steps the agent is told the job finished at."""
     from mselastic.core.elastic import batch_layout
     from mselastic.trainer import elastic
     from mselastic.trainer.context import ElasticContext
@@ -149,15 +148,26 @@ def test_model_train_in_sink_mode_checkpoints_and_stops_at_sink_boundaries(monke
     layout = batch_layout(32, 2, ())
     assert layout is not None
     ctx = ElasticContext(rank=0, world_size=2, job="j", generation=2, restart_count=0, checkpoint_dir="",
-                         checkpoint_interval_steps=10, keep_checkpoints=3, total_steps=25, global_batch_size=32,
-                         layout=layout, stop_check_interval_steps=1000)
+                         checkpoint_interval_steps=checkpoint_interval_steps, keep_checkpoints=3, total_steps=25,
+                         global_batch_size=32, layout=layout, stop_check_interval_steps=1000)
     session = elastic.Session()
     session.ctx, session.agreed = ctx, True
     monkeypatch.setattr(elastic, "_SESSION", session)
-    saves: list[int] = []
-    monkeypatch.setattr(session, "save", saves.append)
     finished: list[int] = []
     monkeypatch.setattr(ctx, "finished", lambda step, loss: finished.append(step))
+    return session, finished
+
+
+def test_model_train_in_sink_mode_checkpoints_and_stops_at_sink_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data sink mode calls back once per sink (every 10 steps here): a checkpoint at each boundary
+    past a multiple of the interval, total_steps (25) reached at the first boundary past it (30),
+    where the job is told it finished and Model.train to stop. (On CPU MindSpore never sinks: this
+    is the accounting alone, with the callback MindSpore would call.)"""
+    from mselastic.trainer import elastic
+
+    session, finished = model_train_session(monkeypatch, checkpoint_interval_steps=10)
+    saves: list[int] = []
+    monkeypatch.setattr(session, "save", saves.append)
 
     class Params:
         cur_step_num = 0
@@ -187,22 +197,11 @@ def test_model_train_that_runs_out_of_epochs_before_total_steps_ends_the_job_the
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Model.train returned normally at step 20 of 25 (its epochs ran out): the job ends there,
     said out loud, after a last checkpoint."""
-    from mselastic.core.elastic import batch_layout
     from mselastic.trainer import elastic
-    from mselastic.trainer.context import ElasticContext
 
-    layout = batch_layout(32, 2, ())
-    assert layout is not None
-    ctx = ElasticContext(rank=0, world_size=2, job="j", generation=2, restart_count=0, checkpoint_dir="",
-                         checkpoint_interval_steps=20, keep_checkpoints=3, total_steps=25, global_batch_size=32,
-                         layout=layout, stop_check_interval_steps=1000)
-    session = elastic.Session()
-    session.ctx, session.agreed = ctx, True
-    monkeypatch.setattr(elastic, "_SESSION", session)
+    session, finished = model_train_session(monkeypatch, checkpoint_interval_steps=20)
     saves: list[int] = []
     monkeypatch.setattr(session, "save", lambda step: (saves.append(step), setattr(session, "saved_step", step)))
-    finished: list[int] = []
-    monkeypatch.setattr(ctx, "finished", lambda step, loss: finished.append(step))
 
     class Params:
         cur_step_num = 0

@@ -157,8 +157,7 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
         # spec names would let a job choose where it may write (a venv's site-packages...). Then
         # asked of that user whether it may write there (a read-only mount, an ACL, ProtectSystem
         # without ReadWritePaths: the mode bits do not tell).
-        as_worker = [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
-                     "--init-groups", "--"]
+        as_worker = setpriv(user)
         made = subprocess.run([*as_worker, "mkdir", "-p", "--", spec.checkpoint_dir],
                               capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
         if made.returncode != 0:
@@ -198,6 +197,11 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
 SNAPSHOT_KEEP_S = 24 * 3600.0
 
 
+def setpriv(user: WorkerUser) -> list[str]:
+    """The command prefix that runs what follows as ``user`` (its groups too)."""
+    return [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--"]
+
+
 def snapshot_folder(root: str, job: str, user: WorkerUser | None) -> str:
     """This node's in-memory folder for ``job``'s snapshots (see
     :mod:`mselastic.trainer.checkpoint`): ``root`` (and its parent) elasticd's own, that nobody
@@ -228,8 +232,7 @@ async def remove_snapshot_folder(path: str, user: WorkerUser | None) -> None:
     try:
         if user is not None and user.switch:
             proc = await asyncio.create_subprocess_exec(
-                shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups",
-                "--", "find", path, "-xdev", "-mindepth", "1", "-delete", env={"PATH": "/usr/bin:/bin"},
+                *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete", env={"PATH": "/usr/bin:/bin"},
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 300)
             if proc.returncode:

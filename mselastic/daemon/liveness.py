@@ -54,11 +54,12 @@ SERVER_OPTIONS: list[tuple[str, object]] = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+
 class Liveness:
     """Watches the leader's channels to the agents it is told about (:meth:`watch`); a node
     whose channel left READY (to reconnecting, or failing; or never got there: TRANSIENT_FAILURE)
-    is in :attr:`suspects`
-    until its channel is READY again or :meth:`clear` is called (its agent answered)."""
+    is in :attr:`suspects` until its channel is READY again or :meth:`clear` is called (its agent
+    answered)."""
 
     def __init__(self, channel: Callable[[str], grpc.aio.Channel], on_change: Callable[[], None]) -> None:
         self._channel = channel
