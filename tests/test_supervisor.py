@@ -1,13 +1,20 @@
-"""The msrun supervisor's guards that need no MindSpore: a busy master port fails fast."""
+"""The msrun supervisor's guards that need no MindSpore: a busy master port fails fast; how it sees
+a rank's process."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
+import time
+from typing import Callable
 
+import psutil
 import pytest
 
+from mselastic.agent import procs
 from mselastic.agent.supervisor import Generation, LaunchError, preflight
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
@@ -119,3 +126,41 @@ def test_mindspore_heartbeats_every_second_unless_the_job_or_the_admin_says_othe
     assert "MS_RETRY_INTERVAL_LOWER" not in env(512, {})  # a large cluster keeps MindSpore's default
     monkeypatch.setenv("MS_RETRY_INTERVAL_LOWER", "3")  # the admin's (MS_* pass from elasticd's environment)
     assert env(2, {})["MS_RETRY_INTERVAL_LOWER"] == "3"
+
+
+def test_a_rank_seen_through_proc_stat_runs_stops_exits_and_is_not_taken_for_a_reused_pid() -> None:
+    """What the supervisor asks of each rank ten times a second, from one read of /proc/<pid>/stat:
+    a real process, stopped and continued by real signals, exiting and left unreaped (a zombie, as
+    msrun's workers are until msrun reaps them)."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        created = psutil.Process(child.pid).create_time()
+        assert procs.alive(child.pid, created) and not procs.stopped(child.pid, created)
+        assert not procs.alive(child.pid, created - 5) and not procs.stopped(child.pid, created - 5)  # another process
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _eventually(lambda: procs.stopped(child.pid, created)) and procs.alive(child.pid, created)
+        os.kill(child.pid, signal.SIGCONT)
+        assert _eventually(lambda: not procs.stopped(child.pid, created))
+        assert procs.exit_status(child.pid, created) is None  # still running
+        os.kill(child.pid, signal.SIGKILL)
+        assert _eventually(lambda: not procs.alive(child.pid, created))  # a zombie: dead, not gone
+        assert procs.exit_status(child.pid, created) == -signal.SIGKILL and not procs.gone(child.pid)
+        assert procs.exit_status(child.pid, created + 5) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert procs.gone(child.pid) and not procs.alive(child.pid, created) and procs.exit_status(child.pid, created) is None
+
+    code = subprocess.Popen(["sh", "-c", "exit 3"])
+    created = psutil.Process(code.pid).create_time()
+    assert _eventually(lambda: procs.exit_status(code.pid, created) == 3)
+    code.wait()
+
+
+def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

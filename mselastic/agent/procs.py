@@ -112,48 +112,54 @@ def marked(markers: str | set[str]) -> list[psutil.Process]:
     return found
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_boot_time: list[float] = []
+
+
+def _stat(pid: int, create_time: float) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` is the state), or None
+    when no such process exists or ``pid`` is another process now (its start differs from
+    ``create_time``, psutil's). One read: the supervisor looks at every rank ten times a second, and
+    psutil's ``Process(pid)`` reads that file and ``/proc/stat`` again for each question."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if not _boot_time:
+        _boot_time.append(psutil.boot_time())
+    # (psutil's create_time is the same sum; a second of slack for the boot time's drift with the
+    # clock: a pid is not reused within a second.)
+    if len(fields) < 20 or abs(int(fields[19]) / _CLOCK_TICKS + _boot_time[0] - create_time) > 1.0:
+        return None
+    return fields
+
+
 def alive(pid: int, create_time: float) -> bool:
     """True while that process runs (a zombie counts as dead: it only waits to be reaped);
     ``create_time`` guards against a reused pid."""
-    try:
-        p = psutil.Process(pid)
-        return p.create_time() == create_time and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    fields = _stat(pid, create_time)
+    return fields is not None and fields[0] not in (b"Z", b"X")
 
 
 def gone(pid: int) -> bool:
     """No such process any more: it exited and its parent reaped it (a zombie is not gone)."""
-    try:
-        psutil.Process(pid)
-        return False
-    except psutil.NoSuchProcess:
-        return True
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def stopped(pid: int, create_time: float) -> bool:
     """True while that process is stopped (state T: SIGSTOP, a debugger): it runs no code, and the
     ranks waiting for it in a collective hang with it."""
-    try:
-        p = psutil.Process(pid)
-        return p.create_time() == create_time and p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.NoSuchProcess:
-        return False
+    fields = _stat(pid, create_time)
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 def exit_status(pid: int, create_time: float) -> int | None:
     """The exit code of a process that has exited but not been reaped yet (a zombie of another
     parent: msrun reaps its workers about once a second), from ``/proc/<pid>/stat``; None when
     it still runs, is gone or was killed by a signal (then: minus the signal number)."""
-    try:
-        p = psutil.Process(pid)
-        if p.create_time() != create_time or p.status() != psutil.STATUS_ZOMBIE:
-            return None
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (psutil.NoSuchProcess, OSError):
-        return None
-    if len(fields) < 50:
+    fields = _stat(pid, create_time)
+    if fields is None or fields[0] != b"Z" or len(fields) < 50:
         return None
     status = int(fields[49])  # field 52, exit_code, as waitpid reports it
     return -(status & 0x7F) if status & 0x7F else status >> 8

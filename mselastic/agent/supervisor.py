@@ -1000,6 +1000,8 @@ class Generation:
         """
         if self._msrun is None:
             return  # warm: every rank is known from its handover
+        if all(rs.pid for rs in self.ranks.values()):
+            return  # (listing msrun's children reads every process's /proc/<pid>/stat: most of a poll)
         try:
             children = psutil.Process(self._msrun.pid).children()
         except psutil.NoSuchProcess:
