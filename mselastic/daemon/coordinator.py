@@ -169,6 +169,11 @@ _DENIED_HINT_TLS = ("; this node's certificate must have the node role (O=node),
                     "by the CA the other node trusts (elasticctl certs issue DIR NODE_ID --role node)")
 
 
+#: A leader's channel to an agent that is not watched (see :meth:`Coordinator._suspected`) is
+#: closed once its last call ended (or ran out of time) this long ago.
+IDLE_CHANNEL_S = 60.0
+
+
 class Agents:
     """gRPC channels to the node agents, one per address. This node's own agent is reached
     through its local socket (``local``: its address -> ``unix:PATH``), where the node role is
@@ -179,16 +184,33 @@ class Agents:
         self.tls = tls
         self.local = local or {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._used: dict[str, float] = {}  # address -> when its channel's latest call ends at most (monotonic)
+        self._closing: set[asyncio.Task[None]] = set()
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             options = {**CHANNEL_OPTIONS, **liveness.CLIENT_OPTIONS}
             self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
                                                            options=list(options.items()))
+        self._used[address] = max(self._used.get(address, 0.0), time.monotonic())
         return self._channels[address]
 
-    def stub(self, address: str) -> pb_grpc.AgentStub:
-        return pb_grpc.AgentStub(self.channel(address))
+    def prune(self, keep: set[str], idle_s: float = IDLE_CHANNEL_S) -> None:
+        """Close the channels to agents not in ``keep`` that no call used for ``idle_s``: a node
+        that left every plan would otherwise be pinged (``liveness.KEEPALIVE_MS``) for as long as
+        this elasticd leads, and, once gone, redialled every couple of seconds for ever."""
+        now = time.monotonic()
+        for address in [a for a, used in self._used.items() if a not in keep and now - used > idle_s]:
+            del self._used[address]
+            task = asyncio.create_task(self._channels.pop(address).close(), name=f"close-{address}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def stub(self, address: str, timeout_s: float) -> pb_grpc.AgentStub:
+        """A stub for one call that gives up after ``timeout_s`` (its channel is kept that long)."""
+        channel = self.channel(address)
+        self._used[address] = max(self._used[address], time.monotonic() + timeout_s)
+        return pb_grpc.AgentStub(channel)
 
     async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> dict[str, str]:
         """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised.
@@ -200,7 +222,8 @@ class Agents:
 
         async def one(address: str, node_id: str) -> tuple[str, str]:
             try:
-                res = await self.stub(address).Launch(msg, timeout=self.timeout_s + extra_timeout_s)
+                res = await self.stub(address, self.timeout_s + extra_timeout_s).Launch(
+                    msg, timeout=self.timeout_s + extra_timeout_s)
                 if not res.accepted:
                     log.warning("launch refused by %s: %s", node_id, res.message,
                                 extra=dict(job=plan.job, generation=plan.generation, node=node_id))
@@ -231,7 +254,8 @@ class Agents:
 
         async def one(address: str) -> pb.AgentStatusResponse | None:
             try:
-                return await self.stub(address).Status(pb.AgentStatusRequest(), timeout=min(self.timeout_s, 2.0))
+                return await self.stub(address, min(self.timeout_s, 2.0)).Status(
+                    pb.AgentStatusRequest(), timeout=min(self.timeout_s, 2.0))
             except grpc.aio.AioRpcError:
                 metrics.GRPC_ERRORS.labels("Status").inc()
                 return None
@@ -256,7 +280,7 @@ class Agents:
 
         async def one(node_id: str, address: str) -> tuple[str, list[int]]:
             try:
-                res = await self.stub(address).Stop(msg, timeout=grace_s + self.timeout_s)
+                res = await self.stub(address, grace_s + self.timeout_s).Stop(msg, timeout=grace_s + self.timeout_s)
                 return node_id, list(res.leftover_pids)
             except grpc.aio.AioRpcError as e:
                 metrics.GRPC_ERRORS.labels("Stop").inc()
@@ -269,6 +293,8 @@ class Agents:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._used.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class Coordinator:
@@ -458,6 +484,7 @@ class Coordinator:
                         watch[m.node_id] = m.agent_address
         watch.update((n, registered[n]) for n in self.liveness.suspects if n in registered)
         self.liveness.watch(watch if self.cfg.peer_evidence else {})
+        self.agents.prune(set(watch.values()))
         if not self.liveness.suspects:
             self._blind = False
             return cluster
@@ -575,8 +602,9 @@ class Coordinator:
             try:
                 # (Waiting for a connection up to the deadline: a channel that is reconnecting would
                 # fail the call at once, and two of those 0.1 s apart would lose a healthy node.)
-                res = await self.agents.stub(a.member.agent_address).Status(
-                    pb.AgentStatusRequest(), timeout=probe_s(self.cfg.lease_ttl_s), wait_for_ready=True)
+                probe = probe_s(self.cfg.lease_ttl_s)
+                res = await self.agents.stub(a.member.agent_address, probe).Status(
+                    pb.AgentStatusRequest(), timeout=probe, wait_for_ready=True)
                 running = {(g.job, g.generation) for g in res.generations
                            if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING)}
                 a.running, failed = (running if res.node_id == a.member.node_id else set()), 0
