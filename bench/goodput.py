@@ -41,14 +41,21 @@ def run(data: str, work: str, seconds: float, kill_every_s: float) -> dict[str, 
         wait_for("training", lambda: (r := node.ranks("bench")[1].get(0)) and r.step >= 5, 180, 0.1)
         start, first = time.monotonic(), step_now(node)
         kills, next_kill = 0, start + kill_every_s if kill_every_s else float("inf")
+        # Each kill: (when, rank 0's step then, when rank 0 was first past it), for the print-out.
+        recoveries: list[list[float]] = []
         while (now := time.monotonic()) < start + seconds:
+            _, ranks = node.ranks("bench")
+            if recoveries and recoveries[-1][2] == 0 and 0 in ranks and ranks[0].step > recoveries[-1][1]:
+                recoveries[-1][2] = now
+                print(f"  kill {kills}: step {recoveries[-1][1]:.0f} passed {now - recoveries[-1][0]:.1f}s after it",
+                      flush=True)
             if now >= next_kill:
-                _, ranks = node.ranks("bench")
-                if 1 in ranks:
+                if 1 in ranks and 0 in ranks:
                     os.kill(ranks[1].pid, signal.SIGKILL)
                     kills += 1
+                    recoveries.append([now, float(ranks[0].step), 0.0])
                 next_kill += kill_every_s
-            time.sleep(0.2)
+            time.sleep(0.1)
         last = step_now(node)
         job = node.job("bench")
         return {"steps": float(last - first), "kills": float(kills),
