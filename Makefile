@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput \
+.PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-liveness \
 	systemd-tools clean
 
 venv: $(STAMP)
@@ -92,6 +92,11 @@ bench-checkpoint: $(STAMP)
 bench-scale: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/coordinator_scale.py --nodes 10 100 1000 2000 4000 \
 		--live-nodes 1000 4000
+
+# The leader's CPU holding connections to 250..4000 agents (one process plays them), and watching
+# them for peer evidence (keepalive pings), side by side.
+bench-liveness: $(STAMP)
+	$(BIN)/python bench/liveness_scale.py --nodes 250 1000 4000
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -1,4 +1,5 @@
-"""The leader's channels to agents: a channel nobody watches or calls any more is closed."""
+"""The leader's channels to agents: a channel nobody watches or calls any more is closed; pings
+thin out in large clusters."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from mselastic.daemon import liveness
 from mselastic.daemon.coordinator import Agents
 
 
@@ -45,3 +47,10 @@ async def _ready(channel: grpc.aio.Channel) -> bool:
         return True
     except asyncio.TimeoutError:
         return False
+
+
+def test_the_leader_pings_each_agent_less_often_past_500_nodes() -> None:
+    """At most ``PINGS_PER_S`` pings a second in all: every 0.5 s up to 500 nodes, then fewer."""
+    assert [liveness.keepalive_ms(n) for n in (1, 4, 500, 1000, 4000)] == [500, 500, 500, 1000, 4000]
+    assert liveness.client_options(4000)["grpc.keepalive_time_ms"] == 4000
+    assert liveness.client_options(3)["grpc.keepalive_timeout_ms"] == liveness.KEEPALIVE_TIMEOUT_MS

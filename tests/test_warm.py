@@ -8,6 +8,7 @@ rank SIGKILLed under elasticd whose relaunch is handed to the standbys it report
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
-from tests.harness import TEST_MARK, Etcd, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, \
+from tests.harness import REPO, TEST_MARK, Etcd, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, \
     worker_pids
 
 JOB = "lenet"
@@ -246,12 +247,22 @@ def sync_waits(log: str) -> list[float]:
 
 
 @pytest.mark.slow
+def thread_nices(pid: int) -> set[int]:
+    """The nice values of a process's threads, from /proc (field 19 of each thread's stat)."""
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                nices.add(int(f.read().rsplit(b")", 1)[1].split()[16]))
+    return nices
+
+
 def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
     """elasticd keeps three standbys for the 2-rank job once it trains (two ranks and a scheduler);
     a rank SIGKILLed from outside is relaunched warm: generation 2's ranks are exactly those standby
     processes (seen in /proc as generation 2's, like msrun's), it resumes from the checkpoint; new
-    standbys replace the used ones; with snapshots on (the default) it loses at most a step. A warm rank that raises is a failed rank like any other
+    standbys replace the used ones; standbys wait at nice 19, ranks train at 0; with snapshots on (the default) it loses at most a step. A warm rank that raises is a failed rank like any other
     (generation 3, warm again), and the job finishes; no standby is left once it succeeded. No rank
     of any generation sleeps out MindSpore's 3 s address poll: a local peer's return from init()
     gets it nudged."""
@@ -273,6 +284,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
         env = p.environ()
         assert "MS_ROLE" not in env and "RANK_ID" not in env and not env[contract.ENV_RUN_ID].startswith("lenet.1.")
     assert {p.pid for p in standby_processes(procs)} == pids
+    assert all(thread_nices(pid) == {19} for pid in pids), {pid: thread_nices(pid) for pid in pids}  # they wait nicely
     wait_for("a checkpoint", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 120, 0.1)
     os.kill(worker_pids(procs, 1)[1], signal.SIGKILL)
     second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r,
@@ -281,6 +293,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     assert second.warm and reached - 1 <= second.resumed_step <= reached, (reached, second.resumed_step)
     ranks = worker_pids(procs, 2)  # from /proc/<pid>/environ, as for msrun's workers
     assert len(ranks) == 2 and set(ranks.values()) < pids, (ranks, pids)
+    assert all(thread_nices(pid) == {0} for pid in ranks.values()), {p: thread_nices(p) for p in ranks.values()}
     fresh = wait_for("three new standbys",
                      lambda: len(s := [x.pid for x in standbys(socket) if x.ready and x.pid not in pids]) == 3 and s,
                      120, 0.2)
@@ -302,3 +315,28 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     for g in ("g000001", "g000002", "g000003"):
         waits = [w for r in (0, 1) for w in sync_waits(os.path.join(logs, g, f"worker_{r}.log"))]
         assert len(waits) == 2 and max(waits) < 2.9, (g, waits)
+
+
+@pytest.mark.parametrize("sys_nice,expected", [(False, "None 0"), (True, "0 19")])
+def test_a_standby_lowers_its_priority_only_when_it_can_raise_it_back(sys_nice: bool, expected: str) -> None:
+    """Without CAP_SYS_NICE (dropped from the bounding set, as the unit does) and with RLIMIT_NICE 0
+    (the default), a standby could not go back from nice 19 to 0: it stays at 0 rather than lower
+    itself for good. With it, it waits at 19, and every thread goes back to 0. (The unit's
+    ``LimitNICE=+0``, RLIMIT_NICE 20, allows the way back without the capability; raising that limit
+    takes CAP_SYS_RESOURCE, which this machine's root lacks: not tested here.)"""
+    code = ("import os, threading\n"
+            "from mselastic.trainer.standby import _wait_nicely, _renice\n"
+            "was = _wait_nicely()\n"
+            "print(was, os.getpriority(os.PRIO_PROCESS, 0))\n"
+            "if was is not None:\n"
+            "    t = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True); t.start()\n"
+            "    _renice(was)\n"
+            "    print(sorted({os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir('/proc/self/task')}))\n")
+    drop = [] if sys_nice else ["setpriv", "--bounding-set", "-sys_nice", "--"]
+    out = subprocess.run(["prlimit", "--nice=0", *drop, sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == expected, out.stdout
+    if sys_nice:
+        assert lines[1] == "[0]", out.stdout  # the thread started at 19 is back at 0 too

@@ -186,10 +186,14 @@ class Agents:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._used: dict[str, float] = {}  # address -> when its channel's latest call ends at most (monotonic)
         self._closing: set[asyncio.Task[None]] = set()
+        #: The registered nodes, as the leader last saw them: a new channel's keepalive interval
+        #: is sized for them (``liveness.client_options``).
+        self.cluster_size = 0
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            options = {**CHANNEL_OPTIONS, **liveness.CLIENT_OPTIONS}
+            options = {**CHANNEL_OPTIONS,
+                       **liveness.client_options(max(self.cluster_size, len(self._channels) + 1))}
             self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
                                                            options=list(options.items()))
         self._used[address] = max(self._used.get(address, 0.0), time.monotonic())
@@ -483,6 +487,7 @@ class Coordinator:
                     if registered.get(m.node_id) == m.agent_address:
                         watch[m.node_id] = m.agent_address
         watch.update((n, registered[n]) for n in self.liveness.suspects if n in registered)
+        self.agents.cluster_size = len(registered)
         self.liveness.watch(watch if self.cfg.peer_evidence else {})
         self.agents.prune(set(watch.values()))
         if not self.liveness.suspects:

@@ -19,6 +19,12 @@ script as ``__main__``; how it ends is the interpreter's doing, as for ``python 
 Until the handover it carries no generation (no cluster variables, no heartbeat address), so it
 can only ever join the generation it is handed. End of input before a handover: it exits 0.
 
+Until the handover it runs at nice ``WAIT_NICE`` (19), when it may go back (CAP_SYS_NICE, or
+an ``RLIMIT_NICE`` allowing its old value: the unit's ``LimitNICE=+0``): the replacements started
+right after a relaunch import MindSpore on the cores the new generation trains on, and cost it
+more than the relaunch itself (``make bench-goodput``). Handed a generation, every thread of it
+goes back to the nice value it was started with.
+
 The kernel's view of its environment (``/proc/<pid>/environ``, what the agent, operators' tools
 and the tests read to tell which generation a process is of) is the one it was started with. The
 agent starts it with a reserved slot after its marker (``contract.ENV_STANDBY_SLOT``), and the handover writes
@@ -33,9 +39,14 @@ import json
 import os
 import runpy
 import sys
+import threading
 from typing import Any
 
 from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_READY
+
+#: Its nice value until the handover: the ranks that train meanwhile on the same cores go first
+#: (replacement standbys importing MindSpore right after a relaunch slowed the new generation).
+WAIT_NICE = 19
 
 #: Imported before the handover: what a MindSpore training script imports first.
 PRELOAD = ("mindspore", "mindspore.communication", "mindspore.nn", "mindspore.ops", "mindspore.dataset",
@@ -110,7 +121,51 @@ def become(handover: dict[str, Any]) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
 
 
+def _wait_nicely() -> int | None:
+    """Lower this process's priority to ``WAIT_NICE`` while it imports and waits, when it can raise
+    it back at the handover: then the nice value to go back to, else None (it keeps its priority).
+
+    Going back down takes CAP_SYS_NICE or an ``RLIMIT_NICE`` that allows the old value (the unit's
+    ``LimitNICE=+0``); a thread of its own tries the round trip first, so that the process never
+    lowers itself for good. Before the imports: the threads they start inherit the nice value of the
+    thread that starts them (it is per thread on Linux)."""
+    was = os.getpriority(os.PRIO_PROCESS, 0)
+    if was >= WAIT_NICE:
+        return None
+    could: list[bool] = []
+
+    def round_trip() -> None:
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, WAIT_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, was)
+            could.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=round_trip, name="nice-probe")
+    probe.start()
+    probe.join()
+    if not could:
+        return None
+    _renice(WAIT_NICE)
+    return was
+
+
+def _renice(nice: int) -> None:
+    """Every thread of this process at ``nice``: at the handover, back to where it started (it is a
+    rank now); before the imports, those that importing this package started (numpy's)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:
+            pass  # (a thread that just ended)
+        except OSError as e:  # (the round trip worked: not expected; slow beats dead)
+            print(f"mselastic standby: thread {tid} not set to nice {nice}: {e}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
+    nice = _wait_nicely()
     for name in PRELOAD:
         __import__(name)
     _adopt_c_environment()
@@ -119,6 +174,8 @@ def main() -> None:
     if not line.strip():
         sys.exit(0)  # discarded before it was needed
     become(json.loads(line))
+    if nice is not None:
+        _renice(nice)
     # Uncaught exceptions go to the interpreter, as they would from `python script.py`: the
     # traceback, exit code 1, sys.last_value set for exit handlers.
     runpy.run_path(sys.argv[0], run_name="__main__")
