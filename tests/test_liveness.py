@@ -54,3 +54,5 @@ def test_the_leader_pings_each_agent_less_often_past_500_nodes() -> None:
     assert [liveness.keepalive_ms(n) for n in (1, 4, 500, 1000, 4000)] == [500, 500, 500, 1000, 4000]
     assert liveness.client_options(4000)["grpc.keepalive_time_ms"] == 4000
     assert liveness.client_options(3)["grpc.keepalive_timeout_ms"] == liveness.KEEPALIVE_TIMEOUT_MS
+    quiet = liveness.client_options(4000, pings=False)  # peer_evidence = false: no pings, same connections
+    assert quiet == {"grpc.client_idle_timeout_ms": 2 ** 31 - 1, "grpc.min_reconnect_backoff_ms": 2000}

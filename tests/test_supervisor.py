@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -164,3 +166,27 @@ def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_the_exit_code_of_a_worker_users_rank_is_read_without_cap_sys_ptrace() -> None:
+    """The kernel shows a zombie's exit code only to a reader that may ptrace it: elasticd under
+    the unit (root without CAP_SYS_PTRACE) read 0 for every rank of the worker user, and reported
+    a crashed rank as "exit code 0". A real process of user nobody exits with 3 and is left
+    unreaped; a reader with CAP_SYS_PTRACE dropped from its bounding set reads its exit status."""
+    nobody = pwd.getpwnam("nobody")
+    child = subprocess.Popen(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                              "sh", "-c", "exit 3"])
+    try:
+        assert _eventually(lambda: open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z")
+        created = psutil.Process(child.pid).create_time()
+        code = ("import sys\nfrom mselastic.agent import procs\n"
+                f"print(procs.exit_status({child.pid}, {created!r}))\n"
+                f"procs.read_as({nobody.pw_uid})\n"
+                f"print(procs.exit_status({child.pid}, {created!r}))\n")
+        out = subprocess.run(["setpriv", "--bounding-set", "-sys_ptrace", "--", sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["0", "3"], out.stdout  # (the kernel's 0, then the real code)
+    finally:
+        child.kill()
+        child.wait()

@@ -246,7 +246,6 @@ def sync_waits(log: str) -> list[float]:
     return [b - a for a, b in zip(stamps[::2], stamps[1::2])]
 
 
-@pytest.mark.slow
 def thread_nices(pid: int) -> set[int]:
     """The nice values of a process's threads, from /proc (field 19 of each thread's stat)."""
     nices = set()
@@ -257,6 +256,16 @@ def thread_nices(pid: int) -> set[int]:
     return nices
 
 
+def standbys_may_renice() -> bool:
+    """This test run may lower a standby to nice 19 and bring it back: it runs at nice 0 with
+    CAP_SYS_NICE (bit 23 of the effective set), as root does here (workers run as root on this
+    machine). Elsewhere the nice assertions are skipped, not failed."""
+    with open("/proc/self/status") as f:
+        eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return os.getpriority(os.PRIO_PROCESS, 0) == 0 and bool(eff & (1 << 23))
+
+
+@pytest.mark.slow
 def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
     """elasticd keeps three standbys for the 2-rank job once it trains (two ranks and a scheduler);
@@ -284,7 +293,8 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
         env = p.environ()
         assert "MS_ROLE" not in env and "RANK_ID" not in env and not env[contract.ENV_RUN_ID].startswith("lenet.1.")
     assert {p.pid for p in standby_processes(procs)} == pids
-    assert all(thread_nices(pid) == {19} for pid in pids), {pid: thread_nices(pid) for pid in pids}  # they wait nicely
+    if standbys_may_renice():  # they wait nicely
+        assert all(thread_nices(pid) == {19} for pid in pids), {pid: thread_nices(pid) for pid in pids}
     wait_for("a checkpoint", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 120, 0.1)
     os.kill(worker_pids(procs, 1)[1], signal.SIGKILL)
     second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r,
@@ -293,7 +303,8 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     assert second.warm and reached - 1 <= second.resumed_step <= reached, (reached, second.resumed_step)
     ranks = worker_pids(procs, 2)  # from /proc/<pid>/environ, as for msrun's workers
     assert len(ranks) == 2 and set(ranks.values()) < pids, (ranks, pids)
-    assert all(thread_nices(pid) == {0} for pid in ranks.values()), {p: thread_nices(p) for p in ranks.values()}
+    if standbys_may_renice():
+        assert all(thread_nices(pid) == {0} for pid in ranks.values()), {p: thread_nices(p) for p in ranks.values()}
     fresh = wait_for("three new standbys",
                      lambda: len(s := [x.pid for x in standbys(socket) if x.ready and x.pid not in pids]) == 3 and s,
                      120, 0.2)
@@ -317,6 +328,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
         assert len(waits) == 2 and max(waits) < 2.9, (g, waits)
 
 
+@pytest.mark.skipif(not standbys_may_renice(), reason="needs nice 0 and CAP_SYS_NICE (root)")
 @pytest.mark.parametrize("sys_nice,expected", [(False, "None 0"), (True, "0 19")])
 def test_a_standby_lowers_its_priority_only_when_it_can_raise_it_back(sys_nice: bool, expected: str) -> None:
     """Without CAP_SYS_NICE (dropped from the bounding set, as the unit does) and with RLIMIT_NICE 0

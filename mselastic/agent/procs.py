@@ -22,11 +22,13 @@ killed whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import os
 import signal
 import time
+from typing import Iterator
 
 import psutil
 
@@ -76,12 +78,20 @@ def _environ_as_owner(p: psutil.Process) -> dict[str, str] | None:
         return None
     if len({uids.real, uids.effective, uids.saved}) != 1 or len({gids.real, gids.effective, gids.saved}) != 1:
         return None  # the kernel would refuse a process whose ids differ: do not try
-    _libc.setfsgid(gids.real)
-    _libc.setfsuid(uids.real)
+    with _as_owner(uids.real, gids.real):
+        try:
+            return p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            return None
+
+
+@contextlib.contextmanager
+def _as_owner(uid: int, gid: int) -> Iterator[None]:
+    """File accesses of this thread with ``uid``/``gid`` as its file-system ids, then root's again."""
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
     try:
-        return p.environ()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-        return None
+        yield
     finally:  # setfsuid/setfsgid report no errors; back to root's, checked
         _libc.setfsuid(0)
         _libc.setfsgid(0)
@@ -126,13 +136,16 @@ def _stat(pid: int, create_time: float) -> list[bytes] | None:
             fields = f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if not _boot_time:
-        _boot_time.append(psutil.boot_time())
-    # (psutil's create_time is the same sum; a second of slack for the boot time's drift with the
-    # clock: a pid is not reused within a second.)
-    if len(fields) < 20 or abs(int(fields[19]) / _CLOCK_TICKS + _boot_time[0] - create_time) > 1.0:
+    if len(fields) < 20:
         return None
-    return fields
+    # psutil's create_time is the same sum, with the boot time read afresh: it moves when the
+    # clock is stepped, so a mismatch reads it again before it means another process.
+    for fresh in (False, True):
+        if fresh or not _boot_time:
+            _boot_time[:] = [psutil.boot_time()]
+        if abs(int(fields[19]) / _CLOCK_TICKS + _boot_time[0] - create_time) < 0.5 / _CLOCK_TICKS:
+            return fields
+    return None
 
 
 def alive(pid: int, create_time: float) -> bool:
@@ -161,6 +174,17 @@ def exit_status(pid: int, create_time: float) -> int | None:
     fields = _stat(pid, create_time)
     if fields is None or fields[0] != b"Z" or len(fields) < 50:
         return None
+    # The kernel shows 0 there to a reader that may not ptrace the process: root without
+    # CAP_SYS_PTRACE (the unit) reading a rank of the worker user reads it with that user's ids.
+    try:
+        st = os.stat(f"/proc/{pid}")  # (the directory's owner: the process's euid and egid, zombie or not)
+    except OSError:
+        return None
+    if os.geteuid() == 0 and st.st_uid in _READ_AS:
+        with _as_owner(st.st_uid, st.st_gid):
+            fields = _stat(pid, create_time)
+        if fields is None or fields[0] != b"Z" or len(fields) < 50:
+            return None
     status = int(fields[49])  # field 52, exit_code, as waitpid reports it
     return -(status & 0x7F) if status & 0x7F else status >> 8
 

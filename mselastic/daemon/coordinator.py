@@ -179,8 +179,10 @@ class Agents:
     through its local socket (``local``: its address -> ``unix:PATH``), where the node role is
     granted without a certificate."""
 
-    def __init__(self, timeout_s: float, tls: TlsFiles = TlsFiles(), local: dict[str, str] | None = None) -> None:
+    def __init__(self, timeout_s: float, tls: TlsFiles = TlsFiles(), local: dict[str, str] | None = None,
+                 keepalive: bool = True) -> None:
         self.timeout_s = timeout_s
+        self.keepalive = keepalive  # (peer evidence: see mselastic.daemon.liveness)
         self.tls = tls
         self.local = local or {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -192,8 +194,8 @@ class Agents:
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            options = {**CHANNEL_OPTIONS,
-                       **liveness.client_options(max(self.cluster_size, len(self._channels) + 1))}
+            options = {**CHANNEL_OPTIONS, **liveness.client_options(max(self.cluster_size, len(self._channels) + 1),
+                                                                    pings=self.keepalive)}
             self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
                                                            options=list(options.items()))
         self._used[address] = max(self._used.get(address, 0.0), time.monotonic())
@@ -306,7 +308,8 @@ class Coordinator:
         self.store = store
         self.cfg = cfg
         self.agents = Agents(cfg.push_timeout_s, cfg.tls,
-                             {cfg.control_address: cfg.local_socket} if cfg.local_socket else None)
+                             {cfg.control_address: cfg.local_socket} if cfg.local_socket else None,
+                             keepalive=cfg.peer_evidence)
         self._progress: dict[str, tuple[float, int]] = {}  # job -> (time, step) of the last progress event
         self._rate: dict[str, tuple[float, int]] = {}  # job -> (time, step) the step rate is measured from
         self._progress_events: dict[str, int] = {}  # job -> progress events written by this leader
@@ -414,6 +417,7 @@ class Coordinator:
             self._inflight.clear()
             self.informer = None
             await self.liveness.close()
+            self.agents.prune(set())  # (no longer leading: each closes once its last call is over)
 
     async def _sleep(self, stop: asyncio.Event, term: Term, rest_s: float = 0.0) -> None:
         """Until a change wakes the loop (or ``reconcile_interval_s``), but first ``rest_s``: changes
@@ -489,7 +493,7 @@ class Coordinator:
         watch.update((n, registered[n]) for n in self.liveness.suspects if n in registered)
         self.agents.cluster_size = len(registered)
         self.liveness.watch(watch if self.cfg.peer_evidence else {})
-        self.agents.prune(set(watch.values()))
+        self.agents.prune(set(watch.values()) if self.cfg.peer_evidence else set())
         if not self.liveness.suspects:
             self._blind = False
             return cluster

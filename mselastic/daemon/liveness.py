@@ -60,8 +60,11 @@ def keepalive_ms(nodes: int) -> int:
     return max(KEEPALIVE_MS, nodes * 1000 // PINGS_PER_S)
 
 
-def client_options(nodes: int) -> dict[str, object]:
-    """``CLIENT_OPTIONS`` for a channel of a leader that watches about ``nodes`` agents."""
+def client_options(nodes: int, pings: bool = True) -> dict[str, object]:
+    """``CLIENT_OPTIONS`` for a channel of a leader that watches about ``nodes`` agents; without
+    the pings (``peer_evidence = false``) only the connection settings."""
+    if not pings:
+        return {k: v for k, v in CLIENT_OPTIONS.items() if "keepalive" not in k and "ping" not in k}
     return {**CLIENT_OPTIONS, "grpc.keepalive_time_ms": keepalive_ms(nodes)}
 
 

@@ -23,7 +23,9 @@ Until the handover it runs at nice ``WAIT_NICE`` (19), when it may go back (CAP_
 an ``RLIMIT_NICE`` allowing its old value: the unit's ``LimitNICE=+0``): the replacements started
 right after a relaunch import MindSpore on the cores the new generation trains on, and cost it
 more than the relaunch itself (``make bench-goodput``). Handed a generation, every thread of it
-goes back to the nice value it was started with.
+goes back to the nice value it was started with. Nice weighs threads within one scheduling group:
+where the kernel's autogroups apply (every session its own group) it does not hold a standby back
+against the ranks (docs/DESIGN.md, "fourth part").
 
 The kernel's view of its environment (``/proc/<pid>/environ``, what the agent, operators' tools
 and the tests read to tell which generation a process is of) is the one it was started with. The
@@ -155,13 +157,16 @@ def _wait_nicely() -> int | None:
 def _renice(nice: int) -> None:
     """Every thread of this process at ``nice``: at the handover, back to where it started (it is a
     rank now); before the imports, those that importing this package started (numpy's)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except ProcessLookupError:
-            pass  # (a thread that just ended)
-        except OSError as e:  # (the round trip worked: not expected; slow beats dead)
-            print(f"mselastic standby: thread {tid} not set to nice {nice}: {e}", file=sys.stderr, flush=True)
+    done: set[str] = set()
+    while todo := set(os.listdir("/proc/self/task")) - done:  # (again: one of them may have started another)
+        for tid in todo:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except ProcessLookupError:
+                pass  # (a thread that just ended)
+            except OSError as e:  # (the round trip worked: not expected; slow beats dead)
+                print(f"mselastic standby: thread {tid} not set to nice {nice}: {e}", file=sys.stderr, flush=True)
+        done |= todo
 
 
 def main() -> None:
