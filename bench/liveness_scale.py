@@ -154,7 +154,8 @@ def main() -> int:
         by = {r["mode"]: r for r in rows if r["nodes"] == n}
         extra[n] = by["watched"]["leader_pct"] - by["connected"]["leader_pct"]
         print(f"{n:>6}{extra[n]:>10.1f} %{1000 * extra[n] / n:>14.2f} %")
-    print("BENCH " + json.dumps({"tls": not args.no_tls, "watch_extra_pct": {str(n): round(v, 2) for n, v in extra.items()},
+    print("BENCH " + json.dumps({"tls": not args.no_tls,
+                                 "watch_extra_pct": {str(n): round(v, 2) for n, v in extra.items()},
                                  "rows": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}
                                           for r in rows]}))
     return 0

@@ -151,7 +151,8 @@ def test_a_rank_seen_through_proc_stat_runs_stops_exits_and_is_not_taken_for_a_r
     finally:
         child.kill()
         child.wait()
-    assert procs.gone(child.pid) and not procs.alive(child.pid, created) and procs.exit_status(child.pid, created) is None
+    assert procs.gone(child.pid) and not procs.alive(child.pid, created)
+    assert procs.exit_status(child.pid, created) is None
 
     code = subprocess.Popen(["sh", "-c", "exit 3"])
     created = psutil.Process(code.pid).create_time()

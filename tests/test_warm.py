@@ -271,7 +271,8 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     """elasticd keeps three standbys for the 2-rank job once it trains (two ranks and a scheduler);
     a rank SIGKILLed from outside is relaunched warm: generation 2's ranks are exactly those standby
     processes (seen in /proc as generation 2's, like msrun's), it resumes from the checkpoint; new
-    standbys replace the used ones; standbys wait at nice 19, ranks train at 0; with snapshots on (the default) it loses at most a step. A warm rank that raises is a failed rank like any other
+    standbys replace the used ones; standbys wait at nice 19, ranks train at 0; with snapshots on
+    (the default) it loses at most a step. A warm rank that raises is a failed rank like any other
     (generation 3, warm again), and the job finishes; no standby is left once it succeeded. No rank
     of any generation sleeps out MindSpore's 3 s address poll: a local peer's return from init()
     gets it nudged."""

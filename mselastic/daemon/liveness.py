@@ -2,10 +2,11 @@
 
 The leader holds a gRPC channel to the agent of every member of a live plan, with HTTP/2
 keepalive pings every ``KEEPALIVE_MS`` (answered by gRPC's own threads, not the agent's event
-loop; less often in clusters of more than 500 nodes, see ``PINGS_PER_S``). A node whose elasticd died closes that connection at once (its kernel resets it); one
-that lost power or its network stops answering the pings and the channel drops after
-``KEEPALIVE_TIMEOUT_MS``. Either way the channel leaves READY, and the member becomes a
-*suspect*: the coordinator treats it as unregistered, which asks its agent what it runs
+loop; less often in clusters of more than 500 nodes, see ``PINGS_PER_S``). A node whose elasticd
+died closes that connection at once (its kernel resets it); one that lost power or its network
+stops answering the pings and the channel drops after ``KEEPALIVE_TIMEOUT_MS``. Either way the
+channel leaves READY, and the member becomes a *suspect*: the coordinator treats it as
+unregistered, which asks its agent what it runs
 (``Coordinator._ask_absent``, the question waiting up to its deadline for a connection) and
 calls it lost when that goes unanswered, or clears it at the first answer. So a dead node
 turns into a new plan in about a second, and the lease stays the backstop (a node whose

@@ -413,6 +413,10 @@ class _Steps:
     def __next__(self) -> Any:
         s = _SESSION
         if s.callback:  # Model.train's own iterator: its callback counts
+            if s.agreed and s.ctx is not None and s.ctx.total_steps and s.step >= s.ctx.total_steps:
+                # Resumed at the end (the last generation finished its steps, then a rank died before
+                # it exited): no batch, or Model.train would take one step past total_steps.
+                raise StopIteration
             return next(self.inner)
         if self.pending:
             self.pending = False
