@@ -10,8 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from typing import Callable
 
 import psutil
 import pytest
@@ -21,6 +19,7 @@ from mselastic.agent.supervisor import Generation, LaunchError, preflight
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState
+from tests.harness import wait_for
 
 
 def test_busy_master_port_fails_the_generation_without_starting_msrun(tmp_path: os.PathLike[str]) -> None:
@@ -140,12 +139,13 @@ def test_a_rank_seen_through_proc_stat_runs_stops_exits_and_is_not_taken_for_a_r
         assert procs.alive(child.pid, created) and not procs.stopped(child.pid, created)
         assert not procs.alive(child.pid, created - 5) and not procs.stopped(child.pid, created - 5)  # another process
         os.kill(child.pid, signal.SIGSTOP)
-        assert _eventually(lambda: procs.stopped(child.pid, created)) and procs.alive(child.pid, created)
+        wait_for("stopped", lambda: procs.stopped(child.pid, created), 5, 0.01)
+        assert procs.alive(child.pid, created)
         os.kill(child.pid, signal.SIGCONT)
-        assert _eventually(lambda: not procs.stopped(child.pid, created))
+        wait_for("continued", lambda: not procs.stopped(child.pid, created), 5, 0.01)
         assert procs.exit_status(child.pid, created) is None  # still running
         os.kill(child.pid, signal.SIGKILL)
-        assert _eventually(lambda: not procs.alive(child.pid, created))  # a zombie: dead, not gone
+        wait_for("dead", lambda: not procs.alive(child.pid, created), 5, 0.01)  # a zombie: dead, not gone
         assert procs.exit_status(child.pid, created) == -signal.SIGKILL and not procs.gone(child.pid)
         assert procs.exit_status(child.pid, created + 5) is None
     finally:
@@ -156,17 +156,10 @@ def test_a_rank_seen_through_proc_stat_runs_stops_exits_and_is_not_taken_for_a_r
 
     code = subprocess.Popen(["sh", "-c", "exit 3"])
     created = psutil.Process(code.pid).create_time()
-    assert _eventually(lambda: procs.exit_status(code.pid, created) == 3)
-    code.wait()
-
-
-def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    try:
+        wait_for("exit code 3", lambda: procs.exit_status(code.pid, created) == 3, 5, 0.01)
+    finally:
+        code.wait()
 
 
 def test_the_exit_code_of_a_worker_users_rank_is_read_without_cap_sys_ptrace() -> None:
@@ -178,7 +171,7 @@ def test_the_exit_code_of_a_worker_users_rank_is_read_without_cap_sys_ptrace() -
     child = subprocess.Popen(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
                               "sh", "-c", "exit 3"])
     try:
-        assert _eventually(lambda: open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z")
+        wait_for("a zombie", lambda: not procs.alive(child.pid, psutil.Process(child.pid).create_time()), 5, 0.01)
         created = psutil.Process(child.pid).create_time()
         code = ("import sys\nfrom mselastic.agent import procs\n"
                 f"print(procs.exit_status({child.pid}, {created!r}))\n"

@@ -176,15 +176,16 @@ def exit_status(pid: int, create_time: float) -> int | None:
         return None
     # The kernel shows 0 there to a reader that may not ptrace the process: root without
     # CAP_SYS_PTRACE (the unit) reading a rank of the worker user reads it with that user's ids.
-    try:
-        st = os.stat(f"/proc/{pid}")  # (the directory's owner: the process's euid and egid, zombie or not)
-    except OSError:
-        return None
-    if os.geteuid() == 0 and st.st_uid in _READ_AS:
-        with _as_owner(st.st_uid, st.st_gid):
-            fields = _stat(pid, create_time)
-        if fields is None or fields[0] != b"Z" or len(fields) < 50:
+    if os.geteuid() == 0 and _READ_AS:
+        try:
+            st = os.stat(f"/proc/{pid}")  # (the directory's owner: the process's euid and egid, zombie or not)
+        except OSError:
             return None
+        if st.st_uid in _READ_AS:
+            with _as_owner(st.st_uid, st.st_gid):
+                fields = _stat(pid, create_time)
+            if fields is None or fields[0] != b"Z" or len(fields) < 50:
+                return None
     status = int(fields[49])  # field 52, exit_code, as waitpid reports it
     return -(status & 0x7F) if status & 0x7F else status >> 8
 
