@@ -164,9 +164,11 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
     """An elasticd for tests: no config file, metrics only when asked (several share a host).
     Workers run as root, said explicitly (pytest's temporary directories are private to root);
     ``tests/test_e2e.py`` runs them as nobody. Several nodes on loopback without TLS reach each
-    other in plaintext, which takes ``insecure`` (as it would on a network). No standby workers
-    unless asked (``tests/test_warm.py``): their imports share the two cores with the ranks of jobs
-    that mostly end, or fault, before they would be used, and the suite has a time budget.
+    other in plaintext, which takes ``insecure`` (as it would on a network). Standby workers (the
+    production default) only where asked: the tests whose jobs relaunch on the same nodes
+    (``tests/test_faults.py``, ``tests/test_elastic.py``, ...), which they make faster. Elsewhere
+    their imports (~3 CPU-s each, a rank's and a scheduler's per node) only slow the ranks on the
+    two cores: the whole suite with standbys everywhere took 2131 s, without 2018-2093 s.
     Snapshots in the test's own folder (removed with it), not in the machine's /dev/shm."""
     return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,
@@ -211,10 +213,12 @@ def elasticctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str, *extra: str) -> str:
-    """One elasticd (node n0, 2 slots) on the session's etcd; returns its local socket's endpoint."""
+def start_node(procs: Processes, etcd: Etcd, namespace: str, work: str, *extra: str, warm: bool = False) -> str:
+    """One elasticd (node n0, 2 slots) on the session's etcd, with standby workers when ``warm``;
+    returns its local socket's endpoint."""
     port = free_port()
-    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace) + list(extra))
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace, warm_standbys=warm)
+                + list(extra))
     wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
     return "unix:" + local_socket(work)  # admin: the local socket (TCP without a certificate may only look)
 
@@ -231,6 +235,19 @@ def generation_processes(procs: Processes, generation: int, job: str = "lenet") 
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def rank_steps(endpoint: str, generation: int, job: str = "lenet") -> dict[int, int]:
+    """rank -> step of the ranks of ``job``'s ``generation`` on the node at ``endpoint``, as their
+    last heartbeats told its agent (each step: the ranks' own progress, unlike the reports in etcd,
+    once a second)."""
+    import grpc
+
+    from mselastic.v1 import elastic_pb2 as pb
+    from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(endpoint) as ch:
+        res = pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5)
+    return {r.rank: r.step for g in res.generations if g.job == job and g.generation == generation for r in g.ranks}
 
 
 def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
