@@ -67,6 +67,8 @@ class Cluster:
         self.tmp = tmp
         self.namespace = namespace
         self.lease_ttl_s = lease_ttl_s
+        #: Nodes started from now on keep standby workers (see tests.harness.elasticd_cmd).
+        self.warm = False
         self.id = uuid.uuid4().hex[:4]
         self.subnet = _free_subnet()
         self.bridge = f"msb{self.id}"
@@ -144,7 +146,7 @@ class Cluster:
         assert self.etcd_server is not None
         cmd = elasticd_cmd(self.node_id(i), self.etcd_endpoint, AGENT_PORT,
                            os.path.join(self.tmp, f"node{i}"), self.namespace, slots=slots,
-                           lease_ttl_s=self.lease_ttl_s)
+                           lease_ttl_s=self.lease_ttl_s, warm_standbys=self.warm)
         # A namespace's address is not loopback: plaintext there must be asked for (the bridge is
         # this test's own).
         cmd[cmd.index("--listen") + 1:cmd.index("--listen") + 2] = [self.endpoint(i), "--insecure", "true"]

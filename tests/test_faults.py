@@ -29,8 +29,10 @@ RANK_FAULTS = [f for f in Fault if f not in (Fault.CORRUPT_CHECKPOINT, Fault.STU
 
 
 def start(cluster: Cluster, fault: str, **overrides: object) -> str:
-    """Two nodes, the LeNet job with ``fault`` injected; returns the checkpoint folder."""
+    """Two nodes keeping standby workers (relaunches are warm, as in production), the LeNet job
+    with ``fault`` injected; returns the checkpoint folder."""
     cluster.up(2)
+    cluster.warm = True
     cluster.start_nodes(0, 1)
     ckpt = os.path.join(cluster.tmp, "ckpt")
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"), ckpt, TOTAL,

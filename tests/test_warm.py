@@ -136,12 +136,15 @@ if role == "MS_SCHED":
 
 
 @pytest.mark.slow
-def test_a_warm_rank_starts_as_msrun_would_have_started_it(tmp_path: os.PathLike[str]) -> None:
+@pytest.mark.parametrize("taken", ["ready", "importing"])
+def test_a_warm_rank_starts_as_msrun_would_have_started_it(taken: str, tmp_path: os.PathLike[str]) -> None:
     """The same plan twice on one node: msrun starting the scheduler and two ranks (cold), then
     standbys handed it (warm). Each process records what it was started with; the warm ones must
     match msrun's: every variable (the generation's own values aside), argv, working directory,
     sys.path[0], __main__, a worker's session of its own, output into msrun's log file names, and the
-    kernel's view of the environment carrying the generation's marker and msrun's variables."""
+    kernel's view of the environment carrying the generation's marker and msrun's variables. The
+    standbys are taken once ready, or just started (a relaunch soon after the last): then the
+    handover waits for their imports."""
     tmp = str(tmp_path)
     script = os.path.join(tmp, "job", "dump.py")
     os.makedirs(os.path.dirname(script))
@@ -162,8 +165,10 @@ def test_a_warm_rank_starts_as_msrun_would_have_started_it(tmp_path: os.PathLike
         if warm:
             pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
             pool.fill(3)
-            await wait_async(lambda: len(pool.ready()) == 3, 120)
+            await wait_async(lambda: len(pool.ready() if taken == "ready" else pool.standbys) == 3, 120)
             gen.standbys = pool.take(3)
+            assert len(gen.standbys) == 3 and sum(bool(sb.ready_at) for sb in gen.standbys) == (
+                3 if taken == "ready" else 0)
         await gen.start()
         await asyncio.wait_for(gen.done.wait(), 60)
         if pool is not None:

@@ -500,7 +500,8 @@ class NodeAgent:
 
     def _take_standbys(self, gen: Generation) -> list[Standby]:
         """Standbys for every process ``gen`` starts here (a scheduler too on node_rank 0), when
-        this job's pool has them ready and was started for the same launch; else none (cold)."""
+        this job's pool has them alive (ready, or still importing: the handover waits for those)
+        and was started for the same launch; else none (cold)."""
         pool = self.standbys.get(gen.plan.job)
         if pool is None or pool.key != gen.launch_key():
             return []

@@ -49,6 +49,8 @@ class Standby:
     writer: asyncio.StreamWriter
     #: Monotonic time it said it was ready (0: not yet).
     ready_at: float = 0.0
+    #: Set with ready_at (a generation that took it while it was importing waits on it).
+    ready_event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     _drain: asyncio.Task[None] | None = None
 
     @classmethod
@@ -93,8 +95,24 @@ class Standby:
             ok = False
         if ok:
             self.ready_at = time.monotonic()
+            self.ready_event.set()
             self._drain = asyncio.create_task(_drain(self.reader), name=f"standby-out-{self.pid}")
         return ok
+
+    async def until_ready(self, timeout_s: float) -> None:
+        """For one taken while it was still importing: return once it is ready (its pool reads its
+        output and says so); raise RuntimeError when it exits first or is not ready in time."""
+        if not self.ready_at:
+            waits = [asyncio.create_task(self.ready_event.wait()), asyncio.create_task(self.proc.wait())]
+            try:
+                await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in waits:
+                    task.cancel()
+        if not self.alive:
+            raise RuntimeError(f"standby pid {self.pid} exited with code {self.proc.returncode} before it was ready")
+        if not self.ready_at:
+            raise RuntimeError(f"standby pid {self.pid} was not ready within {timeout_s:.0f}s")
 
     async def hand_over(self, env: dict[str, str], argv: list[str], cwd: str, log_path: str,
                         timeout_s: float = 5.0) -> None:
@@ -172,8 +190,9 @@ class StandbyPool:
             return
         self.standbys.append(standby)
         if await standby.await_ready():
-            log.info("standby pid %d ready in %.1fs (%d of %d)", standby.pid, time.monotonic() - started,
-                     len(self.ready()), size, extra=self._ctx)
+            log.info("standby pid %d ready in %.1fs (%s)", standby.pid, time.monotonic() - started,
+                     f"{len(self.ready())} of {size}" if standby in self.standbys else "taken by a relaunch already",
+                     extra=self._ctx)
             return
         try:  # its output ended: it exited (or is exiting); else it timed out
             code: int | None = await asyncio.wait_for(standby.proc.wait(), 2.0)
@@ -192,12 +211,15 @@ class StandbyPool:
             log.warning("%s; relaunches of this job start cold here", why, extra=self._ctx)
 
     def take(self, count: int) -> list[Standby]:
-        """``count`` ready standbys, removed from the pool; [] when it has fewer. (The dead are
-        left for the next fill to reap and replace.)"""
-        ready = self.ready()
-        if len(ready) < count:
+        """``count`` live standbys, removed from the pool, the ready ones first; [] when it has
+        fewer. One still importing is taken too (a relaunch soon after the last, before the
+        replacements are ready): the handover waits for it, and it is further on than msrun's
+        processes would be, which import MindSpore one after the other (msrun itself, then each
+        rank). (The dead are left for the next fill to reap and replace.)"""
+        alive = sorted((s for s in self.standbys if s.alive), key=lambda s: not s.ready_at)
+        if len(alive) < count:
             return []
-        taken = ready[:count]
+        taken = alive[:count]
         self.standbys = [s for s in self.standbys if s not in taken]
         return taken
 

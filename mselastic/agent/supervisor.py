@@ -534,6 +534,14 @@ class Generation:
         whose address is master_addr) goes first and the workers once it listens, all of them at once:
         workers that meet no scheduler retry only half a second later."""
         p = self.plan
+        importing = [sb for sb in self.standbys if not sb.ready_at]
+        if importing:  # taken while still importing: as a cold start's ranks, within startup_timeout_s
+            t0 = time.monotonic()
+            await asyncio.gather(*(sb.until_ready(self.spec.startup_timeout_s) for sb in importing))
+            log.info("waited %.1fs for standbys %s to finish importing", time.monotonic() - t0,
+                     [sb.pid for sb in importing], extra=self._ctx)
+            if self._stopping:
+                return
         env = {**self._env(), **self._job_env()}  # as msrun's environment is (the job's env applied last)
         common = {"MS_WORKER_NUM": str(p.world_size), "MS_SCHED_HOST": scheduler_host(p.master_addr),
                   "MS_SCHED_PORT": str(p.master_port), "MS_TOPO_TIMEOUT": str(int(self.spec.startup_timeout_s)),
