@@ -12,7 +12,7 @@ GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic
 DATA   := build/data/digits
 
 .PHONY: venv proto check-proto data demo test test-fast bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-liveness \
-	systemd-tools clean
+	systemd-tools systemd-image-base clean
 
 venv: $(STAMP)
 
@@ -40,8 +40,15 @@ $(DATA)/.done: $(STAMP) examples/lenet/make_data.py
 demo: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/demo.py --data $(DATA)
 
-test: $(STAMP) data systemd-tools
+# The systemd tests' Debian base image is made (debootstrap, ~50 s of downloads) while the venv
+# installs; the tests add the venv to it and cache it (tests/systemd_image.py).
+test: systemd-tools
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) systemd-image-base
+	$(MAKE) --no-print-directory data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
+
+systemd-image-base: systemd-tools
+	$(PYTHON) -m tests.systemd_image
 
 # The tests check the unit with systemd-analyze and boot a real systemd in a container
 # (systemd-nspawn, a Debian rootfs made by debootstrap): Debian's packages, installed when missing.

@@ -2,12 +2,11 @@
 elasticd the way operators run it: installed from the wheel, started and stopped by systemctl,
 its logs read with journalctl.
 
-The image is built once and cached under ``build/systemd/image-<key>`` (the key hashes the
-package list, requirements.txt and IMAGE_VERSION): a minimal Debian (debootstrap, ~50 s) with
-a venv at ``/opt/mselastic/.venv`` holding the pinned dependencies, installed from a
-wheelhouse pip downloaded on the host (~40 s). The project itself is never in the image: each
-container installs the wheel built from the checkout (``pip install mselastic-*.whl[trainer]``
-with the wheelhouse as its only index) and runs ``elasticctl install-unit``.
+The image (a minimal Debian with a venv at ``/opt/mselastic/.venv`` holding the pinned
+dependencies) is built once and cached: see :mod:`tests.systemd_image`. The project itself is
+never in the image: each container installs the wheel built from the checkout (``pip install
+mselastic-*.whl[trainer]`` with the wheelhouse as its only index) and runs ``elasticctl
+install-unit``.
 
 These machines' PID 1 is not systemd (no machined, no system bus, ``/run`` on disk, cgroup
 v1/v2 hybrid), which shapes how a container is started:
@@ -26,106 +25,31 @@ v1/v2 hybrid), which shapes how a container is started:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
-import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import Iterator
 
+from tests import systemd_image
 from tests.harness import REPO, VENV_BIN, wait_for
+from tests.systemd_image import CGROUP_ROOTS, CLEAN_PATH, VENV, cannot_boot, run_logged
 
-BUILD = os.path.join(REPO, "build", "systemd")
-IMAGE_VERSION = 1
-# libgomp1: MindSpore's CPU kernels need it (its own install notes); minbase does not have it.
-PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-venv,procps,iproute2,libgomp1"
-VENV = "/opt/mselastic/.venv"
-CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
-CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def cannot_boot() -> str:
-    """Why a container cannot be booted here ("" when it can)."""
-    if os.geteuid() != 0:
-        return "booting a systemd container needs root"
-    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "unshare"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (make systemd-tools installs it)"
-    if not all(os.path.isdir(d) for d in CGROUP_ROOTS) and not os.path.exists("/sys/fs/cgroup/cgroup.procs"):
-        return "no cgroup hierarchy nspawn can use"
-    if _mirror() == "":
-        return "no Debian mirror in apt's sources for debootstrap"
-    return ""
-
-
-def _mirror() -> str:
-    for path, key in (("/etc/apt/sources.list.d/debian.sources", "URIs:"), ("/etc/apt/sources.list", "deb")):
-        with contextlib.suppress(OSError):
-            with open(path) as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) > 1 and parts[0] == key:
-                        return parts[1]
-    return ""
-
-
-def _run(cmd: list[str], log: str, timeout: float, **kw: object) -> None:
-    with open(log, "ab") as out:
-        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, **kw)  # type: ignore[call-overload]
-    if r.returncode != 0:
-        with open(log, errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {r.returncode}); {log}:\n{tail}")
+__all__ = ["VENV", "Container", "cannot_boot", "image", "wheel"]
 
 
 def image() -> str:
-    """The rootfs (built on first use, then cached); safe to call from several processes."""
-    with open(os.path.join(REPO, "requirements.txt"), "rb") as f:
-        key = hashlib.sha256(f.read() + PACKAGES.encode() + str(IMAGE_VERSION).encode()).hexdigest()[:12]
-    top = os.path.join(BUILD, f"image-{key}")
-    rootfs = os.path.join(top, "rootfs")
-    os.makedirs(BUILD, exist_ok=True)
-    with open(os.path.join(BUILD, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(os.path.join(top, ".done")):
-            return rootfs
-        for old in glob.glob(os.path.join(BUILD, "image-*")):  # an older image: requirements changed
-            shutil.rmtree(old, ignore_errors=True)
-        os.makedirs(top)
-        log = os.path.join(top, "build.log")
-        t0 = time.monotonic()
-        # In a mount namespace of its own: the proc/sys mounts debootstrap makes in the rootfs go
-        # with it, also when it is stopped half-way.
-        _run(["unshare", "--mount", "--propagation", "private", "--", "debootstrap", "--variant=minbase",
-              f"--include={PACKAGES}", "bookworm", rootfs, _mirror()], log, 900)
-        wheels = os.path.join(BUILD, "wheelhouse")
-        _run([os.path.join(VENV_BIN, "pip"), "download", "--quiet", "--only-binary=:all:", "--dest", wheels,
-              "-r", os.path.join(REPO, "requirements.txt")], log, 900)
-        shutil.copy(os.path.join(REPO, "requirements.txt"), os.path.join(wheels, "requirements.txt"))
-        # The venv is made and filled inside the image (its own python3), from the wheelhouse only.
-        inside = (f"mkdir -p {rootfs}/mnt/wheelhouse && mount --bind {wheels} {rootfs}/mnt/wheelhouse && "
-                  f"mount -t proc proc {rootfs}/proc && mount --rbind /dev {rootfs}/dev && "
-                  f"chroot {rootfs} /usr/bin/python3 -m venv {VENV} && "
-                  f"chroot {rootfs} {VENV}/bin/pip install --quiet --no-index --find-links /mnt/wheelhouse "
-                  f"-r /mnt/wheelhouse/requirements.txt")
-        _run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", inside], log, 900,
-             env={"PATH": CLEAN_PATH, "HOME": "/root", "LANG": "C.UTF-8"})
-        with open(os.path.join(rootfs, "etc", "hostname"), "w") as f:
-            f.write("mselastic-test\n")
-        with open(os.path.join(top, ".done"), "w") as f:
-            f.write(f"built in {time.monotonic() - t0:.0f} s\n")
-        return rootfs
+    """The rootfs to boot: :func:`tests.systemd_image.image` (built on first use, then cached)."""
+    return systemd_image.image(os.path.join(VENV_BIN, "pip"))
 
 
 def wheel(out_dir: str) -> str:
     """The project's wheel, built from the checkout (``python -m build``)."""
-    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out_dir, REPO],
-         os.path.join(out_dir, "build.log"), 300, cwd=REPO)
+    run_logged([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out_dir, REPO],
+               os.path.join(out_dir, "build.log"), 300, cwd=REPO)
     (found,) = glob.glob(os.path.join(out_dir, "mselastic-*.whl"))
     return found
 
