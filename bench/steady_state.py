@@ -10,9 +10,12 @@ invocation (the modes alternate within each round, ``--runs`` rounds, medians):
 * elasticd: the job submitted to an elasticd with its defaults (snapshots every step, standby
   workers started once it trains, heartbeats, reports).
 
-Milliseconds per step of rank 0 between ``--from-step`` and ``--to-step`` (plain: the trainer's
-own heartbeat times; elasticd: rank 0's step as the agent reports it, polled every 10 ms), and
-each mode's ratio to the baseline (steps per second, so 1.00 is "costs nothing", < 1 slower).
+Milliseconds per step of rank 0 over ``--steps`` steps (plain: from step 20, the trainer's own
+heartbeat times; elasticd: from 5 steps after its standbys are all ready, so the window is the
+steady state, not their imports; rank 0's step as the agent reports it, polled every 10 ms), and
+each mode's ratio to the baseline (steps per second, so 1.00 is "costs nothing", < 1 slower):
+the ratio of the medians, and the median of each round's own ratio (the modes of one round run
+back to back, so a slow spell of the machine weighs on both sides of it).
 
 Usage: make bench-steady   (or: python bench/steady_state.py --data build/data/digits --runs 3)
 """
@@ -56,12 +59,16 @@ def plain(data: str, work: str, snapshots: bool, from_step: int, to_step: int) -
     return (at[to_step] - at[from_step]) / (to_step - from_step) * 1000
 
 
-def under_elasticd(data: str, work: str, from_step: int, to_step: int) -> float:
+def under_elasticd(data: str, work: str, steps: int) -> float:
     with LocalNode(work).start() as node:
         spec = write_lenet_spec(os.path.join(work, "job.toml"), "bench", data, os.path.join(work, "out"),
-                                os.path.join(work, "ckpt"), to_step + 20)
+                                os.path.join(work, "ckpt"), 10_000)  # (stopped with elasticd once measured)
         assert node.elasticctl("submit", spec).returncode == 0
-        wait_for("training", lambda: (r := node.ranks("bench")[1].get(0)) and r.step >= from_step - 5, 180, 0.1)
+        wait_for("training", lambda: (r := node.ranks("bench")[1].get(0)) and r.step >= 1, 180, 0.1)
+        # A standby per local rank and one for a scheduler, started once the job trains.
+        wait_for("standbys ready", lambda: len([s for s in node.standbys("bench") if s.ready]) >= 3, 120, 0.2)
+        from_step = node.ranks("bench")[1][0].step + 5
+        to_step = from_step + steps
         at: dict[int, float] = {}
         while to_step not in at:
             r = node.ranks("bench")[1].get(0)
@@ -78,23 +85,26 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--from-step", type=int, default=20)
-    p.add_argument("--to-step", type=int, default=120)
+    p.add_argument("--steps", type=int, default=100, help="steps in each measured window")
     args = p.parse_args()
     results: dict[str, list[float]] = {m: [] for m in MODES}
     with bench_folder("steady") as root:
         for i in range(args.runs):
             for mode in MODES:
                 work = os.path.join(root, f"{i}-{mode.replace(' ', '').replace('+', '-')}")
-                ms = (under_elasticd(args.data, work, args.from_step, args.to_step) if mode == "elasticd" else
-                      plain(args.data, work, mode != "plain", args.from_step, args.to_step))
+                ms = (under_elasticd(args.data, work, args.steps) if mode == "elasticd" else
+                      plain(args.data, work, mode != "plain", 20, 20 + args.steps))
                 results[mode].append(ms)
                 print(f"run {i + 1} {mode}: {ms:.1f} ms/step", flush=True)
     base = statistics.median(results["plain"])
-    print(f"\n{'mode':<20}{'ms/step':>10}{'ratio':>8}   (ratio: plain's ms/step over this one's; 1.00 = no cost)")
+    print(f"\n{'mode':<20}{'ms/step':>10}{'ratio':>8}{'paired':>8}{'spread':>9}"
+          "   (ratio: plain's ms/step over this one's, 1.00 = no cost; paired: median of the rounds' own"
+          " ratios; spread: this mode's slowest run over its fastest)")
     for mode in MODES:
         med = statistics.median(results[mode])
-        print(f"{mode:<20}{med:>10.1f}{base / med:>8.3f}")
+        paired = statistics.median(b / m for b, m in zip(results["plain"], results[mode]))
+        spread = max(results[mode]) / min(results[mode])
+        print(f"{mode:<20}{med:>10.1f}{base / med:>8.3f}{paired:>8.3f}{spread:>9.3f}")
     print("BENCH " + json.dumps({m.replace(" + ", "_").replace(" ", "_") + "_ms_per_step":
                                  round(statistics.median(v), 2) for m, v in results.items()}))
     return 0
