@@ -209,6 +209,49 @@ def test_a_warm_rank_starts_as_msrun_would_have_started_it(taken: str, tmp_path:
         assert contract.ENV_STANDBY_SLOT not in env_warm
 
 
+@pytest.mark.slow
+def test_a_standby_killed_while_importing_sends_the_generation_cold(tmp_path: os.PathLike[str]) -> None:
+    """Standbys taken while still importing, one SIGKILLed before it is ready (as the OOM killer
+    would): the generation starts cold under msrun instead of failing its launch (nothing blamed on
+    the node), every process of it starts, and the job's pool is not taken for broken."""
+    tmp = str(tmp_path)
+    script, out = os.path.join(tmp, "job", "dump.py"), os.path.join(tmp, "out")
+    os.makedirs(os.path.dirname(script))
+    os.makedirs(out)
+    with open(script, "w") as f:
+        f.write(DUMP)
+    spec = JobSpec(name="j", script=script, args=(out,), checkpoint_dir=os.path.join(tmp, "c"), workers_per_node=2,
+                   startup_timeout_s=30)
+
+    async def run() -> tuple[Generation, StandbyPool, int]:
+        gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
+        pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
+        pool.fill(3)
+        await wait_async(lambda: len(pool.standbys) == 3, 30)
+        gen.standbys = pool.take(3)
+        assert len(gen.standbys) == 3 and not any(sb.ready_at for sb in gen.standbys)
+        victim = gen.standbys[1].pid
+        os.kill(victim, signal.SIGKILL)
+        await gen.start()
+        await asyncio.wait_for(gen.done.wait(), 60)
+        await asyncio.sleep(0.5)  # (the pool's reader of the victim's output sees it end)
+        broken = pool.broken
+        await pool.close()
+        assert broken == "", broken
+        return gen, pool, victim
+
+    gen, pool, victim = asyncio.run(run())
+    assert not gen.report().warm and gen._msrun is not None
+    # (The dump script's ranks exit without a "finished" heartbeat: blamed on a rank, not the launch.)
+    assert gen.state is GenerationState.FAILED and gen.failed_rank in (0, 1), gen.reason
+    for name in ("scheduler", "worker-0", "worker-1"):
+        with open(os.path.join(out, name + ".json")) as f:
+            started = json.load(f)
+        # msrun's: its scheduler shares msrun's session (a warm one leads its own), in msrun's log files.
+        assert started["session_leader"] is (name != "scheduler") and "g000001" in started["stdout"], started
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+
+
 async def wait_async(cond: Any, timeout_s: float) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not cond():

@@ -51,6 +51,8 @@ class Standby:
     ready_at: float = 0.0
     #: Set with ready_at (a generation that took it while it was importing waits on it).
     ready_event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: Taken by a generation: its pool no longer kills it, nor takes its end for a broken pool.
+    taken: bool = False
     _drain: asyncio.Task[None] | None = None
 
     @classmethod
@@ -194,6 +196,8 @@ class StandbyPool:
                      f"{len(self.ready())} of {size}" if standby in self.standbys else "taken by a relaunch already",
                      extra=self._ctx)
             return
+        if standby.taken:  # a generation's now: it reports what became of it (and was maybe stopped)
+            return
         try:  # its output ended: it exited (or is exiting); else it timed out
             code: int | None = await asyncio.wait_for(standby.proc.wait(), 2.0)
         except asyncio.TimeoutError:
@@ -216,10 +220,13 @@ class StandbyPool:
         replacements are ready): the handover waits for it, and it is further on than msrun's
         processes would be, which import MindSpore one after the other (msrun itself, then each
         rank). (The dead are left for the next fill to reap and replace.)"""
-        alive = sorted((s for s in self.standbys if s.alive), key=lambda s: not s.ready_at)
+        alive = sorted((s for s in self.standbys if s.alive and (s.ready_at or not self.broken)),
+                       key=lambda s: not s.ready_at)  # (a broken pool's importing ones may not get there)
         if len(alive) < count:
             return []
         taken = alive[:count]
+        for standby in taken:
+            standby.taken = True
         self.standbys = [s for s in self.standbys if s not in taken]
         return taken
 

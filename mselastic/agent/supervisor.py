@@ -316,6 +316,8 @@ def scheduler_host(addr: str) -> str:
 #: How long the workers of a warm launch wait for its scheduler to listen before they are handed
 #: over anyway (they retry connecting; ``startup_timeout_s`` bounds the launch).
 SCHEDULER_LISTEN_S = 2.0
+#: The launcher of the cold path: the msrun of elasticd's own environment.
+MSRUN = os.path.join(os.path.dirname(sys.executable), "msrun")
 
 
 def _open_own(path: str) -> Any:
@@ -451,9 +453,8 @@ class Generation:
         """Hand the generation to the standbys it was given (warm), else start msrun (cold). Anything
         that keeps it from starting (see :func:`preflight`, a master port in use on node_rank 0,
         msrun failing to spawn, a standby gone) fails it at once, with the reason."""
-        msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
         try:
-            preflight(self.spec, self.log_dir, msrun, self.user, self.allow_env)
+            preflight(self.spec, self.log_dir, MSRUN, self.user, self.allow_env)
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
             return
@@ -480,7 +481,7 @@ class Generation:
         try:
             self._log = _open_own(os.path.join(self.log_dir, "msrun.log"))
             if not self.standbys:
-                await self._start_msrun(msrun)
+                await self._start_msrun(MSRUN)
         except (OSError, RuntimeError) as e:
             await self._fail(-1, f"msrun could not be started: {e}", FailureCause.LAUNCH_NODE)
             return
@@ -490,6 +491,8 @@ class Generation:
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.run_id}")
 
     async def _run(self) -> None:
+        if any(not sb.ready_at for sb in self.standbys) and not await self._standbys_ready():
+            return
         if self.standbys:
             try:
                 await self._hand_over()
@@ -506,6 +509,35 @@ class Generation:
                 return
         if not self._stopping:
             await self._watch()
+
+    async def _standbys_ready(self) -> bool:
+        """Standbys taken while still importing: wait for them, as for a cold start's ranks, within
+        startup_timeout_s. One that exits first (the OOM killer) or is not ready in time sends the
+        generation cold, as one found dead when taken does, rather than blame the node. False when
+        the generation was stopped meanwhile or could not start."""
+        importing = [sb for sb in self.standbys if not sb.ready_at]
+        t0 = time.monotonic()
+        try:
+            await asyncio.gather(*(sb.until_ready(self.spec.startup_timeout_s) for sb in importing))
+        except RuntimeError as e:
+            if self._stopping:
+                return False
+            log.warning("%s; starting cold", e, extra=self._ctx)
+            standbys, self.standbys = self.standbys, []
+            await asyncio.gather(*(sb.kill() for sb in standbys))
+            try:
+                await self._start_msrun(MSRUN)
+            except (OSError, RuntimeError) as err:
+                await self._fail(-1, f"msrun could not be started: {err}", FailureCause.LAUNCH_NODE)
+                return False
+            if self._stopping:  # stopped while msrun was being started: it may not have been seen
+                await procs.stop_generation(self._markers(), self._live_launched(), grace_s=0)
+                return False
+            self.started_mono = time.monotonic()
+            return True
+        log.info("waited %.1fs for standbys %s to finish importing", time.monotonic() - t0,
+                 [sb.pid for sb in importing], extra=self._ctx)
+        return not self._stopping
 
     async def _start_msrun(self, msrun: str) -> None:
         """The cold path: msrun starts the scheduler (on node_rank 0) and the local ranks."""
@@ -534,14 +566,6 @@ class Generation:
         whose address is master_addr) goes first and the workers once it listens, all of them at once:
         workers that meet no scheduler retry only half a second later."""
         p = self.plan
-        importing = [sb for sb in self.standbys if not sb.ready_at]
-        if importing:  # taken while still importing: as a cold start's ranks, within startup_timeout_s
-            t0 = time.monotonic()
-            await asyncio.gather(*(sb.until_ready(self.spec.startup_timeout_s) for sb in importing))
-            log.info("waited %.1fs for standbys %s to finish importing", time.monotonic() - t0,
-                     [sb.pid for sb in importing], extra=self._ctx)
-            if self._stopping:
-                return
         env = {**self._env(), **self._job_env()}  # as msrun's environment is (the job's env applied last)
         common = {"MS_WORKER_NUM": str(p.world_size), "MS_SCHED_HOST": scheduler_host(p.master_addr),
                   "MS_SCHED_PORT": str(p.master_port), "MS_TOPO_TIMEOUT": str(int(self.spec.startup_timeout_s)),
