@@ -165,10 +165,12 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
     Workers run as root, said explicitly (pytest's temporary directories are private to root);
     ``tests/test_e2e.py`` runs them as nobody. Several nodes on loopback without TLS reach each
     other in plaintext, which takes ``insecure`` (as it would on a network). Standby workers (the
-    production default) only where asked: the tests whose jobs relaunch on the same nodes
-    (``tests/test_faults.py``, ``tests/test_elastic.py``, ...), which they make faster. Elsewhere
-    their imports (~3 CPU-s each, a rank's and a scheduler's per node) only slow the ranks on the
-    two cores: the whole suite with standbys everywhere took 2131 s, without 2018-2093 s.
+    production default) only where asked: the fault matrix and the world-size changes
+    (``tests/test_faults.py``, ``tests/test_elastic.py``), whose relaunches are then warm as in
+    production. They do not make the suite faster on two cores: each relaunch's replacements
+    import MindSpore (~3 CPU-s each, a rank's and a scheduler's per node) on the cores the ranks
+    train on, about what the cold start they save costs. The whole suite with standbys
+    everywhere took 2131 s, without 2018-2093 s (what would help: a fork server, see DESIGN).
     Snapshots in the test's own folder (removed with it), not in the machine's /dev/shm."""
     return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,

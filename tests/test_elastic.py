@@ -78,7 +78,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     on two ranks and 4 x 8 on one; the uninterrupted baseline runs 16 per rank in one pass."""
     total = 120
     cluster.up(2)
-    cluster.warm = True  # (five relaunches: warm ones save ~15 s)
+    cluster.warm = True  # (five relaunches, warm as in production)
     cluster.start_nodes(0, 1)
     out = os.path.join(cluster.tmp, "out")
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), total,
