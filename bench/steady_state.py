@@ -10,9 +10,10 @@ invocation (the modes alternate within each round, ``--runs`` rounds, medians):
 * elasticd: the job submitted to an elasticd with its defaults (snapshots every step, standby
   workers started once it trains, heartbeats, reports).
 
-Milliseconds per step of rank 0 over ``--steps`` steps (plain: from step 20, the trainer's own
-heartbeat times; elasticd: from 5 steps after its standbys are all ready, so the window is the
-steady state, not their imports; rank 0's step as the agent reports it, polled every 10 ms), and
+Milliseconds per step of rank 0 between ``--from-step`` and ``--to-step``, the same steps in every
+mode (plain: the trainer's own heartbeat times; elasticd: rank 0's step as the agent reports it,
+polled every 10 ms; its standbys must be ready before the window opens, so that it measures the
+steady state, not their imports), and
 each mode's ratio to the baseline (steps per second, so 1.00 is "costs nothing", < 1 slower):
 the ratio of the medians, and the median of each round's own ratio (the modes of one round run
 back to back, so a slow spell of the machine weighs on both sides of it).
@@ -59,16 +60,16 @@ def plain(data: str, work: str, snapshots: bool, from_step: int, to_step: int) -
     return (at[to_step] - at[from_step]) / (to_step - from_step) * 1000
 
 
-def under_elasticd(data: str, work: str, steps: int) -> float:
+def under_elasticd(data: str, work: str, from_step: int, to_step: int) -> float:
     with LocalNode(work).start() as node:
         spec = write_lenet_spec(os.path.join(work, "job.toml"), "bench", data, os.path.join(work, "out"),
-                                os.path.join(work, "ckpt"), 10_000)  # (stopped with elasticd once measured)
+                                os.path.join(work, "ckpt"), to_step + 20)
         assert node.elasticctl("submit", spec).returncode == 0
         wait_for("training", lambda: (r := node.ranks("bench")[1].get(0)) and r.step >= 1, 180, 0.1)
         # A standby per local rank and one for a scheduler, started once the job trains.
         wait_for("standbys ready", lambda: len([s for s in node.standbys("bench") if s.ready]) >= 3, 120, 0.2)
-        from_step = node.ranks("bench")[1][0].step + 5
-        to_step = from_step + steps
+        if node.ranks("bench")[1][0].step >= from_step - 1:
+            raise RuntimeError(f"the standbys were ready only after step {from_step}: raise --from-step")
         at: dict[int, float] = {}
         while to_step not in at:
             r = node.ranks("bench")[1].get(0)
@@ -85,15 +86,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=100, help="steps in each measured window")
+    p.add_argument("--from-step", type=int, default=80, help="(after the standbys' imports under elasticd)")
+    p.add_argument("--to-step", type=int, default=180)
     args = p.parse_args()
     results: dict[str, list[float]] = {m: [] for m in MODES}
     with bench_folder("steady") as root:
         for i in range(args.runs):
             for mode in MODES:
                 work = os.path.join(root, f"{i}-{mode.replace(' ', '').replace('+', '-')}")
-                ms = (under_elasticd(args.data, work, args.steps) if mode == "elasticd" else
-                      plain(args.data, work, mode != "plain", 20, 20 + args.steps))
+                ms = (under_elasticd(args.data, work, args.from_step, args.to_step) if mode == "elasticd" else
+                      plain(args.data, work, mode != "plain", args.from_step, args.to_step))
                 results[mode].append(ms)
                 print(f"run {i + 1} {mode}: {ms:.1f} ms/step", flush=True)
     base = statistics.median(results["plain"])
