@@ -40,7 +40,7 @@ $(DATA)/.done: $(STAMP) examples/lenet/make_data.py
 demo: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/demo.py --data $(DATA)
 
-# The systemd tests' Debian base image is made (debootstrap, ~50 s of downloads) while the venv
+# The systemd tests' Debian base image is made (debootstrap, 80-110 s here) while the venv
 # installs; the tests add the venv to it and cache it (tests/systemd_image.py).
 test: systemd-tools
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) systemd-image-base

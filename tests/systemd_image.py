@@ -2,9 +2,9 @@
 under ``build/systemd/image-<key>`` (the key hashes the package list, requirements.txt and
 IMAGE_VERSION), in two stages:
 
-1. the base: a minimal Debian made by debootstrap (~50 s, mostly downloads). It needs nothing of
-   the project's venv (this module is standard library only), so ``make test`` runs it while
-   the venv installs: ``python -m tests.systemd_image``;
+1. the base: a minimal Debian made by debootstrap (80-110 s here, mostly downloads). It needs
+   nothing of the project's venv (this module is standard library only), so ``make test`` runs
+   it while the venv installs: ``python -m tests.systemd_image``;
 2. the image: a venv at ``/opt/mselastic/.venv`` in it holding the pinned dependencies,
    installed from a wheelhouse pip downloaded on the host (pip's cache holds them once the
    project's venv is installed). The first systemd test makes it (``image()``).
