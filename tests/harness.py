@@ -239,17 +239,22 @@ def generation_processes(procs: Processes, generation: int, job: str = "lenet") 
     return found
 
 
-def rank_steps(endpoint: str, generation: int, job: str = "lenet") -> dict[int, int]:
-    """rank -> step of the ranks of ``job``'s ``generation`` on the node at ``endpoint``, as their
-    last heartbeats told its agent (each step: the ranks' own progress, unlike the reports in etcd,
-    once a second)."""
+def agent_status(endpoint: str) -> Any:
+    """The node agent's ``Agent.Status`` at ``endpoint`` (its local socket, or TCP where it is plaintext)."""
     import grpc
 
     from mselastic.v1 import elastic_pb2 as pb
     from mselastic.v1 import elastic_pb2_grpc as pb_grpc
     with grpc.insecure_channel(endpoint) as ch:
-        res = pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5)
-    return {r.rank: r.step for g in res.generations if g.job == job and g.generation == generation for r in g.ranks}
+        return pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5)
+
+
+def rank_steps(endpoint: str, generation: int, job: str = "lenet") -> dict[int, int]:
+    """rank -> step of the ranks of ``job``'s ``generation`` on the node at ``endpoint``, as their
+    last heartbeats told its agent (each step: the ranks' own progress, unlike the reports in etcd,
+    once a second)."""
+    return {r.rank: r.step for g in agent_status(endpoint).generations if g.job == job and g.generation == generation
+            for r in g.ranks}
 
 
 def worker_pids(procs: Processes, generation: int) -> dict[int, int]:

@@ -28,7 +28,7 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
-from tests.harness import REPO, TEST_MARK, Etcd, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, \
+from tests.harness import REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, \
     worker_pids
 
 JOB = "lenet"
@@ -146,21 +146,12 @@ def test_a_warm_rank_starts_as_msrun_would_have_started_it(taken: str, tmp_path:
     standbys are taken once ready, or just started (a relaunch soon after the last): then the
     handover waits for their imports."""
     tmp = str(tmp_path)
-    script = os.path.join(tmp, "job", "dump.py")
-    os.makedirs(os.path.dirname(script))
-    with open(script, "w") as f:
-        f.write(DUMP)
     port = free_port()
     outs = {kind: os.path.join(tmp, kind) for kind in ("cold", "warm")}
-    for d in outs.values():
-        os.makedirs(d)
-
-    def spec(out: str) -> JobSpec:
-        return JobSpec(name="j", script=script, args=(out,), checkpoint_dir=os.path.join(tmp, "c"),
-                       workers_per_node=2, startup_timeout_s=30)
+    script = dump_spec(tmp, "").script
 
     async def run(generation: int, out: str, warm: bool) -> Generation:
-        gen = Generation(plan(generation, port), spec(out), "n0", tmp, lambda g, u: None)
+        gen = Generation(plan(generation, port), dump_spec(tmp, out), "n0", tmp, lambda g, u: None)
         pool = None
         if warm:
             pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
@@ -215,15 +206,10 @@ def test_a_standby_killed_while_importing_sends_the_generation_cold(tmp_path: os
     would): the generation starts cold under msrun instead of failing its launch (nothing blamed on
     the node), every process of it starts, and the job's pool is not taken for broken."""
     tmp = str(tmp_path)
-    script, out = os.path.join(tmp, "job", "dump.py"), os.path.join(tmp, "out")
-    os.makedirs(os.path.dirname(script))
-    os.makedirs(out)
-    with open(script, "w") as f:
-        f.write(DUMP)
-    spec = JobSpec(name="j", script=script, args=(out,), checkpoint_dir=os.path.join(tmp, "c"), workers_per_node=2,
-                   startup_timeout_s=30)
+    out = os.path.join(tmp, "out")
+    spec = dump_spec(tmp, out)
 
-    async def run() -> tuple[Generation, StandbyPool, int]:
+    async def run() -> tuple[Generation, int]:
         gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
         pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
         pool.fill(3)
@@ -234,13 +220,14 @@ def test_a_standby_killed_while_importing_sends_the_generation_cold(tmp_path: os
         os.kill(victim, signal.SIGKILL)
         await gen.start()
         await asyncio.wait_for(gen.done.wait(), 60)
-        await asyncio.sleep(0.5)  # (the pool's reader of the victim's output sees it end)
+        assert pool._filling is not None
+        await asyncio.wait_for(pool._filling, 30)  # (its reader of every standby's output is done)
         broken = pool.broken
         await pool.close()
         assert broken == "", broken
-        return gen, pool, victim
+        return gen, victim
 
-    gen, pool, victim = asyncio.run(run())
+    gen, victim = asyncio.run(run())
     assert not gen.report().warm and gen._msrun is not None
     # (The dump script's ranks exit without a "finished" heartbeat: blamed on a rank, not the launch.)
     assert gen.state is GenerationState.FAILED and gen.failed_rank in (0, 1), gen.reason
@@ -252,6 +239,20 @@ def test_a_standby_killed_while_importing_sends_the_generation_cold(tmp_path: os
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
 
 
+def dump_spec(tmp: str, out: str) -> JobSpec:
+    """The job of ``DUMP`` (written under ``tmp`` once), recording what its processes were started
+    with in ``out`` (made here)."""
+    script = os.path.join(tmp, "job", "dump.py")
+    if not os.path.exists(script):
+        os.makedirs(os.path.dirname(script))
+        with open(script, "w") as f:
+            f.write(DUMP)
+    if out:
+        os.makedirs(out, exist_ok=True)
+    return JobSpec(name="j", script=script, args=(out,), checkpoint_dir=os.path.join(tmp, "c"), workers_per_node=2,
+                   startup_timeout_s=30)
+
+
 async def wait_async(cond: Any, timeout_s: float) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not cond():
@@ -261,11 +262,7 @@ async def wait_async(cond: Any, timeout_s: float) -> None:
 
 
 def standbys(endpoint: str) -> list[pb.StandbyStatus]:
-    import grpc
-
-    from mselastic.v1 import elastic_pb2_grpc as pb_grpc
-    with grpc.insecure_channel(endpoint) as ch:
-        return list(pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5).standbys)
+    return list(agent_status(endpoint).standbys)
 
 
 def standby_processes(procs: Processes) -> list[psutil.Process]:
