@@ -18,7 +18,7 @@ from mselastic.core.states import JobState
 from mselastic.store.embedded import free_port
 from tests.cluster import Cluster
 from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, check_history, elasticctl, lenet_spec, params, \
-    wait_for, worker_pids
+    rank_steps, wait_for, worker_pids
 from tests.test_elastic import WORLD_CHANGE_ATOL, check_exactly_once, committed_samples
 
 CLASSIC = os.path.join(REPO, "examples", "classic")
@@ -113,21 +113,20 @@ def test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     etcd = cluster.etcd
     assert etcd is not None
+    # Right after the checkpoint at 20, by rank 1's own heartbeats: rank 0 (its node's snapshot
+    # keeper) is writing that checkpoint in the background, and its snapshots must not wait for it.
     wait_for("generation 1 past its checkpoint at 20",
-             lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 240, 0.05)
+             lambda: rank_steps(cluster.endpoint(1), 1).get(1, 0) >= 21, 240, 0.05)
     victim = worker_pids(cluster.procs, 1)[1]
     os.kill(victim, signal.SIGKILL)
     status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     plans = check_history(etcd, JOB, TOTAL, snapshots=True)
     assert [p.world_size for p in plans] == [2, 1] and [m.node_id for m in plans[1].members] == ["n0"]
-    # Resumed from n0's snapshot, not the checkpoint at 20. Not "at most one step" here: with every
-    # step's snapshot on two cores busy with both ranks, a write can outlast a step and the newest
-    # complete snapshot trail by two (seen in CI: 23 after 25) — an open gap, DESIGN "Open: two steps
-    # lost once"; tests/test_snapshots.py holds the one-step promise where writes keep up.
+    # Resumed from n0's snapshot (not the checkpoint at 20, once past 21): at most the step being trained is lost.
     reached = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
     resumed = etcd.report(JOB, 2, "n0")
-    assert resumed is not None and reached - 3 <= resumed.resumed_step <= reached, (reached, resumed.resumed_step)
+    assert resumed is not None and reached - 1 <= resumed.resumed_step <= reached, (reached, resumed.resumed_step)
     assert status.last_failure is not None and status.last_failure.rank == 1
     committed = {s: v for s, v in committed_samples(samples).items() if s <= TOTAL}
     check_exactly_once(committed, TOTAL)

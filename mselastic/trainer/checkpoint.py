@@ -16,9 +16,13 @@ restored by ``load`` (dropout masks continue as if never interrupted).
 
 Between checkpoints the first local rank of every node keeps a *snapshot* of the same state
 every ``snapshot_interval_steps`` in a folder in memory the agent gives it (tmpfs, the node's
-own: ``MSELASTIC_SNAPSHOT_DIR``): copied on the training thread, written in the background, the
-newest two kept. A rank's death does not take them with it; the next generation's rank 0, before
-the ranks agree, turns the newest one on its node into an ordinary checkpoint (copied, checked,
+own: ``MSELASTIC_SNAPSHOT_DIR``): the parameters' raw bytes written on the training thread (one
+copy from the device into that memory, and a CRC32), then their manifest; the newest two kept.
+Not in the background, not through MindSpore's writer: a snapshot is complete when ``snapshot``
+returns, so a rank killed at any instant leaves the previous step's at worst, and none waits
+behind a checkpoint MindSpore is writing (it writes one at a time; with background snapshots, a
+kill just after a checkpoint once lost two steps). A rank's death does not take them with it; the next generation's rank 0, before
+the ranks agree, turns the newest one on its node into an ordinary checkpoint (converted, checked,
 published like any save) when it is newer than every checkpoint of the job, was taken by the
 generation that owns the folder (or a later one) and continues the folder's lineage (a random id
 ``latest.json`` keeps from its first pointer on): a crash then costs the steps since the last snapshot, not since
@@ -50,8 +54,8 @@ import os
 import re
 import shutil
 import sys
-import threading
 import uuid
+import zlib
 from typing import Any, Callable, NoReturn
 
 from mselastic.core.contract import LATEST_CHECKPOINT
@@ -62,6 +66,8 @@ _MANIFEST = re.compile(r"^ckpt-(\d{8,})(?:-g(\d{6,}))?\.json$")
 MAX_CANDIDATES = 8
 #: Steps and generations travel through the (float32) allreduce as two halves below 2**20: exact.
 _HALF = 1 << 20
+#: A snapshot is written (and its CRC computed) this many bytes at a time.
+_CHUNK = 1 << 20
 #: Errors that make a checkpoint unusable (the next older one is tried).
 _UNUSABLE = (OSError, ValueError, TypeError, RuntimeError, KeyError)
 
@@ -70,15 +76,19 @@ def _stem(step: int, generation: int | None) -> str:
     return f"ckpt-{step:08d}" + ("" if generation is None else f"-g{generation:06d}")
 
 
-def host_copy(objects: list[Any]) -> list[dict[str, Any]]:
-    """The parameters of ``objects`` (cells, optimizers), copied to host memory (numpy arrays):
-    what a checkpoint holds. Names as MindSpore gives them, each once (an optimizer holds the
-    network's weights too)."""
+def _parameters(objects: list[Any]) -> dict[str, Any]:
+    """The parameters of ``objects`` (cells, optimizers) by name, as MindSpore names them, each once
+    (an optimizer holds the network's weights too): what a checkpoint holds."""
     seen: dict[str, Any] = {}
     for obj in objects:
         for p in obj.get_parameters():
             seen.setdefault(p.name, p)
-    return [{"name": name, "data": p.asnumpy().copy()} for name, p in seen.items()]
+    return seen
+
+
+def host_copy(objects: list[Any]) -> list[dict[str, Any]]:
+    """The parameters of ``objects`` (cells, optimizers), copied to host memory (numpy arrays)."""
+    return [{"name": name, "data": p.asnumpy().copy()} for name, p in _parameters(objects).items()]
 
 
 def _tensors(values: Any) -> Any:
@@ -143,6 +153,10 @@ class Manifest:
     #: The checkpoint folder's lineage (``latest.json``'s) when a snapshot was taken: a snapshot is
     #: only ever adopted into the folder whose history it continues.
     lineage: str = ""
+    #: A snapshot's layout (its file holds the parameters' raw bytes, one after the other): each
+    #: parameter's name, numpy dtype (``dtype.str``) and shape; and the CRC32 of the whole file.
+    tensors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    crc32: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +233,6 @@ class Checkpointer:
         self.snapshot_dir = snapshot_dir
         self.snapshot_interval = snapshot_interval
         self.keeper = keeper
-        self._snapping: threading.Thread | None = None
         self._lineage: str | None = None
         self.dir = directory
         self.rank = rank
@@ -316,7 +329,6 @@ class Checkpointer:
             return None
         import mindspore as ms
 
-        self.wait_snapshot()  # (MindSpore writes one checkpoint at a time: this save would wait for it anyway)
         name = _stem(step, self.generation)
         path = os.path.join(self.dir, name + ".ckpt")
         try:
@@ -352,12 +364,9 @@ class Checkpointer:
     def snapshot(self, obj: Any, step: int, epoch: int, cursor: int = 0, seed: int = 0,
                  extra: dict[str, Any] | None = None) -> bool:
         """Keep a snapshot of ``obj`` (the optimizer, or a list of cells and optimizers) at ``step`` in this
-        node's in-memory folder, when this rank keeps them and one is due. The values are copied
-        now; the write happens in the background, and a snapshot due while the previous one is
-        still being written is skipped (training never waits for one). True: one was taken."""
+        node's in-memory folder, when this rank keeps them and one is due: complete when this
+        returns (see the module's notes). True: one was kept."""
         if not (self.snapshot_dir and self.keeper and self.snapshot_interval > 0) or step % self.snapshot_interval:
-            return False
-        if self._snapping is not None and self._snapping.is_alive():
             return False
         if self._lineage is None:  # (read once: rank 0 claimed the folder before the first step)
             lineage = self._latest().get("lineage")
@@ -367,34 +376,38 @@ class Checkpointer:
                             self.dir)
         if not self._lineage:
             return False
-        values = host_copy(list(obj) if isinstance(obj, (list, tuple)) else [obj])
-        rng = rng_state()
-
-        def write() -> None:
-            try:
-                self._write_snapshot(values, step, epoch, cursor, seed, extra or {}, rng)
-            except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation: the checkpoints stand
-                log.warning("snapshot of step %d not kept (%s)", step, e)
-
-        self._snapping = threading.Thread(target=write, name=f"mselastic-snapshot-{step}", daemon=True)
-        self._snapping.start()
+        params = _parameters(list(obj) if isinstance(obj, (list, tuple)) else [obj])
+        try:
+            self._write_snapshot(params, step, epoch, cursor, seed, extra or {}, rng_state())
+        except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation: the checkpoints stand
+            log.warning("snapshot of step %d not kept (%s)", step, e)
+            return False
         return True
 
-    def wait_snapshot(self) -> None:
-        """Until the snapshot being written (if any) is kept: before a checkpoint, and at the end."""
-        if self._snapping is not None:
-            self._snapping.join()
-
-    def _write_snapshot(self, values: list[dict[str, Any]], step: int, epoch: int, cursor: int, seed: int,
+    def _write_snapshot(self, params: dict[str, Any], step: int, epoch: int, cursor: int, seed: int,
                         extra: dict[str, Any], rng: dict[str, Any]) -> None:
-        import mindspore as ms
+        """``params`` (name -> a Parameter, Tensor or numpy array) as raw bytes, then the manifest
+        that makes them a snapshot (written last: a file without one is litter)."""
+        import numpy as np
 
         name = _stem(step, self.generation)
-        path = os.path.join(self.snapshot_dir, name + ".ckpt")
-        ms.save_checkpoint(_tensors(values), path, crc_check=True)
+        path = os.path.join(self.snapshot_dir, name + ".snap")
+        tensors, crc = [], 0
+        with open(path, "wb") as f:
+            for key, value in params.items():
+                # (asnumpy: the one copy, from the device; on CPU a view of the parameter's memory)
+                array = value if isinstance(value, np.ndarray) else value.asnumpy()
+                if not array.flags.c_contiguous:
+                    array = array.copy(order="C")  # (not np.ascontiguousarray: it makes a scalar 1-d)
+                data = array.reshape(-1).data.cast("B")
+                for at in range(0, len(data), _CHUNK):  # (each piece still in the cache for its CRC)
+                    f.write(data[at:at + _CHUNK])
+                    crc = zlib.crc32(data[at:at + _CHUNK], crc)
+                tensors.append({"name": key, "dtype": array.dtype.str, "shape": list(array.shape)})
+            size = f.tell()
         manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
-                            file=name + ".ckpt", sha256="", size=os.path.getsize(path), cursor=cursor, seed=seed,
-                            extra=extra, job=self.job, rng=rng, lineage=self._lineage or "")
+                            file=name + ".snap", sha256="", size=size, cursor=cursor, seed=seed, extra=extra,
+                            job=self.job, rng=rng, lineage=self._lineage or "", tensors=tensors, crc32=crc)
         _write_atomic(os.path.join(self.snapshot_dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
         # Kept: this generation's two newest. An older generation's can no longer be adopted (this
         # one owns the checkpoint folder), and what a killed writer left half-written is litter.
@@ -435,21 +448,33 @@ class Checkpointer:
                 return
 
     def _persist(self, m: Manifest) -> bool:
-        """Copy the snapshot ``m`` into the checkpoint folder, checked (size, MindSpore's CRC) and
-        published as a save is. False (logged, nothing left behind) when it cannot be."""
+        """Write the snapshot ``m`` into the checkpoint folder as a MindSpore checkpoint, checked (size,
+        CRC32) and published as a save is. False (logged, nothing left behind) when it cannot be."""
         import mindspore as ms
+        import numpy as np
 
-        stem = m.file[: -len(".ckpt")]
-        src, dst = os.path.join(self.snapshot_dir, m.file), os.path.join(self.dir, m.file)
+        stem = m.file.rsplit(".", 1)[0]
+        dst = os.path.join(self.dir, stem + ".ckpt")
         tmp = os.path.join(self.dir, f"{stem}.tmp{os.getpid()}.ckpt")  # (MindSpore loads only *.ckpt)
         try:
-            shutil.copyfile(src, tmp)
+            with open(os.path.join(self.snapshot_dir, m.file), "rb") as f:
+                raw = bytearray(f.read())
+            if len(raw) != m.size or zlib.crc32(raw) != m.crc32:
+                raise ValueError(f"{m.file} is damaged ({len(raw)} bytes of {m.size}, or its CRC32 differs)")
+            values, offset = [], 0
+            for t in m.tensors:
+                dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+                count = int(np.prod(shape, dtype=np.int64))
+                array = np.frombuffer(raw, dtype, count, offset).reshape(shape)
+                values.append({"name": t["name"], "data": ms.Tensor.from_numpy(array)})
+                offset += count * dtype.itemsize
+            if offset != len(raw):
+                raise ValueError(f"{m.file}: its layout covers {offset} bytes of {len(raw)}")
+            ms.save_checkpoint(values, tmp, crc_check=True)
             _fsync_file(tmp)
-            if os.path.getsize(tmp) != m.size:
-                raise ValueError(f"{m.size} bytes expected, {os.path.getsize(tmp)} copied")
-            ms.load_checkpoint(tmp, crc_check=True)  # (raises on a torn or flipped file)
             os.replace(tmp, dst)
-            kept = dataclasses.replace(m, sha256=_sha256(dst))
+            kept = dataclasses.replace(m, file=stem + ".ckpt", sha256=_sha256(dst), size=os.path.getsize(dst),
+                                       tensors=[], crc32=0)
             _write_atomic(os.path.join(self.dir, stem + ".json"), json.dumps(dataclasses.asdict(kept)))
             if not self._publish(stem + ".json"):
                 raise ValueError("a newer generation owns the folder")

@@ -319,8 +319,6 @@ class Session:
             return
         self._done = True
         self.wait_saved()
-        if self.ckpt is not None:
-            self.ckpt.wait_snapshot()
         self.context().finished(self.step, self.loss)
 
 
