@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from mselastic.core.states import FailureCause, GenerationState, JobState
@@ -163,3 +164,32 @@ def test_fault_spec_parsing() -> None:
     for bad in ("nap:rank=1:generation=1:step=1", "sigkill:rank=1", "sigkill:rank=x:generation=1:step=1"):
         with pytest.raises(ValueError, match="MSELASTIC_FAULT"):
             FaultPlan.parse(bad)
+
+
+def test_a_rank_death_msrun_reports_first_is_still_blamed_on_the_rank(cluster: Cluster, digits: str) -> None:
+    """n1's agent held up (SIGSTOPped, as a busy node's event loop can be) while its rank is
+    SIGKILLed: msrun sees the death first and exits with code 1 (on n1 it has no scheduler to wait
+    for). Once the agent runs again it still names rank 1 and how it died, not "msrun failed"."""
+    cluster.up(2)
+    cluster.start_nodes(0, 1)
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"),
+                      os.path.join(cluster.tmp, "ckpt"), TOTAL, workers=1, min_nodes=1, max_nodes=2, max_restarts=0)
+    assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("generation 1 training on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 5, 180, 0.05)
+    agent = cluster.daemons[1]
+    msrun = next(p for p in generation_processes(cluster.procs, 1) if p.ppid() == agent.pid)
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        os.kill(worker_pids(cluster.procs, 1)[1], signal.SIGKILL)
+        wait_for("msrun on n1 to exit", lambda: msrun.status() == psutil.STATUS_ZOMBIE, 10, 0.05)
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    failed = wait_for("generation 1 to end on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.state.terminal
+                      and r, 30, 0.1)
+    assert failed.state is GenerationState.FAILED and failed.failed_rank == 1, failed.reason
+    assert failed.cause is FailureCause.RANK_EXITED and "killed by SIGKILL" in failed.reason, failed.reason
+    status = wait_for("job to fail", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 30, 0.2)
+    assert status.state is JobState.FAILED and status.last_failure is not None
+    wait_for("nothing left on any node", lambda: not generation_processes(cluster.procs, 1), 15)

@@ -184,3 +184,33 @@ def test_the_exit_code_of_a_worker_users_rank_is_read_without_cap_sys_ptrace() -
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_death_only_msruns_log_tells_is_blamed_on_its_rank(tmp_path: os.PathLike[str]) -> None:
+    """msrun exited with code 1 before the agent saw a rank die: its log's line (as msrun 2.10 writes
+    it) names the worker's pid and signal, and so the rank: by that pid, or as the only rank whose
+    pid was never learned. A log that names no rank of ours (msrun failed by itself) blames none."""
+    tmp = str(tmp_path)
+    plan = Plan(job="j", generation=2, members=(Member("n0", 0, 1, "127.0.0.1:1", "127.0.0.1"),
+                                                Member("n1", 1, 2, "127.0.0.1:2", "127.0.0.2")),
+                world_size=3, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
+    spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
+                   workers_per_node=2)
+    gen = Generation(plan, spec, "n1", tmp, lambda g, urgent: None)
+    os.makedirs(gen.log_dir)
+    gen._msrun = subprocess.Popen(["true"])  # type: ignore[assignment]  # (only its pid is read)
+    gen._msrun.wait()
+    line = ("[ERROR] ME(7756:140084068449152,MainProcess):2026-12-02-19:56:22.100.000 "
+            "[mindspore/parallel/cluster/process_entity/_api.py:365] Worker process {pid} exit with exception. "
+            "Error code: {code}.\n")
+    log = os.path.join(gen.log_dir, "msrun.log")
+    with open(log, "w") as f:
+        f.write(line.format(pid=4242, code=-9))
+    assert gen._worker_msrun_saw_die() is None  # two ranks whose pids are unknown: which one is not known
+    gen.ranks[2].pid = 4243
+    assert gen._worker_msrun_saw_die() == (1, 4242, "killed by SIGKILL")
+    gen.ranks[1].pid = 4242
+    assert gen._worker_msrun_saw_die() == (1, 4242, "killed by SIGKILL") and gen.ranks[1].exit_code == -9
+    with open(log, "w") as f:
+        f.write(line.format(pid=999, code=1))
+    assert gen._worker_msrun_saw_die() is None

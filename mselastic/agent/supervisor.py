@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import hashlib
+import re
 import ipaddress
 import signal
 import shutil
@@ -61,6 +62,16 @@ def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
             return int(_CREDS.unpack(data[:_CREDS.size])[0])
     return -1
+
+
+def _exit_status(code: int) -> str:
+    """"exit code 1", or "killed by SIGKILL" for a negative (subprocess) return code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _port_free(port: int) -> bool:
@@ -893,7 +904,21 @@ class Generation:
                 log.warning("heartbeat for rank %d claiming pid %d sent by pid %d: dropped", beat.rank, beat.pid,
                             sender, extra=self._ctx)
                 continue
+            if rs is not None and not rs.pid:
+                self._learn_pid(rs, sender)
             self._on_beat(beat)
+
+    def _learn_pid(self, rs: RankState, pid: int) -> None:
+        """A rank's pid from its own heartbeat (the kernel names the sender) when it is one of msrun's
+        own children: :meth:`_discover` may not have classified it yet, and a rank whose pid is
+        unknown could not be seen to die."""
+        if self._msrun is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.ppid() == self._msrun.pid:
+                rs.pid, rs.create_time = pid, p.create_time()
+                self._seen.add(pid)
 
     def _ours(self, pid: int) -> bool:
         """The sender is a process of this generation: a descendant of our msrun (its ranks and
@@ -1102,6 +1127,8 @@ class Generation:
             # wait in a collective, their last beat as old as its).
             reaped = [rs for rs in dead if self._msrun is not None and procs.gone(rs.pid)]
             first = min(reaped or dead, key=lambda r: (r.last_beat, r.rank))
+            if first.exit_code is None:
+                first.exit_code = self._exits_msrun_saw().get(first.pid)
             return first.rank, f"exited before finishing ({self._how_exited(first)})", FailureCause.RANK_EXITED
         if exited:
             # The ranks agreed on the step; the others' planned exits are at most a moment behind.
@@ -1154,13 +1181,7 @@ class Generation:
         """The exit code or signal of a rank, as far as it was seen."""
         if rs.exit_code is None:
             return f"pid {rs.pid}; exit status not seen, its parent reaped it first"
-        if rs.exit_code < 0:
-            try:
-                name = signal.Signals(-rs.exit_code).name
-            except ValueError:
-                name = f"signal {-rs.exit_code}"
-            return f"pid {rs.pid}, killed by {name}"
-        return f"pid {rs.pid}, exit code {rs.exit_code}"
+        return f"pid {rs.pid}, {_exit_status(rs.exit_code)}"
 
     def _exited_on_sigterm(self) -> bool:
         """Every local rank checkpointed on a SIGTERM and has exited (or is exiting)."""
@@ -1208,7 +1229,52 @@ class Generation:
             self._close()
         else:
             who = "msrun" if self._msrun is not None else "the ranks"
+            culprit = self._worker_msrun_saw_die() if code else None
+            if culprit is not None:
+                rank, pid, status = culprit
+                log.warning("msrun exited before this agent saw a rank die; msrun's log names rank %d (pid %d, %s); "
+                            "ranks as seen: %s", rank, pid, status, self._ranks_seen(), extra=self._ctx)
+                await self._fail(rank, f"exited before finishing (pid {pid}, {status}; seen by msrun)",
+                                 FailureCause.RANK_EXITED)
+                return
+            if code and not all(r.finished for r in self.ranks.values()):
+                log.warning("%s exited with code %d; ranks as seen: %s", who, code, self._ranks_seen(), extra=self._ctx)
             await self._fail(-1, f"{who} exited with code {code}; see {self.log_dir}", FailureCause.MSRUN_FAILED)
+
+    #: msrun's line when one of its workers exits with an error (``process_entity/_api.py``).
+    _MSRUN_WORKER_DIED = re.compile(rb"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+
+    def _exits_msrun_saw(self) -> dict[int, int]:
+        """pid -> exit code of the workers msrun's log says exited with an error (it reaps its workers
+        once a second, often before this agent reads their status)."""
+        if self._msrun is None:
+            return {}
+        try:
+            with open(os.path.join(self.log_dir, "msrun.log"), "rb") as f:
+                return {int(m.group(1)): int(m.group(2)) for m in self._MSRUN_WORKER_DIED.finditer(f.read())}
+        except OSError:
+            return {}
+
+    def _worker_msrun_saw_die(self) -> tuple[int, int, str] | None:
+        """(rank, pid, how) of the worker msrun's log says exited with an error, when this agent did not
+        see it die (msrun exits at once on n1 and the like, with no scheduler to wait for; this
+        agent's poll may have been held up, on a busy node, until after both). The rank: the one
+        with that pid, else the only one whose pid was never learned; None when the log names none
+        of them (msrun failed by itself)."""
+        unknown = [rs for rs in self.ranks.values() if not rs.pid and not rs.finished]
+        for pid, code in self._exits_msrun_saw().items():
+            rs = next((r for r in self.ranks.values() if r.pid == pid), None) or \
+                (unknown[0] if len(unknown) == 1 else None)
+            if rs is not None:
+                rs.exit_code = code
+                return rs.rank, pid, _exit_status(code)
+        return None
+
+    def _ranks_seen(self) -> str:
+        """Each local rank as this agent last saw it (for a log line when msrun tells first)."""
+        return "; ".join(f"rank {rs.rank}: pid {rs.pid or '?'}, "
+                         f"{'finished' if rs.finished else 'alive' if rs.pid and procs.alive(rs.pid, rs.create_time) else 'gone'}, "
+                         f"step {rs.step}" for rs in self.ranks.values())
 
     def _set(self, state: GenerationState, reason: str | None = None) -> None:
         check_generation_transition(self.state, state)
