@@ -173,6 +173,41 @@ def test_a_snapshot_is_whole_when_taken_even_while_a_checkpoint_is_written(tmp_p
     assert all(np.array_equal(resumed.params[k].asnumpy(), taken[k]) for k in taken)
 
 
+def test_a_snapshot_keeps_every_dtype_and_shape_and_a_failed_one_leaves_nothing(tmp_path: os.PathLike[str]) -> None:
+    """Raw bytes, then a MindSpore checkpoint on adoption: bfloat16 (numpy has no such type), float16,
+    integers, booleans and 0-d values come back as they were. A snapshot that cannot be written
+    leaves no file in the node's memory (it would pile up, one per step)."""
+    d, snaps = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "snap")
+    os.makedirs(snaps)
+    g1 = Checkpointer(d, rank=0, world_size=1, generation=1, job="j", snapshot_dir=snaps, snapshot_interval=1,
+                      keeper=True)
+    assert g1.load() is None
+    values = {"bf": ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)).astype(ms.bfloat16),
+              "half": ms.Tensor(np.array([0.5, -2.0], dtype=np.float16)), "count": ms.Tensor(np.array(7, np.int32)),
+              "mask": ms.Tensor(np.array([True, False])), "lr": ms.Tensor(np.array(0.25, np.float32))}
+
+    class State(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, value in values.items():
+                setattr(self, name, ms.Parameter(value, name=name))
+
+    class Broken:  # its values cannot be read: the write fails halfway
+        def get_parameters(self) -> list[object]:
+            return [ms.Parameter(values["half"], name="half"), type("P", (), {"name": "x"})()]
+
+    assert g1.snapshot(State(), step=3, epoch=0)
+    assert not g1.snapshot(Broken(), step=4, epoch=0)
+    assert sorted(os.listdir(snaps)) == ["ckpt-00000003-g000001.json", "ckpt-00000003-g000001.snap"]
+    resumed = Checkpointer(d, rank=0, world_size=1, generation=2, job="j", snapshot_dir=snaps).load()
+    assert resumed is not None and resumed.manifest.step == 3
+    for name, value in values.items():
+        got = resumed.params[name]
+        assert got.dtype == value.dtype and got.shape == value.shape, (name, got.dtype, got.shape)
+        assert np.array_equal(got.float().asnumpy() if value.dtype == ms.bfloat16 else got.asnumpy(),
+                              value.float().asnumpy() if value.dtype == ms.bfloat16 else value.asnumpy()), name
+
+
 def test_a_snapshot_newer_than_every_checkpoint_becomes_one_and_only_the_owners(tmp_path: os.PathLike[str]) -> None:
     """Snapshots (the node's memory) between checkpoints: the next generation's rank 0 keeps the
     newest as an ordinary checkpoint, loadable by plain MindSpore, when it is newer than every

@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-from mselastic.agent import procs
+from mselastic.agent import procs, supervisor
 from mselastic.agent.supervisor import Generation, LaunchError, preflight
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
@@ -189,7 +189,8 @@ def test_the_exit_code_of_a_worker_users_rank_is_read_without_cap_sys_ptrace() -
 def test_a_worker_death_only_msruns_log_tells_is_blamed_on_its_rank(tmp_path: os.PathLike[str]) -> None:
     """msrun exited with code 1 before the agent saw a rank die: its log's line (as msrun 2.10 writes
     it) names the worker's pid and signal, and so the rank: by that pid, or as the only rank whose
-    pid was never learned. A log that names no rank of ours (msrun failed by itself) blames none."""
+    pid was never learned. A pid still running, or a log that names no rank of ours (msrun failed by
+    itself), blames none; what the worker user puts at the log's path is not read."""
     tmp = str(tmp_path)
     plan = Plan(job="j", generation=2, members=(Member("n0", 0, 1, "127.0.0.1:1", "127.0.0.1"),
                                                 Member("n1", 1, 2, "127.0.0.1:2", "127.0.0.2")),
@@ -198,19 +199,28 @@ def test_a_worker_death_only_msruns_log_tells_is_blamed_on_its_rank(tmp_path: os
                    workers_per_node=2)
     gen = Generation(plan, spec, "n1", tmp, lambda g, urgent: None)
     os.makedirs(gen.log_dir)
+    log = os.path.join(gen.log_dir, "msrun.log")
+    open(log, "w").close()
+    gen._log = supervisor._open_own(log)  # (as start() opens it for msrun's output)
     gen._msrun = subprocess.Popen(["true"])  # type: ignore[assignment]  # (only its pid is read)
     gen._msrun.wait()
+    dead = gen._msrun.pid  # (a worker that exited: reaped, gone)
     line = ("[ERROR] ME(7756:140084068449152,MainProcess):2026-12-02-19:56:22.100.000 "
             "[mindspore/parallel/cluster/process_entity/_api.py:365] Worker process {pid} exit with exception. "
             "Error code: {code}.\n")
-    log = os.path.join(gen.log_dir, "msrun.log")
-    with open(log, "w") as f:
-        f.write(line.format(pid=4242, code=-9))
+    gen._log.write(line.format(pid=dead, code=-9).encode())
+    gen._log.flush()
     assert gen._worker_msrun_saw_die() is None  # two ranks whose pids are unknown: which one is not known
-    gen.ranks[2].pid = 4243
-    assert gen._worker_msrun_saw_die() == (1, 4242, "killed by SIGKILL")
-    gen.ranks[1].pid = 4242
-    assert gen._worker_msrun_saw_die() == (1, 4242, "killed by SIGKILL") and gen.ranks[1].exit_code == -9
-    with open(log, "w") as f:
-        f.write(line.format(pid=999, code=1))
-    assert gen._worker_msrun_saw_die() is None
+    gen.ranks[2].pid = os.getpid()
+    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
+    gen.ranks[1].pid = dead
+    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL") and gen.ranks[1].exit_code == -9
+    gen._log.write(line.format(pid=os.getpid(), code=1).encode())  # (a forged line: that pid runs)
+    gen._log.flush()
+    gen.ranks[1].pid = 0
+    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
+    # The path replaced by the worker user (a FIFO would block a read): the file root opened is read.
+    os.rename(log, log + ".old")
+    os.mkfifo(log)
+    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
+    gen._log.close()

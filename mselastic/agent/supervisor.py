@@ -916,8 +916,9 @@ class Generation:
             return
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
-            if p.ppid() == self._msrun.pid:
-                rs.pid, rs.create_time = pid, p.create_time()
+            d = procs.describe(p) if p.ppid() == self._msrun.pid else None
+            if d is not None and d.role == "MS_WORKER" and d.rank == rs.rank:  # (as _discover checks)
+                rs.pid, rs.create_time = pid, d.create_time
                 self._seen.add(pid)
 
     def _ours(self, pid: int) -> bool:
@@ -1246,14 +1247,25 @@ class Generation:
 
     def _exits_msrun_saw(self) -> dict[int, int]:
         """pid -> exit code of the workers msrun's log says exited with an error (it reaps its workers
-        once a second, often before this agent reads their status)."""
-        if self._msrun is None:
+        once a second, often before this agent reads their status), for pids no longer running.
+        Read through the file root opened for msrun (:func:`_open_own`), never by its path: the folder
+        is the worker user's, who could put a FIFO (a read that blocks the event loop), a link to
+        /dev/zero or a text of their own there. Its last 64 KiB: msrun writes that line last."""
+        if self._msrun is None or self._log is None:
             return {}
         try:
-            with open(os.path.join(self.log_dir, "msrun.log"), "rb") as f:
-                return {int(m.group(1)): int(m.group(2)) for m in self._MSRUN_WORKER_DIED.finditer(f.read())}
+            fd = os.open(f"/proc/self/fd/{self._log.fileno()}", os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             return {}
+        try:
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, 1 << 16, max(0, size - (1 << 16)))
+        except OSError:
+            return {}
+        finally:
+            os.close(fd)
+        return {int(m.group(1)): int(m.group(2)) for m in self._MSRUN_WORKER_DIED.finditer(tail)
+                if not os.path.exists(f"/proc/{int(m.group(1))}")}
 
     def _worker_msrun_saw_die(self) -> tuple[int, int, str] | None:
         """(rank, pid, how) of the worker msrun's log says exited with an error, when this agent did not

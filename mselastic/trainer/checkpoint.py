@@ -102,6 +102,21 @@ def _tensors(values: Any) -> Any:
             for v in values]
 
 
+def _numpy_dtype(name: str) -> Any:
+    """The numpy dtype a snapshot recorded by name; MindSpore's own for those numpy lacks (bfloat16)."""
+    import numpy as np
+
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import mindspore as ms
+
+        ms_type = getattr(ms, name, None)
+        if not isinstance(ms_type, ms.dtype.Type):
+            raise ValueError(f"unknown dtype {name!r} in a snapshot") from None
+        return np.dtype(ms.dtype_to_nptype(ms_type))
+
+
 def rng_state() -> dict[str, Any]:
     """MindSpore's random state in a process: the global seed, the per-operator seed counters
     (``mindspore.common.seed``; every random operator built after ``set_seed``, such as
@@ -157,6 +172,14 @@ class Manifest:
     #: parameter's name, numpy dtype (``dtype.str``) and shape; and the CRC32 of the whole file.
     tensors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     crc32: int = 0
+
+    def to_json(self) -> str:
+        """The manifest's file; a checkpoint's without the snapshot's fields (a version from before
+        them reads it: ``Manifest(**...)`` takes no unknown key)."""
+        fields = dataclasses.asdict(self)
+        if not self.tensors:
+            del fields["tensors"], fields["crc32"]
+        return json.dumps(fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +361,7 @@ class Checkpointer:
                                 file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path),
                                 cursor=cursor, seed=seed, extra=extra or {}, job=self.job,
                                 rng=rng if rng is not None else rng_state())
-            _write_atomic(os.path.join(self.dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)),
+            _write_atomic(os.path.join(self.dir, name + ".json"), manifest.to_json(),
                           midway=lambda: self._fault_point("save", step))
             published = self._publish(name + ".json")
         except (OSError, RuntimeError) as e:
@@ -393,22 +416,27 @@ class Checkpointer:
         name = _stem(step, self.generation)
         path = os.path.join(self.snapshot_dir, name + ".snap")
         tensors, crc = [], 0
-        with open(path, "wb") as f:
-            for key, value in params.items():
-                # (asnumpy: the one copy, from the device; on CPU a view of the parameter's memory)
-                array = value if isinstance(value, np.ndarray) else value.asnumpy()
-                if not array.flags.c_contiguous:
-                    array = array.copy(order="C")  # (not np.ascontiguousarray: it makes a scalar 1-d)
-                data = array.reshape(-1).data.cast("B")
-                for at in range(0, len(data), _CHUNK):  # (each piece still in the cache for its CRC)
-                    f.write(data[at:at + _CHUNK])
-                    crc = zlib.crc32(data[at:at + _CHUNK], crc)
-                tensors.append({"name": key, "dtype": array.dtype.str, "shape": list(array.shape)})
-            size = f.tell()
+        try:
+            with open(path, "wb") as f:
+                for key, value in params.items():
+                    # (asnumpy: the one copy, from the device; on CPU a view of the parameter's memory)
+                    array = value if isinstance(value, np.ndarray) else value.asnumpy()
+                    if not array.flags.c_contiguous:
+                        array = array.copy(order="C")  # (not np.ascontiguousarray: it makes a scalar 1-d)
+                    data = array.reshape(-1).view(np.uint8).data  # (bytes of any dtype, bfloat16's too)
+                    for at in range(0, len(data), _CHUNK):  # (each piece still in the cache for its CRC)
+                        f.write(data[at:at + _CHUNK])
+                        crc = zlib.crc32(data[at:at + _CHUNK], crc)
+                    tensors.append({"name": key, "dtype": array.dtype.name, "shape": list(array.shape)})
+                size = f.tell()
+        except BaseException:
+            with contextlib.suppress(OSError):  # (memory: a failed write must not stay, once per step)
+                os.remove(path)
+            raise
         manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
                             file=name + ".snap", sha256="", size=size, cursor=cursor, seed=seed, extra=extra,
                             job=self.job, rng=rng, lineage=self._lineage or "", tensors=tensors, crc32=crc)
-        _write_atomic(os.path.join(self.snapshot_dir, name + ".json"), json.dumps(dataclasses.asdict(manifest)))
+        _write_atomic(os.path.join(self.snapshot_dir, name + ".json"), manifest.to_json())
         # Kept: this generation's two newest. An older generation's can no longer be adopted (this
         # one owns the checkpoint folder), and what a killed writer left half-written is litter.
         mine = sorted(n[: -len(".json")] for n in os.listdir(self.snapshot_dir)
@@ -454,6 +482,10 @@ class Checkpointer:
         import numpy as np
 
         stem = m.file.rsplit(".", 1)[0]
+        if not m.file.endswith(".snap"):
+            log.warning("snapshot of step %d is in the format of an earlier mselastic (%s): not adopted", m.step,
+                        m.file)
+            return False
         dst = os.path.join(self.dir, stem + ".ckpt")
         tmp = os.path.join(self.dir, f"{stem}.tmp{os.getpid()}.ckpt")  # (MindSpore loads only *.ckpt)
         try:
@@ -463,7 +495,7 @@ class Checkpointer:
                 raise ValueError(f"{m.file} is damaged ({len(raw)} bytes of {m.size}, or its CRC32 differs)")
             values, offset = [], 0
             for t in m.tensors:
-                dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+                dtype, shape = _numpy_dtype(t["dtype"]), tuple(t["shape"])
                 count = int(np.prod(shape, dtype=np.int64))
                 array = np.frombuffer(raw, dtype, count, offset).reshape(shape)
                 values.append({"name": t["name"], "data": ms.Tensor.from_numpy(array)})
@@ -475,13 +507,14 @@ class Checkpointer:
             os.replace(tmp, dst)
             kept = dataclasses.replace(m, file=stem + ".ckpt", sha256=_sha256(dst), size=os.path.getsize(dst),
                                        tensors=[], crc32=0)
-            _write_atomic(os.path.join(self.dir, stem + ".json"), json.dumps(dataclasses.asdict(kept)))
+            _write_atomic(os.path.join(self.dir, stem + ".json"), kept.to_json())
             if not self._publish(stem + ".json"):
                 raise ValueError("a newer generation owns the folder")
             _fsync_file(self.dir)
         except _UNUSABLE as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+            for litter in (tmp, tmp[: -len(".ckpt")] + ".tmp"):  # (MindSpore writes <name>.tmp first)
+                with contextlib.suppress(OSError):
+                    os.remove(litter)
             self._withdraw(stem)
             log.warning("snapshot of step %d not kept as a checkpoint (%s)", m.step, e)
             return False
