@@ -1284,9 +1284,13 @@ class Generation:
 
     def _ranks_seen(self) -> str:
         """Each local rank as this agent last saw it (for a log line when msrun tells first)."""
-        return "; ".join(f"rank {rs.rank}: pid {rs.pid or '?'}, "
-                         f"{'finished' if rs.finished else 'alive' if rs.pid and procs.alive(rs.pid, rs.create_time) else 'gone'}, "
-                         f"step {rs.step}" for rs in self.ranks.values())
+        def state(rs: RankState) -> str:
+            if rs.finished:
+                return "finished"
+            return "alive" if rs.pid and procs.alive(rs.pid, rs.create_time) else "gone"
+
+        return "; ".join(f"rank {rs.rank}: pid {rs.pid or '?'}, {state(rs)}, step {rs.step}"
+                         for rs in self.ranks.values())
 
     def _set(self, state: GenerationState, reason: str | None = None) -> None:
         check_generation_transition(self.state, state)

@@ -21,12 +21,13 @@ copy from the device into that memory, and a CRC32), then their manifest; the ne
 Not in the background, not through MindSpore's writer: a snapshot is complete when ``snapshot``
 returns, so a rank killed at any instant leaves the previous step's at worst, and none waits
 behind a checkpoint MindSpore is writing (it writes one at a time; with background snapshots, a
-kill just after a checkpoint once lost two steps). A rank's death does not take them with it; the next generation's rank 0, before
-the ranks agree, turns the newest one on its node into an ordinary checkpoint (converted, checked,
-published like any save) when it is newer than every checkpoint of the job, was taken by the
-generation that owns the folder (or a later one) and continues the folder's lineage (a random id
-``latest.json`` keeps from its first pointer on): a crash then costs the steps since the last snapshot, not since
-the last checkpoint (DLRover's flash checkpoint, on the files a rank already writes).
+kill just after a checkpoint once lost two steps). A rank's death does not take them with it;
+the next generation's rank 0, before the ranks agree, turns the newest one on its node into an
+ordinary checkpoint (converted, checked, published like any save) when it is newer than every
+checkpoint of the job, was taken by the generation that owns the folder (or a later one) and
+continues the folder's lineage (a random id ``latest.json`` keeps from its first pointer on): a
+crash then costs the steps since the last snapshot, not since the last checkpoint (DLRover's
+flash checkpoint: the copy in the node's memory is the snapshot, persisted off the training path).
 
 ``load`` makes every rank resume from the same checkpoint: rank 0 proposes its
 candidates (the pointer's, then the newest first), each rank tries to load the
@@ -169,7 +170,8 @@ class Manifest:
     #: only ever adopted into the folder whose history it continues.
     lineage: str = ""
     #: A snapshot's layout (its file holds the parameters' raw bytes, one after the other): each
-    #: parameter's name, numpy dtype (``dtype.str``) and shape; and the CRC32 of the whole file.
+    #: parameter's name, dtype (numpy's name for it, or MindSpore's: bfloat16) and shape; and the
+    #: CRC32 of the whole file.
     tensors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     crc32: int = 0
 
