@@ -14,10 +14,12 @@ import pytest
 from mselastic.core.model import AGENT_RESTARTED, Event
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster, ClusterFault
-from tests.harness import check_history, elasticctl, holds_for, lenet_spec, wait_for, worker_pids
+from tests.harness import DATA_DIR, REPO, check_history, elasticctl, holds_for, lenet_spec, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
+LENET = os.path.join(REPO, "examples", "lenet", "train.py")
+LINGER = os.path.join(REPO, "tests", "linger.py")
 
 
 def _alive(pid: int) -> bool:
@@ -44,7 +46,12 @@ def finished(cluster: Cluster, timeout_s: float = 300):  # type: ignore[no-untyp
 def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=60)
+    # Rank 1 (n1) is slow to exit at the end: it has said it finished and stays connected to the
+    # scheduler on n0 for 4 s more. n0 must not end its generation (and the scheduler) before.
+    lingered = os.path.join(cluster.tmp, "lingered")
+    out = os.path.join(cluster.tmp, "out")
+    submit(cluster, total_steps=30, script=LINGER, args=[LENET, "--data", DATA_DIR, "--out", out, "--lr", "0.05"],
+           env={"MSELASTIC_TEST_LINGER": f"1:4:{lingered}"})
     etcd = cluster.etcd
     assert etcd is not None
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
@@ -60,13 +67,21 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     plan2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
     assert [m.node_id for m in plan2.members] == ["n0", "n1"]  # same nodes, same order
     wait_for("generation 1 gone on every node", lambda: not worker_pids(cluster.procs, 1), 15)
+    n0 = wait_for("n0's generation 2 to end", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal and r,
+                  240, 0.05)
+    n0_ended = time.time()
+    wait_for("rank 1 to leave", lambda: os.path.exists(lingered), 30, 0.1)
+    with open(lingered) as f:
+        left = float(f.read())
+    print(f"n0's generation ended {n0_ended - left:.2f}s after rank 1 (n1) left the scheduler")
+    assert n0.state is GenerationState.SUCCEEDED and n0_ended > left, (n0, n0_ended, left)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 60)
+    check_history(etcd, JOB, 30)
     assert status.generation == 2
     for node in ("n0", "n1"):
         rep = etcd.report(JOB, 2, node)
-        assert rep is not None and rep.state is GenerationState.SUCCEEDED and rep.step == 60
+        assert rep is not None and rep.state is GenerationState.SUCCEEDED and rep.step == 30
 
 
 def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
