@@ -364,6 +364,15 @@ def test_restarts_exhausted_fails_with_nothing_left_anywhere(cluster: Cluster) -
     status = finished(cluster, timeout_s=240)
     assert status.state is JobState.FAILED and "restarts exhausted (max_restarts=1)" in status.message
     assert status.generation == 2
+    failure = status.last_failure
+    assert failure is not None and failure.node_id == "n1" and failure.rank == 1, failure
+    etcd = cluster.etcd
+    assert etcd is not None
+    survivor = wait_for("n0's generation 2 to end", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal
+                        and r, 15, 0.1)
+    # Rank 0, its peer dead, cannot reach a step to checkpoint at: killed at once, not given the
+    # stop_grace_period_s (5 s here) that it used to wait out in its broken allreduce.
+    assert survivor.stopped_at - failure.detected_at < 3, (survivor, failure)
     wait_for("no worker of any generation left on any node",
              lambda: not worker_pids(cluster.procs, 1) and not worker_pids(cluster.procs, 2), 15)
 

@@ -809,7 +809,11 @@ class Coordinator:
         elif d.action is Action.FAIL:
             if await self._set_status(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d),
                                       decision=d) and view.plan is not None:
-                await self.agents.stop(view.name, view.plan.generation, view.spec.stop_grace_period_s,
+                # After a fault (restarts exhausted) the collective is broken, as at a relaunch: the
+                # ranks left could not reach a step to checkpoint at, and a grace period would only
+                # hold the node's slots (a job waiting for them) for nothing. Killed at once.
+                grace = 0.0 if d.fault is not None or d.lost_nodes else view.spec.stop_grace_period_s
+                await self.agents.stop(view.name, view.plan.generation, grace,
                                        {m.node_id: m.agent_address for m in view.plan.members})
         elif d.action is Action.WAIT:
             # A wait for slots other jobs hold is a queue, not a shortage of nodes: not timed.
