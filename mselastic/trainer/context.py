@@ -30,6 +30,10 @@ from mselastic.trainer.faults import FaultPlan
 
 log = logging.getLogger("mselastic.trainer")
 
+#: How long a rank stays after its planned exit's barrier, for the barrier's last messages to leave
+#: (see ``ElasticContext.planned_exit``).
+EXIT_LINGER_S = 0.5
+
 
 def _phase(name: str) -> None:
     """Report a start-up phase to the local agent, from a worker only (msrun's scheduler runs the
@@ -319,12 +323,17 @@ class ElasticContext:
 
         msrun SIGKILLs the other workers as soon as one exits non-zero, so the ranks leave
         together: a barrier (rank 0's checkpoint is committed by then), then ``os._exit``
-        at once — MindSpore's own teardown at interpreter exit takes long enough for msrun
-        to kill a slower rank, and there is nothing left to save."""
+        soon after — MindSpore's own teardown at interpreter exit takes long enough for msrun
+        to kill a slower rank, and there is nothing left to save. Not at once: a rank through
+        the barrier may still have its last message of it to send (MindSpore sends from a thread
+        of its own), and a peer whose data was lost with it waited in the barrier until killed
+        (seen: rank 1 gone 50 ms after rank 0 reached the barrier, rank 0 killed 5 s later
+        without having said it stopped). ``EXIT_LINGER_S`` gives those messages time to leave."""
         self.barrier()
         self.beat(BeatKind.PLANNED_EXIT, step)
         log.warning("rank %d: checkpointed at step %d on request; exiting", self.rank, step)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(EXIT_LINGER_S)
         os._exit(contract.PLANNED_EXIT_CODE)
