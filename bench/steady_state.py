@@ -5,8 +5,8 @@ invocation (the modes alternate within each round, ``--runs`` rounds, medians):
 
 * plain: plain msrun, no daemon, no snapshots (the baseline);
 * plain + snapshots: plain msrun with a snapshot of the training state every step (what
-  ``snapshot_interval_steps = 1``, the default, costs the ranks: a copy of the parameters to host
-  memory on the training thread, written to a tmpfs folder in the background);
+  ``snapshot_interval_steps = 1``, the default, costs the ranks: the parameters' bytes written to
+  the node's memory, a tmpfs folder, on the training thread);
 * elasticd: the job submitted to an elasticd with its defaults (snapshots every step, standby
   workers started once it trains, heartbeats, reports).
 

@@ -348,10 +348,36 @@ def plain_msrun(procs: Processes, out_dir: str, total_steps: int, workers: int, 
         f"--master_port={port}", f"--log_dir={os.path.join(out_dir, 'logs')}", "--join=True",
         "--tail_worker_log=99999", os.path.join(REPO, "examples", "lenet", "train.py"),
         "--data", DATA_DIR, "--out", out_dir, "--lr", "0.05", *extra_args], env=env)
-    assert p.wait(timeout=600) == 0, f"plain msrun failed; see {out_dir}/logs"
+    msrun_done(p, workers, f"plain msrun failed; see {out_dir}/logs")
     with open(os.path.join(out_dir, "result_g0.json")) as f:
         result: dict[str, Any] = json.load(f)
     return result
+
+
+def msrun_done(p: subprocess.Popen[bytes], workers: int, failed: str, timeout_s: float = 600) -> None:
+    """Wait for a plain msrun (a baseline run) to finish: its own exit, which must be 0, or every one
+    of its ``workers`` (MS_WORKER children) gone, whereupon msrun and its scheduler are stopped
+    (SIGTERM to msrun's process group): the scheduler sees its workers gone only at a poll every 5 s
+    (MindSpore's meta_server_node Finalize), which a baseline need not sit through. What the
+    workers wrote (result, parameters) is what the caller reads: a rank that died before writing
+    it fails the test there."""
+    deadline = time.monotonic() + timeout_s
+    msrun = psutil.Process(p.pid)
+    seen: dict[int, psutil.Process] = {}
+    while p.poll() is None:
+        assert time.monotonic() < deadline, f"{failed} (not done within {timeout_s:.0f}s)"
+        try:
+            for child in msrun.children():
+                if child.pid not in seen and child.environ().get("MS_ROLE") == "MS_WORKER":
+                    seen[child.pid] = child
+        except psutil.Error:
+            pass  # (a child exiting while read; msrun exiting: the loop's check)
+        if len(seen) == workers and not any(_alive(w) for w in seen.values()):
+            _killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
+            return
+        time.sleep(0.1)
+    assert p.returncode == 0, failed
 
 
 def params(out_dir: str, rank: int = 0) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
 def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=60, scale_up_settle_s=600)  # n1's return below does not scale up
+    submit(cluster, total_steps=30, scale_up_settle_s=600)  # n1's return below does not scale up
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
@@ -109,9 +109,9 @@ def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     assert [n.get("running_jobs", []) for n in nodes if n["node_id"] == "n1"] == [[]], nodes
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 60)
+    check_history(etcd, JOB, 30)
     rep = etcd.report(JOB, status.generation, "n0")
-    assert rep is not None and rep.step == 60 and rep.resumed_step >= 10
+    assert rep is not None and rep.step == 30 and rep.resumed_step >= 10
 
 
 def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> None:
@@ -121,7 +121,7 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     assert etcd is not None
     wait_for("n0 to lead", lambda: etcd.leader() == "n0", 30)
     cluster.start_nodes(1, 2)
-    submit(cluster, total_steps=60)
+    submit(cluster, total_steps=40)
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     assert sorted(before) == [0, 1]
@@ -136,14 +136,14 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     assert worker_pids(cluster.procs, 1) == before
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 60)
+    check_history(etcd, JOB, 40)
     assert status.generation == 1 and status.restart_count == 0
 
 
 def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=80)
+    submit(cluster, total_steps=30)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
@@ -165,9 +165,9 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
     cluster.wait_registered(1, timeout_s=20)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 80)
+    check_history(etcd, JOB, 30)
     rep = etcd.report(JOB, status.generation, "n0")
-    assert rep is not None and rep.step == 80
+    assert rep is not None and rep.step == 30
 
 
 def test_a_node_the_leader_cannot_reach_is_replaced_and_stops_its_own_generation(cluster: Cluster) -> None:
@@ -184,8 +184,10 @@ def test_a_node_the_leader_cannot_reach_is_replaced_and_stops_its_own_generation
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"),
                       os.path.join(cluster.tmp, "ckpt"), 60, workers=2, min_nodes=1, max_nodes=1)
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
+    plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
+    assert [m.node_id for m in plan1.members] == ["n1"]
+    cluster.start_nodes(2, slots=2)  # (once the job is placed on n1: it starts meanwhile)
     wait_for("step 10 on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
-    cluster.start_nodes(2, slots=2)
     cluster.wait_registered(2)
     old = list(worker_pids(cluster.procs, 1).values())
     assert len(old) == 2
@@ -216,7 +218,7 @@ def test_a_rack_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
     cluster.start_node(0, slots=0)  # the coordinator, holding no ranks
     cluster.wait_registered(0)
     cluster.start_nodes(1, 2)
-    submit(cluster, total_steps=80, scale_up_settle_s=3600)
+    submit(cluster, total_steps=30, scale_up_settle_s=3600)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 15, 180, 0.2)
@@ -242,7 +244,7 @@ def test_a_rack_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
         cluster.inject(ClusterFault.RECONNECT_ETCD, 1)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 80)
+    check_history(etcd, JOB, 30)
     # No checkpoint of generation 1 was committed after generation 2 was (the fenced node's ranks
     # were gone before the relaunch).
     committed = next(json.loads(v)["at"] for v in etcd.prefix(etcd.keys.events(JOB)).values()
@@ -261,7 +263,7 @@ def test_etcd_stall_and_outage_leave_a_healthy_job_alone(cluster: Cluster) -> No
     pids through both; the nodes register again and the coordinator adopts the generation."""
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=140)  # both faults are over by step ~100
+    submit(cluster, total_steps=110)  # both faults are over by step ~70
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
@@ -282,7 +284,7 @@ def test_etcd_stall_and_outage_leave_a_healthy_job_alone(cluster: Cluster) -> No
         wait_for("both nodes registered", lambda: all(etcd.get(etcd.keys.node(n)) for n in ("n0", "n1")), 10, 0.2)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 140)
+    check_history(etcd, JOB, 110)
     assert status.generation == 1 and status.restart_count == 0
     # The stall did what it does: both leases expired with etcd, and the generation was kept.
     for i in (0, 1):
@@ -312,7 +314,7 @@ def test_node_failing_repeatedly_is_quarantined(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
     # Rank 1 (on n1) exits with an error in generations 1 and 2: n1 is quarantined after 2 failures.
-    submit(cluster, total_steps=40, quarantine_after_failures=2, quarantine_cooldown_s=600,
+    submit(cluster, total_steps=20, quarantine_after_failures=2, quarantine_cooldown_s=600,
            env={"MSELASTIC_FAULT": "exit:rank=1:generation=1-2:step=5"})
     etcd = cluster.etcd
     assert etcd is not None
@@ -324,9 +326,9 @@ def test_node_failing_repeatedly_is_quarantined(cluster: Cluster) -> None:
     assert "quarantined: n1 (2 failures)" in shown
     final = finished(cluster)
     assert final.state is JobState.SUCCEEDED and final.generation == 3, final.message
-    check_history(etcd, JOB, 40)
+    check_history(etcd, JOB, 20)
     rep = etcd.report(JOB, 3, "n0")
-    assert rep is not None and rep.step == 40
+    assert rep is not None and rep.step == 20
 
 
 def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster: Cluster) -> None:
@@ -335,7 +337,7 @@ def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster
     the same generation trains through both."""
     cluster.up(2, etcd_members=3)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=120)
+    submit(cluster, total_steps=100)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
@@ -353,7 +355,7 @@ def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster
         assert worker_pids(cluster.procs, 1) == before
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 120)
+    check_history(etcd, JOB, 100)
     assert status.generation == 1 and status.restart_count == 0
 
 
@@ -380,7 +382,7 @@ def test_restarts_exhausted_fails_with_nothing_left_anywhere(cluster: Cluster) -
 def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaunch(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0)
-    submit(cluster, total_steps=100)
+    submit(cluster, total_steps=40)
     etcd = cluster.etcd
     assert etcd is not None
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
@@ -396,6 +398,6 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.world_size == 2
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 100)
-    resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 100}
+    check_history(etcd, JOB, 40)
+    resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 40}
     assert len(resumed) == 2 and len(set(resumed.values())) == 1 and min(resumed.values()) >= 10

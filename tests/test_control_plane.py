@@ -92,7 +92,7 @@ def test_two_jobs_wanting_both_slots_of_a_node_take_turns(procs: Processes, etcd
     # The second job's min_nodes_timeout_s is shorter than the first job's run: waiting in the queue
     # for slots another job holds is not a shortage of nodes, and must not fail it.
     specs = {job: lenet_spec(os.path.join(tmp, f"{job}.toml"), job, os.path.join(tmp, job, "out"),
-                             os.path.join(tmp, job, "ckpt"), total_steps=15, workers=2, min_nodes_timeout_s=3)
+                             os.path.join(tmp, job, "ckpt"), total_steps=5, workers=2, min_nodes_timeout_s=3)
              for job in ("first", "second")}
     with Sampler(procs.mark) as sampler:
         assert elasticctl("submit", specs["first"], endpoint=endpoint).returncode == 0
@@ -121,7 +121,7 @@ def test_three_one_slot_jobs_on_two_nodes_start_in_submission_order(cluster: Clu
     with Sampler(cluster.procs.mark) as sampler:
         for job in jobs:
             spec = lenet_spec(os.path.join(cluster.tmp, f"{job}.toml"), job, os.path.join(cluster.tmp, job, "out"),
-                              os.path.join(cluster.tmp, job, "ckpt"), total_steps=10, workers=1)
+                              os.path.join(cluster.tmp, job, "ckpt"), total_steps=5, workers=1)
             r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
             assert r.returncode == 0, r.stderr
         queued = wait_for("j3 queued", lambda: (s := etcd.status("j3")) and "held by" in s.message and s, 20, 0.1)
@@ -307,7 +307,7 @@ def test_a_rank_stuck_before_init_is_blamed_once_its_peer_is_past_it(procs: Proc
     hang_s = 4
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
-                      total_steps=20, hang_timeout_s=hang_s, startup_timeout_s=300,
+                      total_steps=5, hang_timeout_s=hang_s, startup_timeout_s=300,
                       env={"MSELASTIC_FAULT": "stuck_startup:rank=1:generation=1:step=0"})
     submitted = time.time()
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0

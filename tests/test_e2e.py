@@ -58,7 +58,7 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     bad = lenet_spec(os.path.join(tmp, "bad.toml"), JOB, out, ckpt, total_steps=40, env={"LD_PRELOAD": "/tmp/x.so"})
     r = elasticctl("submit", bad, endpoint=endpoint)
     assert r.returncode == 2 and "LD_PRELOAD may not be set by a job" in r.stderr and len(r.stderr.splitlines()) == 1
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=40, env={"API_TOKEN": "t0ken"})
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=20, env={"API_TOKEN": "t0ken"})
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 0, r.stderr
     wait_for("step 5", lambda: (rep := etcd.report(JOB, 1, "n0")) and rep.step >= 5, 180, 0.2)
@@ -76,13 +76,13 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     assert status.generation == 1 and status.restart_count == 0
     with open(os.path.join(out, "result_g1.json")) as f:
         result = json.load(f)
-    assert result["final_step"] == 40 and result["world_size"] == 2
+    assert result["final_step"] == 20 and result["world_size"] == 2
     p0, p1 = np.load(os.path.join(out, "params_rank0.npz")), np.load(os.path.join(out, "params_rank1.npz"))
     assert sorted(p0.files) == sorted(p1.files) and len(p0.files) == 8  # LeNet: 2 conv (no bias), 3 dense
     for name in p0.files:
         assert np.array_equal(p0[name], p1[name]), f"{name} differs between ranks"
     report = etcd.report(JOB, 1, "n0")
-    assert report is not None and report.state is GenerationState.SUCCEEDED and report.step == 40
+    assert report is not None and report.state is GenerationState.SUCCEEDED and report.step == 20
     # What the job wrote belongs to nobody and is not for others (elasticd's umask 027, inherited).
     written = [os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.startswith("ckpt-")]
     logs = os.path.join(tmp, "work", "logs", JOB, "g000001")
@@ -98,12 +98,12 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
     out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
-    total = 80
+    total = 35
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=total)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     # Kill once a checkpoint exists and training is past it.
-    wait_for("step 25 of generation 1", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 25, 180, poll_s=0.2)
+    wait_for("step 17 of generation 1", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 17, 180, poll_s=0.2)
     old = generation_processes(procs, 1)
     roles = {p.environ().get("MS_ROLE", "msrun") for p in old}
     assert {"MS_WORKER", "MS_SCHED"} <= roles, roles

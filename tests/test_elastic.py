@@ -85,7 +85,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
                       workers=1, min_nodes=1, max_nodes=2, max_restarts=3, scale_up_settle_s=2, micro_batch_sizes=[8],
                       # no backstop within reach: every planned stop here is at the step the leader names
                       stop_check_interval_steps=1000,
-                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", "--step-sleep-s", "0.1"])
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", "--step-sleep-s", "0.05"])
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     etcd = cluster.etcd
     assert etcd is not None

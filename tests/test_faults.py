@@ -25,18 +25,18 @@ from tests.harness import check_history, elasticctl, generation_processes, lenet
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
-TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 40, 25, 6
+TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 20, 15, 6
 RANK_FAULTS = [f for f in Fault if f not in (Fault.CORRUPT_CHECKPOINT, Fault.STUCK_STARTUP, Fault.SIGKILL_IN_SAVE)]
 
 
-def start(cluster: Cluster, fault: str, **overrides: object) -> str:
+def start(cluster: Cluster, fault: str, total: int = TOTAL, **overrides: object) -> str:
     """Two nodes keeping standby workers (relaunches are warm, as in production), the LeNet job
     with ``fault`` injected; returns the checkpoint folder."""
     cluster.up(2)
     cluster.warm = True
     cluster.start_nodes(0, 1)
     ckpt = os.path.join(cluster.tmp, "ckpt")
-    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"), ckpt, TOTAL,
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"), ckpt, total,
                       workers=1, min_nodes=1, max_nodes=2, hang_timeout_s=HANG_TIMEOUT_S,
                       # A SIGTERM to one rank of this two-node job names no step: the ranks agree on
                       # it at the backstop, every 5 steps (FAULT_STEP is one).
@@ -122,7 +122,7 @@ def test_a_rank_that_cannot_read_the_newest_checkpoint_makes_every_rank_resume_f
     namespace: a stale cache, a checkpoint_dir that is not really shared): both ranks resume from
     the previous one, and say why. Then every checkpoint is damaged on disk: the relaunch fails the
     job with the reasons instead of starting again from step 0, and nothing is pruned."""
-    ckpt = start(cluster, "")
+    ckpt = start(cluster, "", total=40)  # (two relaunches, each past a checkpoint)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 25", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 180, 0.1)

@@ -30,7 +30,7 @@ from mselastic.store.embedded import EmbeddedEtcd, free_port
 from tests.harness import DATA_DIR, VENV_BIN, Etcd, Processes, elasticctl, lenet_spec, start_node, wait_for
 
 pytestmark = pytest.mark.slow
-JOB, TOTAL = "lenet", 90
+JOB, TOTAL = "lenet", 60
 
 
 class Run:

@@ -131,7 +131,7 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     r = subprocess.run(["nsenter", "-t", str(main), "-m", "touch", "/var/lib/mselastic/probe"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    submit(c, "hardened", total_steps=20)
+    submit(c, "hardened", total_steps=10)
     wait_for("training", lambda: step(c, "hardened") >= 2, 120, 0.5)
     # The workers: uid mselastic, in the unit's cgroup (host PIDs), and not root.
     uids = {int(c.run("stat", "-c", "%u", f"/proc/{p}").stdout) for p in _in_container(c, _worker_pids(c))}
@@ -140,10 +140,10 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     done = ended(c, "hardened")
     assert done["state"] == "SUCCEEDED", done
     result = json.loads(c.run("cat", f"{JOBS}/hardened/out/result_g1.json").stdout)
-    assert result["final_step"] == 20 and result["resumed_from"] == 0, result
+    assert result["final_step"] == 10 and result["resumed_from"] == 0, result
     # elasticctl logs: elasticd reads the rank's log, which mselastic owns (CAP_DAC_READ_SEARCH).
     logs = c.run("elasticctl", "logs", "hardened", "--rank", "1").stdout
-    assert "step 20/20" in logs, logs[-500:]
+    assert "step 10/10" in logs, logs[-500:]
     # The watchdog (3 s) saw a healthy elasticd through the whole run.
     props = c.show(UNIT, "NRestarts", "ActiveState", "WatchdogUSec")
     assert props == {"NRestarts": "0", "ActiveState": "active", "WatchdogUSec": "3s"}, props
@@ -159,8 +159,8 @@ def test_elasticd_killed_is_restarted_no_old_worker_survives_and_the_job_resumes
     if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
         started(c)
     before = int(c.show(UNIT, "NRestarts")["NRestarts"])
-    submit(c, "killed", total_steps=25)
-    wait_for("training", lambda: step(c, "killed") >= 12, 120, 0.5)
+    submit(c, "killed", total_steps=15, checkpoint_interval_steps=5)
+    wait_for("training", lambda: step(c, "killed") >= 7, 120, 0.5)
     old = _worker_pids(c)
     assert old
     c.run("systemctl", "kill", "--kill-whom=main", "-s", "SIGKILL", UNIT)
@@ -170,7 +170,7 @@ def test_elasticd_killed_is_restarted_no_old_worker_survives_and_the_job_resumes
     done = ended(c, "killed")
     assert done["state"] == "SUCCEEDED" and done["generation"] >= 2, done
     result = json.loads(c.run("cat", f"{JOBS}/killed/out/result_g{done['generation']}.json").stdout)
-    assert result["final_step"] == 25 and 10 <= result["resumed_from"] < 25, result
+    assert result["final_step"] == 15 and 5 <= result["resumed_from"] < 15, result
 
 
 def test_systemctl_stop_checkpoints_at_the_step_it_names_leaves_nothing_and_a_start_resumes_there(
@@ -178,8 +178,8 @@ def test_systemctl_stop_checkpoints_at_the_step_it_names_leaves_nothing_and_a_st
     c = node
     if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
         started(c)
-    submit(c, "stopped", total_steps=30)
-    wait_for("training", lambda: step(c, "stopped") >= 13, 120, 0.5)
+    submit(c, "stopped", total_steps=18)
+    wait_for("training", lambda: step(c, "stopped") >= 4, 120, 0.5)
     pids = c.unit_pids(UNIT)
     t0 = time.monotonic()
     c.run("systemctl", "stop", UNIT)
@@ -187,13 +187,13 @@ def test_systemctl_stop_checkpoints_at_the_step_it_names_leaves_nothing_and_a_st
     assert c.show(UNIT, "ActiveState")["ActiveState"] == "inactive"
     assert c.unit_pids(UNIT) == [] and not [p for p in pids if os.path.exists(f"/proc/{p}")]
     trained = _steps(c, "stopped", 1)
-    assert trained and 13 <= max(trained) < 30, trained[-3:]
+    assert trained and 4 <= max(trained) < 18, trained[-3:]
     started(c)  # the job is still RUNNING in etcd: the new elasticd relaunches it
     done = ended(c, "stopped")
     assert done["state"] == "SUCCEEDED", done
     result = json.loads(c.run("cat", f"{JOBS}/stopped/out/result_g{done['generation']}.json").stdout)
     # Zero steps lost, none recomputed: the relaunch resumed from the step the ranks stopped at.
-    assert result["resumed_from"] == max(trained) and result["final_step"] == 30, (result, max(trained))
+    assert result["resumed_from"] == max(trained) and result["final_step"] == 18, (result, max(trained))
 
 
 def _steps(c: Container, name: str, generation: int) -> list[int]:
@@ -309,13 +309,13 @@ def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os
             n1.run("ip", "route", "del", "blackhole", f"{BRIDGE_NET}.1/32")
             wait_for("n1 active", lambda: n1.show(UNIT, "ActiveState")["ActiveState"] == "active", 60, 0.2)
             assert etcd_nodes(pki, etcd.endpoint) == ["n0", "n1"]  # registered before systemd said active
-            submit(n0, "pair", total_steps=20, workers_per_node=1, min_nodes=2, max_nodes=2)
+            submit(n0, "pair", total_steps=10, workers_per_node=1, min_nodes=2, max_nodes=2)
             done = ended(n0, "pair")
             assert done["state"] == "SUCCEEDED" and done["generation"] == 1 and done["world_size"] == 2, done
             result = json.loads(n0.run("cat", f"{JOBS}/pair/out/result_g1.json").stdout) if n0.run(
                 "test", "-e", f"{JOBS}/pair/out/result_g1.json", check=False).returncode == 0 else \
                 json.loads(n1.run("cat", f"{JOBS}/pair/out/result_g1.json").stdout)
-            assert result["final_step"] == 20 and result["world_size"] == 2, result
+            assert result["final_step"] == 10 and result["world_size"] == 2, result
             # From the host over the bridge: the admin certificate may look; no certificate is refused.
             admin = [ctl_host, "--endpoint", f"{BRIDGE_NET}.10:7070", "--cacert", f"{pki}/ca.pem"]
             r = subprocess.run([*admin, "--cert", f"{pki}/ops.pem", "--key", f"{pki}/ops-key.pem", "nodes", "-o",

@@ -17,8 +17,8 @@ import pytest
 from mselastic.core.states import JobState
 from mselastic.store.embedded import free_port
 from tests.cluster import Cluster
-from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, check_history, elasticctl, lenet_spec, params, \
-    rank_steps, wait_for, worker_pids
+from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, check_history, elasticctl, lenet_spec, msrun_done, \
+    params, rank_steps, wait_for, worker_pids
 from tests.test_elastic import WORLD_CHANGE_ATOL, check_exactly_once, committed_samples
 
 CLASSIC = os.path.join(REPO, "examples", "classic")
@@ -80,7 +80,7 @@ def run_elastic_msrun(script: str, out: str, world: int) -> None:
             "--tail_worker_log=99999", script, DATA_DIR, out],
             env={"MSELASTIC_CHECKPOINT_DIR": os.path.join(out, "ckpt"), "MSELASTIC_TOTAL_STEPS": str(TOTAL),
                  "MSELASTIC_GLOBAL_BATCH_SIZE": "32"})
-        assert p.wait(timeout=600) == 0, f"{script} failed; see {out}/logs"
+        msrun_done(p, world, f"{script} failed; see {out}/logs")
     finally:
         assert not procs.stop_all()
 

@@ -321,7 +321,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     (generation 3, warm again), and the job finishes; no standby is left once it succeeded. No rank
     of any generation sleeps out MindSpore's 3 s address poll: a local peer's return from init()
     gets it nudged."""
-    total = 60
+    total = 50
     tmp = str(tmp_path)
     work = os.path.join(tmp, "work")
     endpoint = start_node(procs, etcd, namespace, work, "--warm-standbys", "true")
