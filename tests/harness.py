@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 import psutil
 import tenacity
 
+from mselastic.agent.procs import exit_status
 from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
 from mselastic.store.embedded import free_port
@@ -360,7 +361,8 @@ def msrun_done(p: subprocess.Popen[bytes], workers: int, failed: str, timeout_s:
     (SIGTERM to msrun's process group): the scheduler sees its workers gone only at a poll every 5 s
     (MindSpore's meta_server_node Finalize), which a baseline need not sit through. What the
     workers wrote (result, parameters) is what the caller reads: a rank that died before writing
-    it fails the test there."""
+    it fails the test there; one seen exiting non-zero (its status read before msrun reaps it,
+    as elasticd reads it: msrun reaps once a second, this polls ten times) fails it here."""
     deadline = time.monotonic() + timeout_s
     msrun = psutil.Process(p.pid)
     seen: dict[int, psutil.Process] = {}
@@ -372,6 +374,8 @@ def msrun_done(p: subprocess.Popen[bytes], workers: int, failed: str, timeout_s:
                     seen[child.pid] = child
         except psutil.Error:
             pass  # (a child exiting while read; msrun exiting: the loop's check)
+        codes = {w.pid: code for w in seen.values() if (code := exit_status(w.pid, w.create_time()))}
+        assert not codes, f"{failed} (worker exit codes {codes})"
         if len(seen) == workers and not any(_alive(w) for w in seen.values()):
             _killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=30)

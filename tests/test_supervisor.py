@@ -224,3 +224,23 @@ def test_a_worker_death_only_msruns_log_tells_is_blamed_on_its_rank(tmp_path: os
     os.mkfifo(log)
     assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
     gen._log.close()
+
+
+def test_the_scheduler_port_counts_as_connected_while_a_peer_holds_a_connection_to_it() -> None:
+    """What node 0's agent reads to end a generation before msrun does (the kernel's TCP tables of
+    its namespace): a listener alone is not a connection; an accepted one is, until the peer closes
+    it (a closed peer's socket lingers in TIME_WAIT or CLOSE_WAIT, which do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert supervisor._listens(port) and not supervisor._connected(port)
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        try:
+            assert supervisor._connected(port)
+            client.close()
+            wait_for("the peer's close seen", lambda: not supervisor._connected(port), 5, 0.01)
+        finally:
+            client.close()
+            accepted.close()

@@ -131,7 +131,7 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     r = subprocess.run(["nsenter", "-t", str(main), "-m", "touch", "/var/lib/mselastic/probe"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    submit(c, "hardened", total_steps=10)
+    submit(c, "hardened", total_steps=20)
     wait_for("training", lambda: step(c, "hardened") >= 2, 120, 0.5)
     # The workers: uid mselastic, in the unit's cgroup (host PIDs), and not root.
     uids = {int(c.run("stat", "-c", "%u", f"/proc/{p}").stdout) for p in _in_container(c, _worker_pids(c))}
@@ -140,10 +140,10 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     done = ended(c, "hardened")
     assert done["state"] == "SUCCEEDED", done
     result = json.loads(c.run("cat", f"{JOBS}/hardened/out/result_g1.json").stdout)
-    assert result["final_step"] == 10 and result["resumed_from"] == 0, result
+    assert result["final_step"] == 20 and result["resumed_from"] == 0, result
     # elasticctl logs: elasticd reads the rank's log, which mselastic owns (CAP_DAC_READ_SEARCH).
     logs = c.run("elasticctl", "logs", "hardened", "--rank", "1").stdout
-    assert "step 10/10" in logs, logs[-500:]
+    assert "step 20/20" in logs, logs[-500:]
     # The watchdog (3 s) saw a healthy elasticd through the whole run.
     props = c.show(UNIT, "NRestarts", "ActiveState", "WatchdogUSec")
     assert props == {"NRestarts": "0", "ActiveState": "active", "WatchdogUSec": "3s"}, props
@@ -159,7 +159,7 @@ def test_elasticd_killed_is_restarted_no_old_worker_survives_and_the_job_resumes
     if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
         started(c)
     before = int(c.show(UNIT, "NRestarts")["NRestarts"])
-    submit(c, "killed", total_steps=15, checkpoint_interval_steps=5)
+    submit(c, "killed", total_steps=25, checkpoint_interval_steps=5)
     wait_for("training", lambda: step(c, "killed") >= 7, 120, 0.5)
     old = _worker_pids(c)
     assert old
@@ -170,7 +170,7 @@ def test_elasticd_killed_is_restarted_no_old_worker_survives_and_the_job_resumes
     done = ended(c, "killed")
     assert done["state"] == "SUCCEEDED" and done["generation"] >= 2, done
     result = json.loads(c.run("cat", f"{JOBS}/killed/out/result_g{done['generation']}.json").stdout)
-    assert result["final_step"] == 15 and 5 <= result["resumed_from"] < 15, result
+    assert result["final_step"] == 25 and 5 <= result["resumed_from"] < 25, result
 
 
 def test_systemctl_stop_checkpoints_at_the_step_it_names_leaves_nothing_and_a_start_resumes_there(

@@ -343,35 +343,35 @@ def _open_own(path: str) -> Any:
     return os.fdopen(fd, "ab")
 
 
-def _tcp_states(port: int) -> list[str]:
+def _tcp_states(port: int) -> list[str] | None:
     """The states of this network namespace's TCP sockets whose local port is ``port``, from the
-    kernel's tables (``/proc/net/tcp``, ``tcp6``; 0A: listening, 01: established). Not psutil's
-    net_connections, which also maps every socket to its process by reading every process's file
-    descriptors (which the hardened unit may not)."""
+    kernel's tables (``/proc/net/tcp``, ``tcp6``; 0A: listening, 01: established); None when
+    neither table could be read. Not psutil's net_connections, which also maps every socket to its
+    process by reading every process's file descriptors (which the hardened unit may not)."""
     suffix = f":{port:04X}"
-    states = []
+    states: list[str] | None = None
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 3 and fields[1].endswith(suffix):
-                        states.append(fields[3])
+                found = [fields[3] for line in f if len(fields := line.split()) > 3 and fields[1].endswith(suffix)]
         except OSError:
             continue
+        states = (states or []) + found
     return states
 
 
 def _listens(port: int) -> bool:
     """Whether a TCP socket of this network namespace listens on ``port``."""
-    return "0A" in _tcp_states(port)
+    return "0A" in (_tcp_states(port) or [])
 
 
 def _connected(port: int) -> bool:
     """Whether anything is still connected to what listens on ``port`` here (an established TCP
-    connection: a peer that exited has closed its end)."""
-    return "01" in _tcp_states(port)
+    connection: a peer that exited has closed its end). Unknown (the tables unreadable) counts as
+    connected: the generation then ends when msrun does."""
+    states = _tcp_states(port)
+    return states is None or "01" in states
 
 
 async def _listening(port: int, proc: asyncio.subprocess.Process, within_s: float) -> bool:
