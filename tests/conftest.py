@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
+import subprocess
 import sys
 import uuid
 from typing import Iterator
@@ -20,6 +22,32 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+
+
+_IMAGE_BUILD: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """When systemd tests will run and their image is not built yet: build it in the background
+    now, at the lowest CPU and I/O priority (see :mod:`tests.systemd_image`)."""
+    from tests import systemd_image
+
+    if not any(item.nodeid.startswith("tests/test_systemd.py") for item in items):
+        return
+    if systemd_image.cannot_boot() or systemd_image.ready():
+        return
+    os.makedirs(systemd_image.BUILD, exist_ok=True)
+    with open(os.path.join(systemd_image.BUILD, "background.log"), "ab") as log:
+        _IMAGE_BUILD.append(subprocess.Popen(
+            ["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m", "tests.systemd_image", "--image"],
+            cwd=systemd_image.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for p in _IMAGE_BUILD:  # (still building: the session ended before the systemd tests)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 @pytest.fixture(scope="session")

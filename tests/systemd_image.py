@@ -7,7 +7,10 @@ IMAGE_VERSION), in two stages:
    it while the venv installs: ``python -m tests.systemd_image``;
 2. the image: a venv at ``/opt/mselastic/.venv`` in it holding the pinned dependencies,
    installed from a wheelhouse pip downloaded on the host (pip's cache holds them once the
-   project's venv is installed). The first systemd test makes it (``image()``).
+   project's venv is installed). A test session that will boot containers starts it in the
+   background at its start, at the lowest CPU and I/O priority (``python -m tests.systemd_image
+   --image``: ~70 s of pip, while the tests before the systemd ones mostly wait on their jobs);
+   the first systemd test waits for it (``image()``) and builds it itself if it failed.
 
 Both stages are safe to run from several processes at once (a lock file) and say in
 ``build.log`` how long they took.
@@ -135,13 +138,23 @@ def image(pip: str) -> str:
         return rootfs
 
 
+def ready() -> bool:
+    """Whether the whole image (both stages) is built."""
+    return os.path.exists(os.path.join(_top(), ".done"))
+
+
 def main() -> int:
-    """``python -m tests.systemd_image``: build the base now (``make test`` does, beside the venv)."""
+    """``python -m tests.systemd_image``: build the base now (``make test`` does, beside the venv);
+    with ``--image``, the whole image (its venv's wheels downloaded by this venv's pip)."""
     why_not = cannot_boot()
     if why_not:  # the systemd tests say so themselves (and fail in CI)
         print(f"systemd image: not built ({why_not})")
         return 0
     t0 = time.monotonic()
+    if sys.argv[1:] == ["--image"]:
+        path = image(os.path.join(os.path.dirname(sys.executable), "pip"))
+        print(f"systemd image ready in {time.monotonic() - t0:.0f} s: {path}")
+        return 0
     path = base()
     print(f"systemd image base ready in {time.monotonic() - t0:.0f} s: {path}")
     return 0
