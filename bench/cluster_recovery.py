@@ -1,7 +1,9 @@
 """Recovery on a simulated cluster (network namespaces), for 2 and 4 nodes.
 
 For each cluster size N (one worker per node) it prints, next to the lease TTL
-and next to a plain-msrun cold start on the same namespaces:
+and next to a plain-msrun cold start on the same namespaces (each fault once every training node's
+standby workers are ready, as long after an earlier fault: whether each relaunch started warm is
+printed too):
 
 - rank kill -> first step of the next generation
 - node loss (elasticd + workers SIGKILLed) -> new plan, and -> first step of it
@@ -30,7 +32,8 @@ sys.path.insert(0, REPO)
 from mselastic.core.model import Event, GenerationReport  # noqa: E402
 from mselastic.store.embedded import free_port  # noqa: E402
 from tests.cluster import Cluster, ClusterFault  # noqa: E402
-from tests.harness import DATA_DIR, VENV_BIN, Processes, elasticctl, lenet_spec, wait_for, worker_pids  # noqa: E402
+from tests.harness import (DATA_DIR, VENV_BIN, Processes, agent_status, elasticctl, lenet_spec, wait_for,  # noqa: E402
+                           worker_pids)
 
 TTL_S = 3
 TRAIN = os.path.join(REPO, "examples", "lenet", "train.py")
@@ -91,6 +94,14 @@ def generation_event_at(cluster: Cluster, job: str, g: int) -> float:
     return next(e.at for e in events if e.kind == "generation" and e.generation == g)
 
 
+def standbys_ready(cluster: Cluster, job: str, nodes: range) -> None:
+    """Wait until each of ``nodes`` keeps its full pool of ready standbys (one per local worker and
+    one for a scheduler), replaced after an earlier relaunch used them."""
+    def ready(i: int) -> bool:
+        return len([s for s in agent_status(cluster.endpoint(i)).standbys if s.job == job and s.ready]) >= 2
+    wait_for("standbys ready", lambda: all(ready(i) for i in nodes), 300, 0.5)
+
+
 def measure(n: int, tmp: str) -> dict[str, float]:
     procs = Processes(uuid.uuid4().hex, tmp)
     cluster = Cluster(procs, tmp, f"/bench-{uuid.uuid4().hex[:6]}", lease_ttl_s=TTL_S)
@@ -109,6 +120,7 @@ def measure(n: int, tmp: str) -> dict[str, float]:
         assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
         last = f"n{n}"
         wait_for("training", lambda: (r := report(cluster, job, 1, last)) and r.step >= 15, 300, 0.2)
+        standbys_ready(cluster, job, range(1, n + 1))
 
         # 1. Rank kill (the last rank) -> first step of generation 2.
         victim = worker_pids(procs, 1)[n - 1]
@@ -117,7 +129,9 @@ def measure(n: int, tmp: str) -> dict[str, float]:
         second = wait_for("gen 2 first step", lambda: (r := report(cluster, job, 2, "n1")) and r.first_step_at
                           and r, 300, 0.1)
         out["rank_kill_to_first_step_s"] = second.first_step_at - killed
+        out["rank_kill_warm"] = float(second.warm)
         wait_for("training in gen 2", lambda: (r := report(cluster, job, 2, last)) and r.step >= 30, 300, 0.2)
+        standbys_ready(cluster, job, range(1, n))  # (the survivors')
 
         # 2. Node loss: the last node's elasticd and workers.
         cluster.inject(ClusterFault.KILL_NODE, n)
@@ -126,17 +140,20 @@ def measure(n: int, tmp: str) -> dict[str, float]:
                          and r, 300, 0.1)
         out["node_loss_to_plan_s"] = generation_event_at(cluster, job, 3) - killed
         out["node_loss_to_first_step_s"] = third.first_step_at - killed
+        out["node_loss_warm"] = float(third.warm)
 
         # 2b. A node cut off (its veth down: no reset, the leader's keepalive pings go unanswered),
         # when one is left to train without it.
         if n >= 3:
             wait_for("training in gen 3", lambda: (r := report(cluster, job, 3, "n1")) and r.step >= 40, 300, 0.2)
+            standbys_ready(cluster, job, range(1, n - 1))
             cluster.inject(ClusterFault.PARTITION, n - 1)
             cut = time.time()
             fourth = wait_for("gen 4 first step", lambda: (r := report(cluster, job, 4, "n1")) and r.first_step_at
                               and r, 300, 0.1)
             out["partition_to_plan_s"] = generation_event_at(cluster, job, 4) - cut
             out["partition_to_first_step_s"] = fourth.first_step_at - cut
+            out["partition_warm"] = float(fourth.warm)
             cluster.inject(ClusterFault.HEAL, n - 1)  # (the plain-msrun run below needs every namespace)
             cluster.wait_registered(n - 1, timeout_s=30)
 
@@ -170,9 +187,9 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         print(f"{n} nodes: " + ", ".join(f"{k}={v:.2f}" for k, v in results[n].items()), flush=True)
     print(f"\n{'':<30}" + "".join(f"{f'{n} nodes':>12}" for n in results) + f"{'TTL':>8}")
-    rows = ["cold_start_s", "rank_kill_to_first_step_s", "node_loss_to_plan_s", "node_loss_to_first_step_s",
-            "leader_loss_to_new_leader_s"]
-    rows[4:4] = ["partition_to_plan_s", "partition_to_first_step_s"]
+    rows = ["cold_start_s", "rank_kill_to_first_step_s", "rank_kill_warm", "node_loss_to_plan_s",
+            "node_loss_to_first_step_s", "node_loss_warm", "partition_to_plan_s", "partition_to_first_step_s",
+            "partition_warm", "leader_loss_to_new_leader_s"]  # (warm: 1 when the relaunch took standbys)
     for k in rows:
         print(f"{k:<30}" + "".join(f"{results[n][k]:>12.2f}" if k in results[n] else f"{'-':>12}" for n in results)
               + f"{TTL_S:>8}")
