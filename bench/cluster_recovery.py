@@ -107,6 +107,7 @@ def measure(n: int, tmp: str) -> dict[str, float]:
     cluster = Cluster(procs, tmp, f"/bench-{uuid.uuid4().hex[:6]}", lease_ttl_s=TTL_S)
     try:
         cluster.up(n + 1)  # node 0 coordinates only; nodes 1..n train
+        cluster.warm = True  # standby workers, as elasticd's default (the tests' clusters keep none)
         cluster.start_node(0, slots=0)
         assert cluster.etcd is not None
         etcd = cluster.etcd
