@@ -18,6 +18,7 @@ Both stages are safe to run from several processes at once (a lock file) and say
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import glob
@@ -146,12 +147,15 @@ def ready() -> bool:
 def main() -> int:
     """``python -m tests.systemd_image``: build the base now (``make test`` does, beside the venv);
     with ``--image``, the whole image (its venv's wheels downloaded by this venv's pip)."""
+    p = argparse.ArgumentParser(prog="python -m tests.systemd_image", description=main.__doc__)
+    p.add_argument("--image", action="store_true", help="build the whole image, not only its base")
+    args = p.parse_args()
     why_not = cannot_boot()
     if why_not:  # the systemd tests say so themselves (and fail in CI)
         print(f"systemd image: not built ({why_not})")
         return 0
     t0 = time.monotonic()
-    if sys.argv[1:] == ["--image"]:
+    if args.image:
         path = image(os.path.join(os.path.dirname(sys.executable), "pip"))
         print(f"systemd image ready in {time.monotonic() - t0:.0f} s: {path}")
         return 0

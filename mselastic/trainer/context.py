@@ -325,7 +325,7 @@ class ElasticContext:
         together: a barrier (rank 0's checkpoint is committed by then), then ``os._exit``
         soon after — MindSpore's own teardown at interpreter exit takes long enough for msrun
         to kill a slower rank, and there is nothing left to save. Not at once: a rank through
-        the barrier may still have its last message of it to send (MindSpore sends from a thread
+        the barrier may still have the barrier's last message to send (MindSpore sends from a thread
         of its own), and a peer whose data was lost with it waited in the barrier until killed
         (seen: rank 1 gone 50 ms after rank 0 reached the barrier, rank 0 killed 5 s later
         without having said it stopped). ``EXIT_LINGER_S`` gives those messages time to leave."""
