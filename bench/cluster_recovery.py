@@ -32,11 +32,10 @@ sys.path.insert(0, REPO)
 from mselastic.core.model import Event, GenerationReport  # noqa: E402
 from mselastic.store.embedded import free_port  # noqa: E402
 from tests.cluster import Cluster, ClusterFault  # noqa: E402
-from tests.harness import (DATA_DIR, VENV_BIN, Processes, agent_status, elasticctl, lenet_spec, wait_for,  # noqa: E402
-                           worker_pids)
+from tests.harness import (DATA_DIR, LENET, VENV_BIN, Processes, agent_status, elasticctl,  # noqa: E402
+                           lenet_spec, wait_for, worker_pids)
 
 TTL_S = 3
-TRAIN = os.path.join(REPO, "examples", "lenet", "train.py")
 RECEIVER = """
 import socket, sys, json
 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -65,7 +64,7 @@ def plain_cold_start(cluster: Cluster, n: int, tmp: str) -> float:
         cmd = ["ip", "netns", "exec", cluster.nodes[i], os.path.join(VENV_BIN, "msrun"), f"--worker_num={n}",
                "--local_worker_num=1", f"--node_rank={i}", f"--master_addr={cluster.address(0)}",
                f"--master_port={port}", f"--log_dir={tmp}/plain-{n}-{i}", "--join=True", "--tail_worker_log=99999",
-               TRAIN, "--data", DATA_DIR, "--out", f"{tmp}/plain-out"]
+               LENET, "--data", DATA_DIR, "--out", f"{tmp}/plain-out"]
         procs.append(cluster.procs.start(f"plain-msrun-{n}-{i}", cmd, env=env))
     try:
         first = float(receiver.communicate(timeout=300)[0].strip())

@@ -31,6 +31,7 @@ T = TypeVar("T")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 DATA_DIR = os.path.join(REPO, "build", "data", "digits")
+LENET = os.path.join(REPO, "examples", "lenet", "train.py")  # the example job
 TEST_MARK = "MSELASTIC_TEST_ID"
 
 
@@ -195,7 +196,7 @@ def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: i
     resumes from the checkpoints alone; ``tests/test_snapshots.py`` and the trainer API's tests turn
     them on."""
     fields: dict[str, Any] = dict(
-        name=name, script=os.path.join(REPO, "examples", "lenet", "train.py"),
+        name=name, script=LENET,
         args=["--data", DATA_DIR, "--out", out_dir, "--lr", "0.05"],
         workers_per_node=workers, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
         global_batch_size=32, checkpoint_dir=ckpt_dir, checkpoint_interval_steps=10, keep_checkpoints=3,
@@ -347,7 +348,7 @@ def plain_msrun(procs: Processes, out_dir: str, total_steps: int, workers: int, 
     p = procs.start(f"msrun-{os.path.basename(out_dir)}", [
         os.path.join(VENV_BIN, "msrun"), f"--worker_num={workers}", f"--local_worker_num={workers}",
         f"--master_port={port}", f"--log_dir={os.path.join(out_dir, 'logs')}", "--join=True",
-        "--tail_worker_log=99999", os.path.join(REPO, "examples", "lenet", "train.py"),
+        "--tail_worker_log=99999", LENET,
         "--data", DATA_DIR, "--out", out_dir, "--lr", "0.05", *extra_args], env=env)
     msrun_done(p, workers, f"plain msrun failed; see {out_dir}/logs")
     with open(os.path.join(out_dir, "result_g0.json")) as f:

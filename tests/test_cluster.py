@@ -14,11 +14,11 @@ import pytest
 from mselastic.core.model import AGENT_RESTARTED, Event
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster, ClusterFault
-from tests.harness import DATA_DIR, REPO, check_history, elasticctl, holds_for, lenet_spec, wait_for, worker_pids
+from tests.harness import DATA_DIR, LENET, REPO, check_history, elasticctl, holds_for, lenet_spec, wait_for, \
+    worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
-LENET = os.path.join(REPO, "examples", "lenet", "train.py")
 LINGER = os.path.join(REPO, "tests", "linger.py")
 
 

@@ -19,7 +19,7 @@ from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from tests.cluster import Cluster
-from tests.harness import REPO, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, \
+from tests.harness import LENET, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, \
     generation_processes, holds_for, lenet_spec, local_socket, start_node, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -214,7 +214,7 @@ def test_a_record_that_makes_the_coordinator_raise_stays_on_its_job(procs: Proce
     pids = worker_pids(procs, 1)
     # A job whose records are individually well-formed but together illegal: PENDING with a plan on
     # a node that is gone, so the planner waits and the status would go PENDING -> RESTARTING.
-    bad = JobSpec(name="broken", script=os.path.join(REPO, "examples", "lenet", "train.py"),
+    bad = JobSpec(name="broken", script=LENET,
                   checkpoint_dir=os.path.join(tmp, "broken"))
     plan = Plan(job="broken", generation=1, members=(Member("ghost", 0, 1, "127.0.0.1:1", "127.0.0.1"),),
                 world_size=1, master_addr="127.0.0.1", master_port=23456, restart_count=0, reason="test")

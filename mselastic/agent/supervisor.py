@@ -349,16 +349,17 @@ def _tcp_states(port: int) -> list[str] | None:
     neither table could be read. Not psutil's net_connections, which also maps every socket to its
     process by reading every process's file descriptors (which the hardened unit may not)."""
     suffix = f":{port:04X}"
-    states: list[str] | None = None
+    states: list[str] = []
+    read = False
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
-                found = [fields[3] for line in f if len(fields := line.split()) > 3 and fields[1].endswith(suffix)]
+                states += [fields[3] for line in f if len(fields := line.split()) > 3 and fields[1].endswith(suffix)]
+            read = True
         except OSError:
             continue
-        states = (states or []) + found
-    return states
+    return states if read else None
 
 
 def _listens(port: int) -> bool:
