@@ -41,7 +41,7 @@ demo: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/demo.py --data $(DATA)
 
 # The systemd tests' Debian base image is made (debootstrap, 80-110 s here) while the venv
-# installs; the tests add the venv to it and cache it (tests/systemd_image.py).
+# installs; a test session adds the venv to it in the background and caches it (tests/systemd_image.py).
 test: systemd-tools
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) systemd-image-base
 	$(MAKE) --no-print-directory data
