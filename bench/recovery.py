@@ -59,13 +59,16 @@ def plain_msrun_cold_start(data: str, work: str) -> float:
         return beat.at - run.started
 
 
-def _cost(pids: list[int], seconds: float = 3.0) -> tuple[float, float]:
-    """(MiB resident, % of one core) of these processes together, over ``seconds``."""
+def _cost(pids: list[int], seconds: float = 3.0, unique: bool = False) -> tuple[float, float]:
+    """(MiB resident, % of one core) of these processes together, over ``seconds``. ``unique``: the
+    memory only they hold (USS: what their exit would free), not what they share copy-on-write
+    with the process they were forked from."""
     ps = [psutil.Process(pid) for pid in pids]
     for p in ps:
         p.cpu_percent(None)
     time.sleep(seconds)
-    return (sum(p.memory_info().rss for p in ps) / 2 ** 20, sum(p.cpu_percent(None) for p in ps))
+    mem = sum(p.memory_full_info().uss if unique else p.memory_info().rss for p in ps)
+    return (mem / 2 ** 20, sum(p.cpu_percent(None) for p in ps))
 
 
 def elastic_recovery(data: str, work: str, kill_at_step: int, warm: bool) -> dict[str, float]:
@@ -80,8 +83,11 @@ def elastic_recovery(data: str, work: str, kill_at_step: int, warm: bool) -> dic
                              120, 0.2)
             assert node.daemon is not None
             cost["elasticd_rss_mib"], cost["elasticd_cpu_pct"] = _cost([node.daemon.pid])
-            cost["standby_rss_mib"], cost["standby_cpu_pct"] = _cost([s.pid for s in ready])
-            cost["standby_rss_mib"] /= len(ready)
+            # The standbys are forked from one server per job and node: its memory once, then what
+            # each standby holds of its own.
+            cost["standby_server_rss_mib"], _ = _cost(list({psutil.Process(s.pid).ppid() for s in ready}), 0.1)
+            cost["standby_uss_mib"], cost["standby_cpu_pct"] = _cost([s.pid for s in ready], unique=True)
+            cost["standby_uss_mib"] /= len(ready)
         _, ranks = node.ranks("bench")
         os.kill(ranks[1].pid, signal.SIGKILL)
         killed = time.time()
@@ -182,13 +188,15 @@ def main() -> int:
     print(f"{'steps recomputed':34}{'':>13}{med('cold', 'steps_recomputed'):>16.0f}{med('warm', 'steps_recomputed'):>16.0f}")
     print(f"\nwarm recovery / torchrun's: {warm / torch:.2f} (milestone <= 1.5, goal <= 1.0); "
           f"/ plain msrun cold start: {warm / cold_start:.2f} (goal <= 0.35); cold recovery / warm: {cold / warm:.2f}")
-    print(f"3 idle standbys: {med('warm', 'standby_rss_mib'):.0f} MiB resident each, "
+    print(f"3 idle standbys: their fork server {med('warm', 'standby_server_rss_mib'):.0f} MiB resident, each "
+          f"standby {med('warm', 'standby_uss_mib'):.0f} MiB of its own, "
           f"{med('warm', 'standby_cpu_pct'):.1f} % of a core together; elasticd while training: "
           f"{med('warm', 'elasticd_rss_mib'):.0f} MiB, {med('warm', 'elasticd_cpu_pct'):.1f} % of a core")
     bench = {"cold_start_s": cold_start, "recovery_s": warm, "cold_recovery_s": cold, "torchrun_recovery_s": torch,
              "torchrun_cold_start_s": med("torch", "cold_start_s"), "detect_s": med("warm", "detect_s"),
              "steps_recomputed": med("warm", "steps_recomputed"), "ratio_torchrun": warm / torch,
-             "ratio": warm / cold_start, "standby_rss_mib": med("warm", "standby_rss_mib"),
+             "ratio": warm / cold_start, "standby_server_rss_mib": med("warm", "standby_server_rss_mib"),
+             "standby_uss_mib": med("warm", "standby_uss_mib"),
              "standby_cpu_pct": med("warm", "standby_cpu_pct"), "elasticd_rss_mib": med("warm", "elasticd_rss_mib"),
              "elasticd_cpu_pct": med("warm", "elasticd_cpu_pct"), "runs": args.runs}
     print("BENCH " + json.dumps({k: (None if v != v else round(v, 3)) if isinstance(v, float) else v

@@ -169,10 +169,11 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
     other in plaintext, which takes ``insecure`` (as it would on a network). Standby workers (the
     production default) only where asked: the fault matrix and the world-size changes
     (``tests/test_faults.py``, ``tests/test_elastic.py``), whose relaunches are then warm as in
-    production. They do not make the suite faster on two cores: each relaunch's replacements
-    import MindSpore (~3 CPU-s each, a rank's and a scheduler's per node) on the cores the ranks
-    train on, about what the cold start they save costs. The whole suite with standbys
-    everywhere took 2131 s, without 2018-2093 s (what would help: a fork server, see DESIGN).
+    production. A job's standbys are forked from one server per node that imports MindSpore
+    once (~3 CPU-s, when the job starts training there): that is all they cost a test, and a
+    test with a relaunch saves msrun's cold start (docs/DESIGN.md, "eighth part"). Before the
+    fork server every standby imported MindSpore itself, and the whole suite with standbys
+    everywhere took 2131 s, without 2018-2093 s.
     Snapshots in the test's own folder (removed with it), not in the machine's /dev/shm."""
     return [os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--node-id", node_id, "--etcd-endpoint", etcd,
             "--listen", f"127.0.0.1:{port}", "--slots", str(slots), "--work-dir", work_dir,

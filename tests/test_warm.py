@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from mselastic.agent.standby import StandbyPool
+from mselastic.agent.standby import ForkServer, Standby, StandbyPool
 from mselastic.agent.supervisor import PER_GENERATION_ENV, Generation
 from mselastic.core import contract
 from mselastic.core.model import Member, Plan
@@ -136,15 +137,13 @@ if role == "MS_SCHED":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("taken", ["ready", "importing"])
-def test_a_warm_rank_starts_as_msrun_would_have_started_it(taken: str, tmp_path: os.PathLike[str]) -> None:
+def test_a_warm_rank_starts_as_msrun_would_have_started_it(tmp_path: os.PathLike[str]) -> None:
     """The same plan twice on one node: msrun starting the scheduler and two ranks (cold), then
-    standbys handed it (warm). Each process records what it was started with; the warm ones must
-    match msrun's: every variable (the generation's own values aside), argv, working directory,
-    sys.path[0], __main__, a worker's session of its own, output into msrun's log file names, and the
-    kernel's view of the environment carrying the generation's marker and msrun's variables. The
-    standbys are taken once ready, or just started (a relaunch soon after the last): then the
-    handover waits for their imports."""
+    standbys handed it (warm), forked by the pool's fork server. Each process records what it was
+    started with; the warm ones must match msrun's: every variable (the generation's own values
+    aside), argv, working directory, sys.path[0], __main__, a worker's session of its own, output
+    into msrun's log file names, and the kernel's view of the environment carrying the generation's
+    marker and msrun's variables."""
     tmp = str(tmp_path)
     port = free_port()
     outs = {kind: os.path.join(tmp, kind) for kind in ("cold", "warm")}
@@ -156,10 +155,10 @@ def test_a_warm_rank_starts_as_msrun_would_have_started_it(taken: str, tmp_path:
         if warm:
             pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
             pool.fill(3)
-            await wait_async(lambda: len(pool.ready() if taken == "ready" else pool.standbys) == 3, 120)
+            await wait_async(lambda: len(pool.ready()) == 3, 120)
             gen.standbys = pool.take(3)
-            assert len(gen.standbys) == 3 and sum(bool(sb.ready_at) for sb in gen.standbys) == (
-                3 if taken == "ready" else 0)
+            assert pool.server is not None and len(gen.standbys) == 3
+            assert all(psutil.Process(sb.pid).ppid() == pool.server.pid for sb in gen.standbys)
         await gen.start()
         await asyncio.wait_for(gen.done.wait(), 60)
         if pool is not None:
@@ -201,33 +200,48 @@ def test_a_warm_rank_starts_as_msrun_would_have_started_it(taken: str, tmp_path:
 
 
 @pytest.mark.slow
-def test_a_standby_killed_while_importing_sends_the_generation_cold(tmp_path: os.PathLike[str]) -> None:
-    """Standbys taken while still importing, one SIGKILLed before it is ready (as the OOM killer
-    would): the generation starts cold under msrun instead of failing its launch (nothing blamed on
-    the node), every process of it starts, and the job's pool is not taken for broken."""
+def test_a_standby_killed_before_its_handover_sends_the_generation_cold(tmp_path: os.PathLike[str]) -> None:
+    """Standbys taken for a generation, one SIGKILLed before the handover (as the OOM killer would):
+    the generation starts cold under msrun instead of failing its launch (nothing blamed on the
+    node), every process of it starts, and the job's pool is not taken for broken. Then the fork
+    server itself is SIGKILLed: the standbys it forked die with it (none is left to join a later
+    generation), and the next fill starts another server and forks from it."""
     tmp = str(tmp_path)
     out = os.path.join(tmp, "out")
     spec = dump_spec(tmp, out)
 
-    async def run() -> tuple[Generation, int]:
+    async def run() -> tuple[Generation, int, list[int]]:
         gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
         pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
         pool.fill(3)
-        await wait_async(lambda: len(pool.standbys) == 3, 30)
+        await wait_async(lambda: len(pool.ready()) == 3, 120)
         gen.standbys = pool.take(3)
-        assert len(gen.standbys) == 3 and not any(sb.ready_at for sb in gen.standbys)
         victim = gen.standbys[1].pid
         os.kill(victim, signal.SIGKILL)
+        await wait_async(lambda: not gen.standbys[1].alive, 10)  # (its fork server reaped it and said so)
         await gen.start()
         await asyncio.wait_for(gen.done.wait(), 60)
-        assert pool._filling is not None
-        await asyncio.wait_for(pool._filling, 30)  # (its reader of every standby's output is done)
         broken = pool.broken
-        await pool.close()
         assert broken == "", broken
-        return gen, victim
+        # The fork server killed: its standbys go with it; a fill starts another.
+        pool.fill(3)
+        await wait_async(lambda: len(pool.ready()) == 3, 30)
+        first, orphans = pool.server, [sb.pid for sb in pool.standbys]
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)
+        # Gone by their death signal, while elasticd still holds their sockets open (the next fill
+        # would close them).
+        await wait_async(lambda: all(gone(pid) for pid in orphans), 10)
+        # The agent sees them ended (the kernel's word; their code would be the dead server's).
+        await wait_async(lambda: not any(sb.alive for sb in pool.standbys), 10)
+        pool.fill(3)
+        await wait_async(lambda: len(pool.ready()) == 3, 120)
+        assert pool.server is not None and pool.server.pid != first.pid and not pool.broken
+        assert all(psutil.Process(sb.pid).ppid() == pool.server.pid for sb in pool.standbys)
+        await pool.close()
+        return gen, victim, orphans
 
-    gen, victim = asyncio.run(run())
+    gen, victim, orphans = asyncio.run(run())
     assert not gen.report().warm and gen._msrun is not None
     # (The dump script's ranks exit without a "finished" heartbeat: blamed on a rank, not the launch.)
     assert gen.state is GenerationState.FAILED and gen.failed_rank in (0, 1), gen.reason
@@ -236,7 +250,105 @@ def test_a_standby_killed_while_importing_sends_the_generation_cold(tmp_path: os
             started = json.load(f)
         # msrun's: its scheduler shares msrun's session (a warm one leads its own), in msrun's log files.
         assert started["session_leader"] is (name != "scheduler") and "g000001" in started["stdout"], started
-    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+    for pid in [victim, *orphans]:
+        assert gone(pid), pid
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+def test_a_standby_taken_before_it_was_ready_that_dies_sends_the_generation_cold(tmp_path: os.PathLike[str]) -> None:
+    """Standbys taken before they said they are ready (a few milliseconds after a fork; they never
+    do here: each is a process that only sleeps), one SIGKILLed while the generation waits for
+    them: the generation starts cold under msrun, every process of it starts, nothing is blamed on
+    the node."""
+    tmp = str(tmp_path)
+    out = os.path.join(tmp, "out")
+    spec = dump_spec(tmp, out)
+
+    async def sleeper(marker: str, fd: int) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(120)", stdin=fd,
+                                                    stdout=fd, stderr=fd, start_new_session=True)
+
+    async def run() -> tuple[Generation, int]:
+        gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
+        gen.standbys = [await Standby.start(sleeper, f"standby.j.n0.{i}") for i in range(3)]
+        victim = gen.standbys[1].pid
+        await gen.start()
+        await asyncio.sleep(0.5)  # (waiting for them)
+        assert gen._msrun is None
+        os.kill(victim, signal.SIGKILL)
+        await asyncio.wait_for(gen.done.wait(), 60)
+        return gen, victim
+
+    gen, victim = asyncio.run(run())
+    assert not gen.report().warm and gen._msrun is not None
+    assert gen.state is GenerationState.FAILED and gen.failed_rank in (0, 1), gen.reason
+    for name in ("scheduler", "worker-0", "worker-1"):
+        with open(os.path.join(out, name + ".json")) as f:
+            assert "g000001" in json.load(f)["stdout"]
+    assert gone(victim)
+
+
+FORGER = """
+import json, os, socket, sys, time
+ctl = socket.socket(fileno=0)
+print("mselastic-standby-ready", os.getpid(), flush=True)
+def say(what):
+    ctl.sendall(("mselastic-standby-forks " + what + "\\n").encode())
+socket.recv_fds(ctl, 4096, 1)
+say(json.dumps({"forked": int(sys.argv[1])}))  # someone else's process
+socket.recv_fds(ctl, 4096, 1)
+child = os.fork()
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+say(json.dumps({"forked": child}))
+say(json.dumps({"exit": child, "code": 0}))  # while it runs
+say("{not json")
+time.sleep(120)
+"""
+
+
+def test_a_fork_server_is_not_believed_without_the_kernels_word() -> None:
+    """A fork server runs as the worker user, and a job's code may run in it. One that names
+    another user's process as the standby it forked is refused (elasticd, root, would signal it),
+    one that says a running standby exited is not believed, and a line that does not parse costs
+    it nothing: its standbys stay as they are."""
+    victim = subprocess.Popen(["sleep", "120"])
+
+    async def run() -> None:
+        async def spawn(marker: str, fd: int) -> asyncio.subprocess.Process:
+            return await asyncio.create_subprocess_exec(sys.executable, "-c", FORGER, str(victim.pid), stdin=fd,
+                                                        stdout=fd, stderr=fd, start_new_session=True)
+
+        server = await ForkServer.start(spawn, "standby.j.n0.forger")
+        ours, theirs = socket.socketpair()
+        try:
+            assert await server.await_ready(30)
+            with pytest.raises(RuntimeError, match="not a child of its own"):
+                await server.fork("standby.j.n0.1", theirs.fileno())
+            child = await server.fork("standby.j.n0.2", theirs.fileno())
+            await asyncio.sleep(0.5)  # (the false exit and the garbage have been read)
+            assert child.returncode is None and not gone(child.pid) and server.alive
+            child.kill()
+            await asyncio.wait_for(child.wait(), 10)  # (ended: the kernel's word; the forger never reaps it)
+        finally:
+            ours.close()
+            theirs.close()
+            await server.close()
+
+    try:
+        asyncio.run(run())
+        assert victim.poll() is None  # never signalled
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def dump_spec(tmp: str, out: str) -> JobSpec:
@@ -325,20 +437,23 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     tmp = str(tmp_path)
     work = os.path.join(tmp, "work")
     endpoint = start_node(procs, etcd, namespace, work, "--warm-standbys", "true")
-    socket = endpoint
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
                       total_steps=total, args=["--data", digits, "--out", os.path.join(tmp, "out"), "--lr", "0.05",
                                                "--step-sleep-s", "0.1"],
                       env={"MSELASTIC_FAULT": "exception:rank=0:generation=2:step=45"},
                       snapshot_interval_steps=1)  # (the default: warm relaunches and snapshots together)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
-    ready = wait_for("three standbys ready", lambda: len(s := [x for x in standbys(socket) if x.ready]) == 3 and s,
+    ready = wait_for("three standbys ready", lambda: len(s := [x for x in standbys(endpoint) if x.ready]) == 3 and s,
                      180, 0.2)
     pids = {s.pid for s in ready}
     for p in standby_processes(procs):  # not part of generation 1: no cluster variables, a marker of their own
         env = p.environ()
         assert "MS_ROLE" not in env and "RANK_ID" not in env and not env[contract.ENV_RUN_ID].startswith("lenet.1.")
-    assert {p.pid for p in standby_processes(procs)} == pids
+    # The three, and the fork server they were forked from (a standby that never takes a generation).
+    servers = {psutil.Process(pid).ppid() for pid in pids}
+    assert len(servers) == 1 and {p.pid for p in standby_processes(procs)} == pids | servers
+    markers = {p.environ()[contract.ENV_RUN_ID] for p in standby_processes(procs)}
+    assert len(markers) == 4, markers  # each its own, in the kernel's view too
     if standbys_may_renice():  # they wait nicely
         assert all(thread_nices(pid) == {19} for pid in pids), {pid: thread_nices(pid) for pid in pids}
     wait_for("a checkpoint", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 120, 0.1)
@@ -352,7 +467,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     if standbys_may_renice():
         assert all(thread_nices(pid) == {0} for pid in ranks.values()), {p: thread_nices(p) for p in ranks.values()}
     fresh = wait_for("three new standbys",
-                     lambda: len(s := [x.pid for x in standbys(socket) if x.ready and x.pid not in pids]) == 3 and s,
+                     lambda: len(s := [x.pid for x in standbys(endpoint) if x.ready and x.pid not in pids]) == 3 and s,
                      120, 0.2)
     failed = wait_for("generation 2 to fail", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal and r,
                       120, 0.1)
@@ -360,6 +475,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     third = wait_for("generation 3 training", lambda: (r := etcd.report(JOB, 3, "n0")) and r.first_step_at and r,
                      60, 0.1)
     assert third.warm and set(worker_pids(procs, 3).values()) < set(fresh)
+    assert {psutil.Process(pid).ppid() for pid in fresh} == servers  # forked by the same server
     status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 3 and etcd.report(JOB, 3, "n0").state is GenerationState.SUCCEEDED  # type: ignore

@@ -3,17 +3,22 @@
 A cold relaunch starts msrun, which starts a scheduler and one worker per local rank, each a new
 Python importing MindSpore: about 5 s of a 7 s relaunch on two cores, before MindSpore does
 anything. The agent keeps, per job running here, one standby per local rank and one for a
-scheduler (:mod:`mselastic.trainer.standby` is the process side): started as the worker user with
-the job's environment once the job trains here, idle until a relaunch, then handed the
-generation (see ``Generation`` in the supervisor) and replaced after use.
+scheduler (:mod:`mselastic.trainer.standby` is the process side), idle until a relaunch, then
+handed the generation (see ``Generation`` in the supervisor) and replaced after use.
+
+The standbys are forked, not started: once the job trains here the pool starts one *fork server*
+(as the worker user with the job's environment, in the script's folder, dying with elasticd),
+which imports MindSpore once and forks a standby per request in milliseconds. Replacing the
+standbys a relaunch used therefore costs no import on the cores the new generation trains on
+(it cost about 3 CPU-seconds per standby: docs/DESIGN.md, "eighth part"). A forked standby dies
+with its server, so the server is stopped only once no standby it forked runs as a rank.
 
 A pool belongs to one *launch key*: everything a standby was started with that a generation
 could change (the script, its arguments and folder, the worker user, the job-level environment).
 A generation whose key differs (the job was submitted again with another spec) starts cold and
 the pool is replaced. Standbys carry a marker of their own (``standby.<job>.<node>.<id>``) until
 handed a generation, never a generation's: they cannot beat for one or be torn down with one
-before they are part of it. They die with elasticd (parent-death signal), and the pool of a job
-that no longer runs here is stopped.
+before they are part of it. The pool of a job that no longer runs here is stopped.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import signal
 import socket
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
-from mselastic.core.contract import STANDBY_READY
+import psutil
+
+from mselastic.core.contract import STANDBY_FORKS, STANDBY_READY
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +46,23 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 
 
+class Proc(Protocol):
+    """What the agent needs of a process it started: asyncio's, or a standby a fork server forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclasses.dataclass
 class Standby:
-    proc: asyncio.subprocess.Process
+    proc: Proc
     marker: str
     #: Its standard input and output: one end of a socket pair (a pipe could be opened through
     #: /proc/<pid>/fd by any process of the worker user, another job's script too, and written to).
@@ -56,7 +77,7 @@ class Standby:
     _drain: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, spawn: "Spawner", marker: str) -> "Standby":
+    async def start(cls, spawn: Callable[[str, int], Awaitable[Proc]], marker: str) -> "Standby":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = await spawn(marker, theirs.fileno())
@@ -128,14 +149,14 @@ class Standby:
         self.writer.write_eof()
 
     async def kill(self) -> None:
-        """SIGKILL its process group (it is a session leader: whatever it started is in it) and reap
-        it. Not once it has been reaped: its pid may be another process's by then."""
+        """SIGKILL it (through its pidfd when forked: never a pid another process took over) and
+        wait for its end. Only the process: one never handed a generation started nothing, and
+        one that was is its generation's, whose teardown stops its process group."""
         if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
-        await self.proc.wait()
+        with contextlib.suppress(asyncio.TimeoutError):  # (forked: its server reaps it and says so)
+            await asyncio.wait_for(self.proc.wait(), 5)
         self.writer.close()
         if self._drain is not None:
             self._drain.cancel()
@@ -150,17 +171,222 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 #: error) -> the process.
 Spawner = Callable[[str, int], Awaitable[asyncio.subprocess.Process]]
 
+#: A pool whose fork server exited this many times (the OOM killer, a job whose import crashes it)
+#: starts no more: its relaunches start cold.
+MAX_FORK_SERVERS = 3
+
+#: Fork servers whose pool closed while standbys they forked still ran as ranks (see StandbyPool.close).
+_retiring: set[asyncio.Task[None]] = set()
+
+
+#: How long a forked standby's end waits for its fork server to say how it ended (it reaps at once;
+#: one that is gone or stopped never says): then it counts as killed.
+EXIT_CODE_WAIT_S = 2.0
+
+
+class Forked:
+    """A standby forked by a fork server, which is its parent and reaps it. Its end is the kernel's
+    word (a pidfd: readable once it has exited, and the only handle signals go through, so a pid
+    taken over by another process is never signalled); its exit code is the server's."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid, self._pidfd = pid, pidfd
+        self.returncode: int | None = None
+        self._code: int | None = None
+        self._ended = False
+        self._exited = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(pidfd, self._on_end)
+
+    def _on_end(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        self._ended = True
+        if self._code is not None:
+            self._finish(self._code)
+        else:
+            self._loop.call_later(EXIT_CODE_WAIT_S, self._finish, -signal.SIGKILL)
+
+    def told(self, code: int) -> None:
+        """Its server says it exited with ``code`` (believed once the kernel says it has ended)."""
+        self._code = code
+        if self._ended:
+            self._finish(code)
+
+    def _finish(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set()
+            os.close(self._pidfd)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if not self._ended:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def discard(self) -> None:
+        """Forget it without waiting for its end (its server is being stopped, and it with it)."""
+        if self.returncode is None:
+            self._loop.remove_reader(self._pidfd)
+            self._ended = True
+            self._finish(-signal.SIGKILL)
+
+
+class ForkServer:
+    """One process per job and node that imports MindSpore once and forks the standbys
+    (``mselastic.trainer.standby``): a standby costs milliseconds instead of an import (about
+    3 CPU-seconds, on the cores the ranks train on). It is a standby process itself (started the
+    same way, with a marker of its own) that never takes a generation; the standbys it forks die
+    with it, and it with elasticd. It runs as the worker user, and a job's code may run in it (it
+    imports from the script's folder): nothing it says is believed without the kernel's word. A
+    pid it names must be its own child, of its own user, opened as a pidfd at once."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
+        self.proc, self._sock = proc, sock
+        self.children: dict[int, Forked] = {}
+        self.ready_event = asyncio.Event()
+        self._forked: asyncio.Queue[Forked | str] = asyncio.Queue()
+        self._lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read(), name=f"fork-server-{proc.pid}")
+
+    @classmethod
+    async def start(cls, spawn: Spawner, marker: str) -> "ForkServer":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await spawn(marker, theirs.fileno())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return cls(proc, ours)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None and not self._reader.done()
+
+    def running(self) -> list[Forked]:
+        """The standbys it forked that have not ended (taken or not)."""
+        return [c for c in self.children.values() if c.returncode is None]
+
+    async def _read(self) -> None:
+        """Its output: the ready line, then its answers (anything else, MindSpore's log lines on its
+        standard error, is dropped; so is an answer that does not parse, with a warning)."""
+        loop = asyncio.get_running_loop()
+        buf = b""
+        try:
+            while chunk := await loop.sock_recv(self._sock, 1 << 16):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
+                    if line.startswith(STANDBY_READY):
+                        self.ready_event.set()
+                    elif line.startswith(STANDBY_FORKS + " "):
+                        try:
+                            self._answer(json.loads(line[len(STANDBY_FORKS) + 1:]))
+                        except (ValueError, KeyError, TypeError) as e:
+                            log.warning("fork server pid %d said %r: %s", self.pid, line[:200], e)
+        except OSError as e:
+            log.warning("fork server pid %d: %s", self.pid, e)
+        finally:
+            self._forked.put_nowait(f"fork server pid {self.pid} exited")
+
+    def _answer(self, what: dict[str, Any]) -> None:
+        if "forked" in what:
+            self._forked.put_nowait(self._adopt(int(what["forked"])))
+        elif "exit" in what:
+            child = self.children.pop(int(what["exit"]), None)
+            if child is not None:
+                child.told(int(what["code"]))
+        else:
+            self._forked.put_nowait(str(what.get("error", what)))
+
+    def _adopt(self, pid: int) -> Forked | str:
+        """The child it says it forked, once the kernel agrees: alive, its child, its user."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            return f"forked pid {pid}, which cannot be opened: {e}"
+        try:
+            p, server = psutil.Process(pid), psutil.Process(self.pid)
+            if p.ppid() != self.pid or p.uids().real != server.uids().real:
+                raise ValueError("not a child of its own")
+            signal.pidfd_send_signal(pidfd, 0)  # (the pid still names the process the pidfd holds)
+        except (psutil.Error, OSError, ValueError) as e:
+            os.close(pidfd)
+            return f"named pid {pid}: {e}"
+        child = self.children[pid] = Forked(pid, pidfd)
+        return child
+
+    async def await_ready(self, timeout_s: float) -> bool:
+        waits = [asyncio.create_task(self.ready_event.wait()), asyncio.create_task(self.proc.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        return self.ready_event.is_set() and self.alive
+
+    async def fork(self, marker: str, fd: int) -> Forked:
+        """A new standby with ``marker``, ``fd`` its standard input, output and error (a Spawner).
+        Raises RuntimeError when the server cannot."""
+        async with self._lock:
+            if not self.alive:
+                raise RuntimeError(f"fork server pid {self.pid} exited")
+            try:
+                socket.send_fds(self._sock, [json.dumps({"fork": marker}).encode()], [fd])
+            except OSError as e:
+                raise RuntimeError(f"fork server pid {self.pid}: {e}") from None
+            try:
+                got = await asyncio.wait_for(self._forked.get(), 10)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"fork server pid {self.pid} did not fork within 10s") from None
+        if isinstance(got, str):
+            raise RuntimeError(f"fork server pid {self.pid}: {got}")
+        return got
+
+    async def close(self) -> None:
+        """End it (its standbys with it) and reap it."""
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close()  # (after its reader: the loop no longer watches the descriptor)
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        await self.proc.wait()
+        for child in list(self.children.values()):
+            child.discard()
+
+    async def close_after(self, children: list[Forked]) -> None:
+        """Close it once ``children`` (standbys that are ranks now) have ended."""
+        await asyncio.gather(*(c.wait() for c in children))
+        await self.close()
+
 
 class StandbyPool:
-    """The standbys this node keeps for one job and launch key."""
+    """The standbys this node keeps for one job and launch key, forked by the pool's fork server."""
 
     def __init__(self, job: str, node_id: str, key: str, spawn: Spawner) -> None:
         self.job, self.node_id, self.key = job, node_id, key
-        self._spawn = spawn
+        self._spawn = spawn  # (starts the fork server)
+        self.server: ForkServer | None = None
+        self._servers_started = 0
         self.standbys: list[Standby] = []
         self._filling: asyncio.Task[None] | None = None
         self._closed = False
-        #: Why filling stopped for good ("" while it may go on): a standby that cannot start
+        #: Why filling stopped for good ("" while it may go on): a fork server that cannot start
         #: (the worker user cannot import MindSpore, ...) is not started again and again.
         self.broken = ""
         self._ctx = dict(job=job, node=node_id)
@@ -169,8 +395,8 @@ class StandbyPool:
         return [s for s in self.standbys if s.ready_at and s.alive]
 
     def fill(self, size: int) -> None:
-        """Start standbys until ``size`` of them are alive (in the background, all at once: they are
-        ready sooner than one after the other, and the ranks share the CPU with them either way)."""
+        """Have ``size`` standbys alive (in the background): the fork server started first if it is
+        not running (it imports MindSpore), then one fork per missing standby."""
         if self._closed or self.broken or (self._filling is not None and not self._filling.done()):
             return
         self._filling = asyncio.create_task(self._fill(size), name=f"standbys-{self.job}")
@@ -179,35 +405,85 @@ class StandbyPool:
         dead = [s for s in self.standbys if not s.alive]
         self.standbys = [s for s in self.standbys if s.alive]
         await asyncio.gather(*(s.kill() for s in dead))  # (reaped already: no signal is sent)
-        missing = size - len(self.standbys)
-        await asyncio.gather(*(self._start_one(size) for _ in range(missing)))
+        if size <= len(self.standbys):
+            return
+        server = await self._server()
+        while server is not None and server.alive and len(self.standbys) < size and not self.broken:
+            if not await self._start_one(server, size):
+                break
 
-    async def _start_one(self, size: int) -> None:
-        marker = f"standby.{self.job}.{self.node_id}.{uuid.uuid4().hex[:8]}"
+    async def _server(self) -> ForkServer | None:
+        """The running fork server, started (and waited for) if need be; None when it cannot start."""
+        if self.server is not None and self.server.alive:
+            return self.server
+        if self.server is not None:  # it died (the OOM killer): its standbys with it; a new one
+            old, self.server = self.server, None
+            log.warning("fork server pid %d exited with code %s; starting another", old.pid, old.proc.returncode,
+                        extra=self._ctx)
+            self._retire(old)
+        if self._servers_started >= MAX_FORK_SERVERS:
+            self._break(f"the standby fork server was started {self._servers_started} times and exited each time")
+            return None
+        self._servers_started += 1
         started = time.monotonic()
         try:
-            standby = await Standby.start(self._spawn, marker)
+            server = self.server = await ForkServer.start(self._spawn, self._marker())
         except (OSError, RuntimeError) as e:
             self._break(f"a standby could not be started: {e}")
-            return
+            return None
+        if await server.await_ready(READY_TIMEOUT_S):
+            log.info("standby fork server pid %d ready in %.1fs", server.pid, time.monotonic() - started,
+                     extra=self._ctx)
+            return server
+        try:  # its output ended: it exited (or is exiting); else it timed out
+            code: int | None = await asyncio.wait_for(server.proc.wait(), 2.0)
+        except asyncio.TimeoutError:
+            code = None
+        self.server = None
+        await server.close()
+        if not self._closed:
+            self._break(f"standby pid {server.pid} exited with code {code} before it was ready" if code is not None
+                        else f"standby pid {server.pid} was not ready within {READY_TIMEOUT_S:.0f}s")
+        return None
+
+    def _marker(self) -> str:
+        return f"standby.{self.job}.{self.node_id}.{uuid.uuid4().hex[:8]}"
+
+    async def _start_one(self, server: ForkServer, size: int) -> bool:
+        """Fork one standby; False when this fill should stop (the next one tries again)."""
+        started = time.monotonic()
+        try:
+            standby = await Standby.start(server.fork, self._marker())
+        except (OSError, RuntimeError) as e:
+            # (A server that died: the next fill starts another. A fork refused, for want of
+            # memory or processes: the next fill tries again.)
+            log.warning("a standby could not be forked: %s", e, extra=self._ctx)
+            return False
         self.standbys.append(standby)
         if await standby.await_ready():
-            log.info("standby pid %d ready in %.1fs (%s)", standby.pid, time.monotonic() - started,
+            log.info("standby pid %d forked and ready in %.3fs (%s)", standby.pid, time.monotonic() - started,
                      f"{len(self.ready())} of {size}" if standby in self.standbys else "taken by a relaunch already",
                      extra=self._ctx)
-            return
+            return True
         if standby.taken:  # a generation's now: it reports what became of it (and was maybe stopped)
-            return
-        try:  # its output ended: it exited (or is exiting); else it timed out
+            return True
+        try:
             code: int | None = await asyncio.wait_for(standby.proc.wait(), 2.0)
         except asyncio.TimeoutError:
             code = None
         if standby in self.standbys:
             self.standbys.remove(standby)
         await standby.kill()
-        if not self._closed:
+        if not self._closed and server.alive:
             self._break(f"standby pid {standby.pid} exited with code {code} before it was ready" if code is not None
                         else f"standby pid {standby.pid} was not ready within {READY_TIMEOUT_S:.0f}s")
+        return False
+
+    def _retire(self, server: ForkServer) -> None:
+        """Stop ``server`` once no standby it forked runs (a taken one is a rank now, and dies with it)."""
+        task = asyncio.create_task(server.close_after(server.running()), name=f"fork-server-retire-{server.pid}")
+        _retiring.add(task)
+        task.add_done_callback(_retiring.discard)
 
     def _break(self, why: str) -> None:
         if not self.broken:
@@ -231,13 +507,22 @@ class StandbyPool:
         return taken
 
     async def close(self) -> None:
-        """Stop every standby (and any filling)."""
+        """Stop every standby (and any filling), and the fork server once no standby it forked runs:
+        one a generation took dies with it (its death signal), so that waits in the background for
+        such a rank to end, as its generation ends it."""
         self._closed = True
         if self._filling is not None:
             self._filling.cancel()
             await asyncio.gather(self._filling, return_exceptions=True)
         standbys, self.standbys = self.standbys, []
         await asyncio.gather(*(s.kill() for s in standbys))
+        server, self.server = self.server, None
+        if server is None:
+            return
+        if not server.running():
+            await server.close()
+            return
+        self._retire(server)
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(pid=s.pid, ready=bool(s.ready_at) and s.alive) for s in self.standbys]

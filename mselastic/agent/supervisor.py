@@ -38,7 +38,7 @@ import psutil
 
 from mselastic import metrics
 from mselastic.agent import procs
-from mselastic.agent.standby import Standby
+from mselastic.agent.standby import Proc, Standby
 from mselastic.agent.users import WorkerUser, forbidden_env, inherited_env
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
@@ -375,7 +375,7 @@ def _connected(port: int) -> bool:
     return states is None or "01" in states
 
 
-async def _listening(port: int, proc: asyncio.subprocess.Process, within_s: float) -> bool:
+async def _listening(port: int, proc: Proc, within_s: float) -> bool:
     """Wait until something on this node listens on TCP ``port`` (``proc``, a scheduler just handed
     its generation), at most ``within_s`` and while ``proc`` runs; nothing connects to it to find out."""
     deadline = time.monotonic() + within_s
@@ -660,7 +660,7 @@ class Generation:
                 sorted(env.items()), sorted(self._job_env().items())]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
-    def _launched(self) -> list[asyncio.subprocess.Process]:
+    def _launched(self) -> list[Proc]:
         """The processes elasticd started for this generation: msrun, or the standbys it took over."""
         return [self._msrun] if self._msrun is not None else [sb.proc for sb in self.standbys]
 
@@ -847,7 +847,8 @@ class Generation:
     def _note_exit_codes(self) -> None:
         for rs in self.ranks.values():
             if rs.pid and rs.exit_code is None:
-                # A warm rank is elasticd's own child: asyncio reaps it (until then it is a zombie too).
+                # A warm rank is its fork server's child: the server reaps it and says how it ended
+                # (its code counts once the kernel says it has ended; until then it is a zombie too).
                 standby = self._warm_ranks.get(rs.rank)
                 code = standby.proc.returncode if standby is not None else None
                 rs.exit_code = code if code is not None else procs.exit_status(rs.pid, rs.create_time)

@@ -39,6 +39,9 @@ ENV_SNAPSHOT_INTERVAL = "MSELASTIC_SNAPSHOT_INTERVAL_STEPS"
 #: variable after its marker whose bytes its handover rewrites with the generation's variables (so
 #: /proc/<pid>/environ of a warm rank reads like an msrun-started one's).
 STANDBY_READY = "mselastic-standby-ready"
+#: What a standby fork server says to its agent (``mselastic.trainer.standby``): this, a space,
+#: then a JSON object on one line.
+STANDBY_FORKS = "mselastic-standby-forks"
 ENV_STANDBY_SLOT = "MSELASTIC_ENV_SLOT"
 STANDBY_SLOT_BYTES = 4096
 

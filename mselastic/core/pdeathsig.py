@@ -30,9 +30,11 @@ def with_parent_death(cmd: list[str], user: tuple[int, int] | None = None) -> li
     return [setpriv, *switch, "--pdeathsig", "KILL", "--", *cmd]
 
 
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
-    """Ask for ``signum`` when this process's parent dies (call in the process itself)."""
-    parent = os.getppid()
+def die_with_parent(signum: int = signal.SIGKILL, parent: int = 0) -> None:
+    """Ask for ``signum`` when this process's parent dies (call in the process itself). ``parent``:
+    the pid it must be (a process just forked knows its parent's; read after the fork, a parent
+    that died meanwhile would be its new one's)."""
+    parent = parent or os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum))
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)

@@ -19,6 +19,18 @@ script as ``__main__``; how it ends is the interpreter's doing, as for ``python 
 Until the handover it carries no generation (no cluster variables, no heartbeat address), so it
 can only ever join the generation it is handed. End of input before a handover: it exits 0.
 
+The process the agent starts is a *fork server* (:func:`serve`): it imports once, then forks a
+standby for each request (a file descriptor passed with it becomes the standby's standard input,
+output and error), reaps them and tells the agent how each ended. A forked standby takes a
+session of its own and the parent-death signal (its server; the server dies with elasticd),
+writes its own marker into the kernel's view of its environment, and reseeds numpy (Python's
+``random`` reseeds itself after a fork): the state a process msrun starts would have. The
+server's other threads are not copied. Importing MindSpore 2.10 on CPU starts one: numpy's
+OpenBLAS thread server (``blas_thread_server``, seen with gdb), which shuts its threads down
+before a fork and starts them again when needed (its ``pthread_atfork`` handler). The scheduler,
+training, datasets, checkpoints and the CPU collectives run in forked standbys in every warm test
+(``tests/test_warm.py``, ``tests/test_faults.py``, ``tests/test_elastic.py``).
+
 Until the handover it runs at nice ``WAIT_NICE`` (19), when it may go back (CAP_SYS_NICE, or
 an ``RLIMIT_NICE`` allowing its old value: the unit's ``LimitNICE=+0``): the replacements started
 right after a relaunch import MindSpore on the cores the new generation trains on, and cost it
@@ -36,15 +48,20 @@ one msrun started.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import runpy
+import selectors
+import signal
+import socket
 import sys
 import threading
 from typing import Any
 
-from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_READY
+from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_FORKS, STANDBY_READY
+from mselastic.core.pdeathsig import die_with_parent
 
 #: Its nice value until the handover: the ranks that train meanwhile on the same cores go first
 #: (replacement standbys importing MindSpore right after a relaunch slowed the new generation).
@@ -169,11 +186,100 @@ def _renice(nice: int) -> None:
         done |= todo
 
 
+def serve(control: socket.socket) -> tuple[int, str, int]:
+    """The fork server's loop: fork a standby for each request of the agent, and tell it when one
+    exits (this process is their parent, so it reaps them); exit when the agent closes ``control``.
+
+    A request is one message: a JSON object ``{"fork": marker}`` with one file descriptor (the new
+    standby's end of a socket pair: its standard input, output and error). Each answer is a line
+    ``STANDBY_FORKS {"forked": pid}`` (or ``{"error": why}``), and ``{"exit": pid, "code": c}``
+    when a child ended (``c`` as asyncio gives it: negative for a signal). A request it cannot
+    serve (a fork refused for want of memory or processes, a malformed message) is answered with
+    an error: the loop never raises, since the ranks it forked die with it. Returns only in a
+    forked child: its descriptor, its marker and this server's pid."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # (handled: it wakes the select)
+    signal.set_wakeup_fd(wake_w)
+    sel = selectors.DefaultSelector()
+    sel.register(control, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    server = os.getpid()
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is not control:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake_r, 512):
+                        pass
+                _reap(control)
+                continue
+            fds: list[int] = []
+            try:
+                msg, fds, _, _ = socket.recv_fds(control, 4096, 1)
+                if not msg:
+                    sys.exit(0)  # the agent is done with us (our children die with us: see _child)
+                marker = str(json.loads(msg)["fork"])
+                if len(fds) != 1:
+                    raise ValueError(f"expected one file descriptor, got {len(fds)}")
+                pid = os.fork()
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                for fd in fds:
+                    os.close(fd)
+                _tell(control, {"error": f"{type(e).__name__}: {e}"})
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sel.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                control.detach()  # (fd 0 is about to be the child's own socket)
+                return fds[0], marker, server
+            os.close(fds[0])
+            _tell(control, {"forked": pid})
+
+
+def _reap(control: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _tell(control, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _tell(control: socket.socket, what: dict[str, Any]) -> None:
+    control.sendall(f"{STANDBY_FORKS} {json.dumps(what)}\n".encode())
+
+
+def _child(fd: int, marker: str, server: int) -> None:
+    """Just forked: become a standby of our own (a session, the death signal, standard streams,
+    the marker, fresh random state), as one started on its own would be."""
+    os.setsid()
+    die_with_parent(parent=server)  # the fork server's end is ours; it dies with elasticd
+    for target in (0, 1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    with open("/proc/self/environ", "rb") as f:
+        started = dict(e.decode(errors="surrogateescape").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    os.environ[ENV_RUN_ID] = marker
+    _rewrite_environ_block({**started, ENV_RUN_ID: marker})  # the kernel's view too: the marker only
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # (Python's own random reseeds itself after a fork; numpy's does not)
+        numpy.random.seed()
+
+
 def main() -> None:
     nice = _wait_nicely()
     for name in PRELOAD:
         __import__(name)
     _adopt_c_environment()
+    print(STANDBY_READY, os.getpid(), flush=True)
+    fd, marker, server = serve(socket.socket(fileno=0))
+    _child(fd, marker, server)
     print(STANDBY_READY, os.getpid(), flush=True)
     line = sys.stdin.readline()
     if not line.strip():
