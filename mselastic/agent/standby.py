@@ -33,7 +33,7 @@ import signal
 import socket
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import psutil
 
@@ -60,6 +60,23 @@ class Proc(Protocol):
     def kill(self) -> None: ...
 
 
+P = TypeVar("P", bound=Proc)
+
+
+async def _spawn_on_socket(spawn: Callable[[str, int], Awaitable[P]], marker: str) -> tuple[P, socket.socket]:
+    """Start a process with ``spawn``, one end of a new socket pair its standard input, output and
+    error; returns it and the other end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = await spawn(marker, theirs.fileno())
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
+
+
 @dataclasses.dataclass
 class Standby:
     proc: Proc
@@ -78,14 +95,7 @@ class Standby:
 
     @classmethod
     async def start(cls, spawn: Callable[[str, int], Awaitable[Proc]], marker: str) -> "Standby":
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            proc = await spawn(marker, theirs.fileno())
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        proc, ours = await _spawn_on_socket(spawn, marker)
         try:
             reader, writer = await asyncio.open_unix_connection(sock=ours)
         except BaseException:
@@ -126,12 +136,7 @@ class Standby:
         """For one taken while it was still importing: return once it is ready (its pool reads its
         output and says so); raise RuntimeError when it exits first or is not ready in time."""
         if not self.ready_at:
-            waits = [asyncio.create_task(self.ready_event.wait()), asyncio.create_task(self.proc.wait())]
-            try:
-                await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in waits:
-                    task.cancel()
+            await _ready_or_ended(self.ready_event, self.proc, timeout_s)
         if not self.alive:
             raise RuntimeError(f"standby pid {self.pid} exited with code {self.proc.returncode} before it was ready")
         if not self.ready_at:
@@ -160,6 +165,16 @@ class Standby:
         self.writer.close()
         if self._drain is not None:
             self._drain.cancel()
+
+
+async def _ready_or_ended(ready: asyncio.Event, proc: Proc, timeout_s: float) -> None:
+    """Wait until ``ready`` is set, ``proc`` has ended or ``timeout_s`` has passed."""
+    waits = [asyncio.create_task(ready.wait()), asyncio.create_task(proc.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:
@@ -255,14 +270,7 @@ class ForkServer:
 
     @classmethod
     async def start(cls, spawn: Spawner, marker: str) -> "ForkServer":
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            proc = await spawn(marker, theirs.fileno())
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        proc, ours = await _spawn_on_socket(spawn, marker)
         ours.setblocking(False)
         return cls(proc, ours)
 
@@ -329,12 +337,7 @@ class ForkServer:
         return child
 
     async def await_ready(self, timeout_s: float) -> bool:
-        waits = [asyncio.create_task(self.ready_event.wait()), asyncio.create_task(self.proc.wait())]
-        try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                task.cancel()
+        await _ready_or_ended(self.ready_event, self.proc, timeout_s)
         return self.ready_event.is_set() and self.alive
 
     async def fork(self, marker: str, fd: int) -> Forked:
