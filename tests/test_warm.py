@@ -301,26 +301,37 @@ ctl = socket.socket(fileno=0)
 print("mselastic-standby-ready", os.getpid(), flush=True)
 def say(what):
     ctl.sendall(("mselastic-standby-forks " + what + "\\n").encode())
-socket.recv_fds(ctl, 4096, 1)
-say(json.dumps({"forked": int(sys.argv[1])}))  # someone else's process
-socket.recv_fds(ctl, 4096, 1)
-child = os.fork()
-if child == 0:
-    time.sleep(120)
-    os._exit(0)
-say(json.dumps({"forked": child}))
-say(json.dumps({"exit": child, "code": 0}))  # while it runs
-say("{not json")
+def asked():
+    msg, fds, _, _ = socket.recv_fds(ctl, 4096, 1)
+    return json.loads(msg)["fork"]
+def child(uid):
+    pid = os.fork()
+    if pid == 0:
+        if uid is not None:
+            os.setuid(uid)
+        time.sleep(120)
+        os._exit(0)
+    return pid
+say(json.dumps({"forked": int(sys.argv[1]), "marker": asked()}))  # another process, not its child
+say(json.dumps({"forked": child(65534), "marker": asked()}))  # its child, but another user's
+marker = asked()
+say(json.dumps({"forked": os.getpid(), "marker": "standby.j.n0.0"}))  # an answer to no request
+pid = child(None)
+say(json.dumps({"forked": pid, "marker": marker}))
+say(json.dumps({"exit": pid, "code": 0}))  # while it runs
+for garbage in ("{not json", "[1]", '{"forked": 1e999, "marker": "x"}', '{"exit": "x"}'):
+    say(garbage)
 time.sleep(120)
 """
 
 
 def test_a_fork_server_is_not_believed_without_the_kernels_word() -> None:
-    """A fork server runs as the worker user, and a job's code may run in it. One that names
-    another user's process as the standby it forked is refused (elasticd, root, would signal it),
-    one that says a running standby exited is not believed, and a line that does not parse costs
-    it nothing: its standbys stay as they are."""
-    victim = subprocess.Popen(["sleep", "120"])
+    """A fork server runs as the worker user, and a job's code may run in it. One that names a
+    process that is not its own child (here another user's), or a child of its that runs as another
+    user, is refused (elasticd, root, would signal it); an answer to no request is dropped; one that
+    says a running standby exited is not believed, and that standby still counts as running (its
+    server is not stopped under it); lines that do not parse cost it nothing."""
+    victim = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "120"])
 
     async def run() -> None:
         async def spawn(marker: str, fd: int) -> asyncio.subprocess.Process:
@@ -331,13 +342,17 @@ def test_a_fork_server_is_not_believed_without_the_kernels_word() -> None:
         ours, theirs = socket.socketpair()
         try:
             assert await server.await_ready(30)
-            with pytest.raises(RuntimeError, match="not a child of its own"):
-                await server.fork("standby.j.n0.1", theirs.fileno())
-            child = await server.fork("standby.j.n0.2", theirs.fileno())
+            for i in (1, 2):
+                with pytest.raises(RuntimeError, match="not a child of its own, of its own user"):
+                    await server.fork(f"standby.j.n0.{i}", theirs.fileno())
+            child = await server.fork("standby.j.n0.3", theirs.fileno())
+            assert child.pid != server.pid
             await asyncio.sleep(0.5)  # (the false exit and the garbage have been read)
             assert child.returncode is None and not gone(child.pid) and server.alive
+            assert server.running() == [child]
             child.kill()
             await asyncio.wait_for(child.wait(), 10)  # (ended: the kernel's word; the forger never reaps it)
+            assert server.running() == []
         finally:
             ours.close()
             theirs.close()

@@ -194,9 +194,15 @@ MAX_FORK_SERVERS = 3
 _retiring: set[asyncio.Task[None]] = set()
 
 
-#: How long a forked standby's end waits for its fork server to say how it ended (it reaps at once;
-#: one that is gone or stopped never says): then it counts as killed.
-EXIT_CODE_WAIT_S = 2.0
+#: How long a forked standby's end waits for its exit code from a fork server that still runs (it
+#: reaps at once, at nice 19): then it counts as killed. A server that has ended never says: at once.
+EXIT_CODE_BACKSTOP_S = 30.0
+
+#: A fork server's answer to one request (it answers at once: it only forks).
+FORK_ANSWER_S = 10.0
+
+#: Longest line a fork server may send (its answers are short; MindSpore's log lines too).
+MAX_LINE = 1 << 20
 
 
 class Forked:
@@ -204,8 +210,8 @@ class Forked:
     word (a pidfd: readable once it has exited, and the only handle signals go through, so a pid
     taken over by another process is never signalled); its exit code is the server's."""
 
-    def __init__(self, pid: int, pidfd: int) -> None:
-        self.pid, self._pidfd = pid, pidfd
+    def __init__(self, pid: int, pidfd: int, server_alive: Callable[[], bool]) -> None:
+        self.pid, self._pidfd, self._server_alive = pid, pidfd, server_alive
         self.returncode: int | None = None
         self._code: int | None = None
         self._ended = False
@@ -213,19 +219,30 @@ class Forked:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(pidfd, self._on_end)
 
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
     def _on_end(self) -> None:
         self._loop.remove_reader(self._pidfd)
         self._ended = True
         if self._code is not None:
             self._finish(self._code)
+        elif not self._server_alive():
+            self._finish(-signal.SIGKILL)  # (its server is gone: its death signal)
         else:
-            self._loop.call_later(EXIT_CODE_WAIT_S, self._finish, -signal.SIGKILL)
+            self._loop.call_later(EXIT_CODE_BACKSTOP_S, self._finish, -signal.SIGKILL)
 
     def told(self, code: int) -> None:
         """Its server says it exited with ``code`` (believed once the kernel says it has ended)."""
         self._code = code
         if self._ended:
             self._finish(code)
+
+    def server_gone(self) -> None:
+        """Its server ended: if it has ended too, no code will come."""
+        if self._ended:
+            self._finish(-signal.SIGKILL if self._code is None else self._code)
 
     def _finish(self, code: int) -> None:
         if self.returncode is None:
@@ -246,8 +263,9 @@ class Forked:
     def discard(self) -> None:
         """Forget it without waiting for its end (its server is being stopped, and it with it)."""
         if self.returncode is None:
-            self._loop.remove_reader(self._pidfd)
-            self._ended = True
+            if not self._ended:
+                self._loop.remove_reader(self._pidfd)
+                self._ended = True
             self._finish(-signal.SIGKILL)
 
 
@@ -258,14 +276,20 @@ class ForkServer:
     same way, with a marker of its own) that never takes a generation; the standbys it forks die
     with it, and it with elasticd. It runs as the worker user, and a job's code may run in it (it
     imports from the script's folder): nothing it says is believed without the kernel's word. A
-    pid it names must be its own child, of its own user, opened as a pidfd at once."""
+    pid it names must be its own child, of its own user, opened as a pidfd at once; an answer
+    names the request it answers; a line it sends that does not parse is dropped."""
 
     def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
         self.proc, self._sock = proc, sock
+        try:  # (signals go through it: once reaped, its pid may be another process's)
+            self._pidfd: int | None = os.pidfd_open(proc.pid)
+        except OSError:
+            self._pidfd = None  # (it is gone already)
         self.children: dict[int, Forked] = {}
         self.ready_event = asyncio.Event()
-        self._forked: asyncio.Queue[Forked | str] = asyncio.Queue()
+        self._asked: dict[str, asyncio.Future[Forked | str]] = {}
         self._lock = asyncio.Lock()
+        self._failed = False
         self._reader = asyncio.create_task(self._read(), name=f"fork-server-{proc.pid}")
 
     @classmethod
@@ -280,7 +304,7 @@ class ForkServer:
 
     @property
     def alive(self) -> bool:
-        return self.proc.returncode is None and not self._reader.done()
+        return self.proc.returncode is None and not self._reader.done() and not self._failed
 
     def running(self) -> list[Forked]:
         """The standbys it forked that have not ended (taken or not)."""
@@ -295,45 +319,60 @@ class ForkServer:
             while chunk := await loop.sock_recv(self._sock, 1 << 16):
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
+                if len(buf) > MAX_LINE:
+                    log.warning("fork server pid %d: a line of over %d bytes dropped", self.pid, MAX_LINE)
+                    buf = b""
                 for raw in lines:
-                    line = raw.decode(errors="replace")
-                    if line.startswith(STANDBY_READY):
-                        self.ready_event.set()
-                    elif line.startswith(STANDBY_FORKS + " "):
-                        try:
-                            self._answer(json.loads(line[len(STANDBY_FORKS) + 1:]))
-                        except (ValueError, KeyError, TypeError) as e:
-                            log.warning("fork server pid %d said %r: %s", self.pid, line[:200], e)
+                    self._line(raw.decode(errors="replace"))
         except OSError as e:
             log.warning("fork server pid %d: %s", self.pid, e)
         finally:
-            self._forked.put_nowait(f"fork server pid {self.pid} exited")
+            for child in self.children.values():
+                child.server_gone()
+            for waiting in self._asked.values():
+                if not waiting.done():
+                    waiting.set_result(f"fork server pid {self.pid} exited")
+
+    def _line(self, line: str) -> None:
+        if line.startswith(STANDBY_READY):
+            self.ready_event.set()
+        elif line.startswith(STANDBY_FORKS + " "):
+            try:
+                what = json.loads(line[len(STANDBY_FORKS) + 1:])
+                if not isinstance(what, dict):
+                    raise ValueError("not an object")
+                self._answer(what)
+            except Exception as e:  # (whatever it sent: its ranks must not pay for it)
+                log.warning("fork server pid %d said %r: %s", self.pid, line[:200], e)
 
     def _answer(self, what: dict[str, Any]) -> None:
-        if "forked" in what:
-            self._forked.put_nowait(self._adopt(int(what["forked"])))
-        elif "exit" in what:
-            child = self.children.pop(int(what["exit"]), None)
+        if "exit" in what:
+            child = self.children.get(int(what["exit"]))
             if child is not None:
                 child.told(int(what["code"]))
-        else:
-            self._forked.put_nowait(str(what.get("error", what)))
+            return
+        waiting = self._asked.get(str(what.get("marker", "")))
+        if waiting is None or waiting.done():
+            raise ValueError("an answer to no request of ours")
+        waiting.set_result(self._adopt(int(what["forked"])) if "forked" in what else str(what.get("error", what)))
 
     def _adopt(self, pid: int) -> Forked | str:
         """The child it says it forked, once the kernel agrees: alive, its child, its user."""
         try:
             pidfd = os.pidfd_open(pid)
-        except OSError as e:
+        except (OSError, OverflowError) as e:
             return f"forked pid {pid}, which cannot be opened: {e}"
         try:
             p, server = psutil.Process(pid), psutil.Process(self.pid)
             if p.ppid() != self.pid or p.uids().real != server.uids().real:
-                raise ValueError("not a child of its own")
+                raise ValueError("not a child of its own, of its own user")
             signal.pidfd_send_signal(pidfd, 0)  # (the pid still names the process the pidfd holds)
         except (psutil.Error, OSError, ValueError) as e:
             os.close(pidfd)
             return f"named pid {pid}: {e}"
-        child = self.children[pid] = Forked(pid, pidfd)
+        for gone in [c for c in self.children.values() if c.returncode is not None]:
+            del self.children[gone.pid]
+        child = self.children[pid] = Forked(pid, pidfd, lambda: not self._reader.done())
         return child
 
     async def await_ready(self, timeout_s: float) -> bool:
@@ -342,32 +381,37 @@ class ForkServer:
 
     async def fork(self, marker: str, fd: int) -> Forked:
         """A new standby with ``marker``, ``fd`` its standard input, output and error (a Spawner).
-        Raises RuntimeError when the server cannot."""
+        Raises RuntimeError when the server cannot; one that does not answer in time is not asked
+        again (the pool replaces it)."""
         async with self._lock:
             if not self.alive:
                 raise RuntimeError(f"fork server pid {self.pid} exited")
+            waiting = self._asked[marker] = asyncio.get_running_loop().create_future()
             try:
                 socket.send_fds(self._sock, [json.dumps({"fork": marker}).encode()], [fd])
+                got = await asyncio.wait_for(asyncio.shield(waiting), FORK_ANSWER_S)
             except OSError as e:
                 raise RuntimeError(f"fork server pid {self.pid}: {e}") from None
-            try:
-                got = await asyncio.wait_for(self._forked.get(), 10)
             except asyncio.TimeoutError:
-                raise RuntimeError(f"fork server pid {self.pid} did not fork within 10s") from None
+                self._failed = True
+                raise RuntimeError(f"fork server pid {self.pid} did not answer within {FORK_ANSWER_S:.0f}s") from None
+            finally:
+                del self._asked[marker]
         if isinstance(got, str):
             raise RuntimeError(f"fork server pid {self.pid}: {got}")
         return got
 
     async def close(self) -> None:
-        """End it (its standbys with it) and reap it."""
+        """End it (its standbys with it: their death signal) and reap it."""
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
         self._sock.close()  # (after its reader: the loop no longer watches the descriptor)
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+        if self._pidfd is not None:
+            if self.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            os.close(self._pidfd)
+            self._pidfd = None
         await self.proc.wait()
         for child in list(self.children.values()):
             child.discard()

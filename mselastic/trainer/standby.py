@@ -192,11 +192,11 @@ def serve(control: socket.socket) -> tuple[int, str, int]:
 
     A request is one message: a JSON object ``{"fork": marker}`` with one file descriptor (the new
     standby's end of a socket pair: its standard input, output and error). Each answer is a line
-    ``STANDBY_FORKS {"forked": pid}`` (or ``{"error": why}``), and ``{"exit": pid, "code": c}``
-    when a child ended (``c`` as asyncio gives it: negative for a signal). A request it cannot
-    serve (a fork refused for want of memory or processes, a malformed message) is answered with
-    an error: the loop never raises, since the ranks it forked die with it. Returns only in a
-    forked child: its descriptor, its marker and this server's pid."""
+    ``STANDBY_FORKS {"forked": pid, "marker": marker}`` (or ``{"error": why, "marker": marker}``),
+    and ``{"exit": pid, "code": c}`` when a child ended (``c`` as asyncio gives it: negative for a
+    signal). A request it cannot serve (a fork refused for want of memory or processes, a malformed
+    message) is answered with an error: the loop never raises, since the ranks it forked die with
+    it. Returns only in a forked child: its descriptor, its marker and this server's pid."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -215,6 +215,7 @@ def serve(control: socket.socket) -> tuple[int, str, int]:
                 _reap(control)
                 continue
             fds: list[int] = []
+            marker = ""
             try:
                 msg, fds, _, _ = socket.recv_fds(control, 4096, 1)
                 if not msg:
@@ -226,7 +227,7 @@ def serve(control: socket.socket) -> tuple[int, str, int]:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 for fd in fds:
                     os.close(fd)
-                _tell(control, {"error": f"{type(e).__name__}: {e}"})
+                _tell(control, {"error": f"{type(e).__name__}: {e}", "marker": marker})
                 continue
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -237,7 +238,7 @@ def serve(control: socket.socket) -> tuple[int, str, int]:
                 control.detach()  # (fd 0 is about to be the child's own socket)
                 return fds[0], marker, server
             os.close(fds[0])
-            _tell(control, {"forked": pid})
+            _tell(control, {"forked": pid, "marker": marker})
 
 
 def _reap(control: socket.socket) -> None:
