@@ -361,6 +361,8 @@ def test_a_fork_server_is_not_believed_without_the_kernels_word() -> None:
     try:
         asyncio.run(run())
         assert victim.poll() is None  # never signalled
+        # Nothing the forger started is left (its children have no death signal: its process group).
+        assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] and FORGER in p.info["cmdline"]]
     finally:
         victim.kill()
         victim.wait()

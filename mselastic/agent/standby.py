@@ -406,6 +406,12 @@ class ForkServer:
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
         self._sock.close()  # (after its reader: the loop no longer watches the descriptor)
+        if self.proc.returncode is None:
+            # Its process group too (a session leader: whatever else it started; the standbys also
+            # die by their death signal). A group's id is not handed to a new process while any
+            # member lives.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
         if self._pidfd is not None:
             if self.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
