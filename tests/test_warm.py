@@ -279,8 +279,7 @@ def test_a_standby_taken_before_it_was_ready_that_dies_sends_the_generation_cold
         gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
         gen.standbys = [await Standby.start(sleeper, f"standby.j.n0.{i}") for i in range(3)]
         victim = gen.standbys[1].pid
-        await gen.start()
-        await asyncio.sleep(0.5)  # (waiting for them)
+        await gen.start()  # (all alive when taken: it waits for them to be ready, warm)
         assert gen._msrun is None
         os.kill(victim, signal.SIGKILL)
         await asyncio.wait_for(gen.done.wait(), 60)
@@ -321,6 +320,7 @@ say(json.dumps({"forked": pid, "marker": marker}))
 say(json.dumps({"exit": pid, "code": 0}))  # while it runs
 for garbage in ("{not json", "[1]", '{"forked": 1e999, "marker": "x"}', '{"exit": "x"}'):
     say(garbage)
+say(json.dumps({"error": "all said", "marker": asked()}))  # (read after all the above)
 time.sleep(120)
 """
 
@@ -347,7 +347,8 @@ def test_a_fork_server_is_not_believed_without_the_kernels_word() -> None:
                     await server.fork(f"standby.j.n0.{i}", theirs.fileno())
             child = await server.fork("standby.j.n0.3", theirs.fileno())
             assert child.pid != server.pid
-            await asyncio.sleep(0.5)  # (the false exit and the garbage have been read)
+            with pytest.raises(RuntimeError, match="all said"):  # (so the false exit and the garbage were read)
+                await server.fork("standby.j.n0.4", theirs.fileno())
             assert child.returncode is None and not gone(child.pid) and server.alive
             assert server.running() == [child]
             child.kill()

@@ -219,10 +219,6 @@ class Forked:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(pidfd, self._on_end)
 
-    @property
-    def ended(self) -> bool:
-        return self._ended
-
     def _on_end(self) -> None:
         self._loop.remove_reader(self._pidfd)
         self._ended = True

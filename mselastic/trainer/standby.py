@@ -73,6 +73,11 @@ PRELOAD = ("mindspore", "mindspore.communication", "mindspore.nn", "mindspore.op
            "mselastic.trainer")
 
 
+def _entries(block: bytes) -> dict[str, str]:
+    """The variables of an environment block (NUL-separated ``NAME=value`` entries)."""
+    return dict(e.decode(errors="surrogateescape").split("=", 1) for e in block.split(b"\0") if b"=" in e)
+
+
 def _rewrite_environ_block(environ: dict[str, str]) -> bool:
     """Make the kernel's view of this process's environment (``/proc/<pid>/environ``: the block it
     was started with, ``/proc/self/stat``'s env_start..env_end) say ``environ``: the marker's entry and
@@ -93,7 +98,7 @@ def _rewrite_environ_block(environ: dict[str, str]) -> bool:
     end = block.find(b"\0", slot_at + 1)  # the slot's end
     if slot_at < 0 or end < 0 or not block.startswith(slot, slot_at + 1):
         return False
-    started = dict(e.decode(errors="surrogateescape").split("=", 1) for e in block.split(b"\0") if b"=" in e)
+    started = _entries(block)
     entries = [f"{k}={v}".encode(errors="surrogateescape") for k, v in environ.items()
                if k not in (ENV_RUN_ID, ENV_STANDBY_SLOT) and started.get(k) != v]
     text = b"\0".join([marker + environ.get(ENV_RUN_ID, "").encode(), *entries]) + b"\0"
@@ -265,7 +270,7 @@ def _child(fd: int, marker: str, server: int) -> None:
         os.dup2(fd, target)
     os.close(fd)
     with open("/proc/self/environ", "rb") as f:
-        started = dict(e.decode(errors="surrogateescape").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        started = _entries(f.read())
     os.environ[ENV_RUN_ID] = marker
     _rewrite_environ_block({**started, ENV_RUN_ID: marker})  # the kernel's view too: the marker only
     numpy = sys.modules.get("numpy")
