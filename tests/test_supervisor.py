@@ -244,3 +244,25 @@ def test_the_scheduler_port_counts_as_connected_while_a_peer_holds_a_connection_
         finally:
             client.close()
             accepted.close()
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_jobs_processes_run_under_sched_batch_unless_the_admin_says_otherwise(batch: bool) -> None:
+    """What elasticd starts for a job (msrun, a standby's server) runs under SCHED_BATCH, and so do
+    the threads and processes it starts in turn; ``batch_scheduling = false`` leaves the default."""
+    code = ("import os, subprocess, sys, threading\n"
+            "seen = []\n"
+            "t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0))); t.start(); t.join()\n"
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'],\n"
+            "                       capture_output=True, text=True).stdout.strip()\n"
+            "print(os.sched_getscheduler(0), seen[0], child)\n")
+
+    async def run() -> str:
+        proc = await supervisor.spawn_as_worker([sys.executable, "-c", code], dict(os.environ), {}, None, os.getcwd(),
+                                                batch=batch, stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        assert proc.returncode == 0
+        return out.decode().strip()
+
+    policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    assert asyncio.run(run()) == f"{policy} {policy} {policy}"

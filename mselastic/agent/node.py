@@ -52,6 +52,8 @@ class AgentConfig:
     pass_env: frozenset[str] = frozenset()
     #: Keep standby workers for the jobs running here (see mselastic.agent.standby).
     warm_standbys: bool = True
+    #: The jobs' processes run under SCHED_BATCH (see mselastic.agent.supervisor.spawn_as_worker).
+    batch_scheduling: bool = True
     #: This node's folder in memory for the jobs' snapshots ("": none; see Generation).
     snapshot_root: str = ""
 
@@ -437,7 +439,7 @@ class NodeAgent:
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
-                             snapshot_root=self.cfg.snapshot_root)
+                             snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling)
             gen.prepare_snapshots()
             gen.standbys = self._take_standbys(gen)
             if self.cfg.snapshot_root and plan.job not in self._swept:

@@ -34,6 +34,10 @@ ENV_STOP_FILE = "MSELASTIC_STOP_FILE"
 #: training state between checkpoints (unset: none), and how often they take one (0: never).
 ENV_SNAPSHOT_DIR = "MSELASTIC_SNAPSHOT_DIR"
 ENV_SNAPSHOT_INTERVAL = "MSELASTIC_SNAPSHOT_INTERVAL_STEPS"
+#: "1": the agent started the job's processes under SCHED_BATCH for MindSpore's start-up (see
+#: ``mselastic.agent.supervisor.spawn_as_worker``); the trainer library puts a rank's threads back
+#: under the default policy once ``init()`` returned, so that training is scheduled as under msrun.
+ENV_BATCH_START = "MSELASTIC_BATCH_START"
 
 #: Standby workers (mselastic.trainer.standby): what one prints once MindSpore is imported, and the
 #: variable after its marker whose bytes its handover rewrites with the generation's variables (so
@@ -50,6 +54,7 @@ DAEMON_VARS = frozenset({
     ENV_JOB, ENV_GENERATION, ENV_RESTART_COUNT, ENV_NODE_ID, ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_INTERVAL,
     ENV_KEEP_CHECKPOINTS, ENV_STOP_CHECK_INTERVAL, ENV_TOTAL_STEPS, ENV_GLOBAL_BATCH, ENV_MICRO_BATCHES,
     ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE, ENV_STANDBY_SLOT, ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_INTERVAL,
+    ENV_BATCH_START,
 })
 
 def default_sockets() -> list[str]:

@@ -156,6 +156,11 @@ class Settings:
     #: and one for a scheduler): a relaunch hands them the generation instead of starting msrun and
     #: new Pythons. Each costs the memory of an idle Python with MindSpore imported.
     warm_standbys: bool = True
+    #: Run the jobs' processes (msrun, its scheduler and workers, the standbys) under the
+    #: SCHED_BATCH policy: a thread woken does not preempt a running one. Under the default policy
+    #: MindSpore's TCP client loses a race with its own event loop and a worker's registration with
+    #: its scheduler fails and waits 0.5 s, often several times per start (docs/DESIGN.md).
+    batch_scheduling: bool = True
     #: While leading, keep a watched connection (keepalive pings) to the agent of every member of
     #: a live plan: a dead node is replaced in about a second instead of at its lease's expiry.
     #: Costs the leader ~6 % of a core at 250 nodes, ~31 % at 4000 (``make bench-liveness``).
@@ -347,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
         "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
         "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
+        "batch_scheduling": "run the jobs' processes under SCHED_BATCH (MindSpore's registration then does not "
+                            "lose a race with its own event loop)",
         "peer_evidence": "while leading, ping the agents of running jobs' nodes: a dead node is replaced before its "
                          "lease expires",
         "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none)",
@@ -554,7 +561,8 @@ async def serve(s: Settings) -> None:
     agent = NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                          slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                          worker_user=worker, allow_env=s.allowed_env, pass_env=_names(s.pass_env),
-                                         warm_standbys=s.warm_standbys, snapshot_root=snapshot_root(s)))
+                                         warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
+                                         snapshot_root=snapshot_root(s)))
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),

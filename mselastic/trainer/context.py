@@ -69,10 +69,23 @@ def _nudgeable() -> Iterator[None]:
         signal.signal(contract.NUDGE_SIGNAL, previous)
 
 
+def _default_policy() -> None:
+    """Put every thread of this process that runs under SCHED_BATCH back under SCHED_OTHER (the
+    agent starts a job's processes under SCHED_BATCH for MindSpore's start-up only: see
+    ``contract.ENV_BATCH_START``). Threads started later inherit their starter's policy. Best
+    effort: a thread that ended meanwhile is skipped."""
+    other = os.sched_param(0)
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            if os.sched_getscheduler(int(tid)) == os.SCHED_BATCH:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, other)
+
+
 def joining(init: Callable[..., Any]) -> Callable[..., Any]:
     """``init`` (``mindspore.communication.init``) as elasticd's ranks call it: dying with their
-    parent, an injected start-up fault first, the start-up phases reported around it, and the
-    agent's nudge handled inside it (see :func:`_nudgeable`)."""
+    parent, an injected start-up fault first, the start-up phases reported around it, the
+    agent's nudge handled inside it (see :func:`_nudgeable`), and the default scheduling policy
+    back once it returned (see :func:`_default_policy`)."""
     @functools.wraps(init)
     def join(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get(contract.ENV_RUN_ID):
@@ -83,6 +96,8 @@ def joining(init: Callable[..., Any]) -> Callable[..., Any]:
         _phase("init")
         with _nudgeable():
             result = init(*args, **kwargs)
+        if os.environ.get(contract.ENV_BATCH_START) == "1":
+            _default_policy()
         _phase("joined")
         return result
 
