@@ -9,6 +9,7 @@ and the test fails if any process carrying its marker is still alive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -258,6 +259,21 @@ def rank_steps(endpoint: str, generation: int, job: str = "lenet") -> dict[int, 
     once a second)."""
     return {r.rank: r.step for g in agent_status(endpoint).generations if g.job == job and g.generation == generation
             for r in g.ranks}
+
+
+def thread_stats(pid: int, field: int) -> set[int]:
+    """Field ``field`` (numbered as in proc(5)) of every thread's /proc stat, of a process."""
+    values = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                values.add(int(f.read().rsplit(b")", 1)[1].split()[field - 3]))
+    return values
+
+
+def thread_policies(pid: int) -> set[int]:
+    """The scheduling policies of a process's threads (field 41 of their stat: os.SCHED_*)."""
+    return thread_stats(pid, 41)
 
 
 def worker_pids(procs: Processes, generation: int) -> dict[int, int]:

@@ -119,6 +119,21 @@ def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str],
     assert "usage:" not in r.stderr and "Traceback" not in r.stderr
 
 
+def test_an_elasticd_whose_jobs_could_not_start_under_sched_batch_says_so_and_exits_2(
+        tmp_path: os.PathLike[str]) -> None:
+    """Under SCHED_IDLE, without CAP_SYS_NICE and with RLIMIT_NICE 0, no process of elasticd's may
+    leave SCHED_IDLE: rather than fail every launch (msrun's log alone saying why), elasticd refuses
+    to start, naming the setting."""
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # (this test's own start is the baseline)
+    r = subprocess.run(["prlimit", "--nice=0", "setpriv", "--bounding-set", "-sys_nice", "--", "chrt", "--idle", "0",
+                        os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--metrics-listen", "",
+                        "--work-dir", str(tmp_path), "--worker-user", "root"], capture_output=True, text=True, timeout=60)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("elasticd: batch_scheduling: root's processes cannot run under SCHED_BATCH: chrt: ") and \
+        last.endswith("; set batch_scheduling = false"), r.stderr
+
+
 def test_plaintext_elsewhere_than_loopback_needs_insecure_and_a_key_others_read_is_refused(
         tmp_path: os.PathLike[str]) -> None:
     s = parse_args(["--config", os.devnull, "--listen", "0.0.0.0:7070", "--insecure", "true"], environ={})

@@ -264,5 +264,6 @@ def test_a_jobs_processes_run_under_sched_batch_unless_the_admin_says_otherwise(
         assert proc.returncode == 0
         return out.decode().strip()
 
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # (what the child would inherit without chrt)
     policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
     assert asyncio.run(run()) == f"{policy} {policy} {policy}"

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from mselastic.store.embedded import EmbeddedEtcd
-from tests.harness import DATA_DIR, REPO, VENV_BIN, wait_for
+from tests.harness import DATA_DIR, REPO, VENV_BIN, thread_policies, wait_for
 from tests.systemd_container import VENV, Container, cannot_boot, image, wheel
 
 WHY_NOT = cannot_boot()
@@ -133,10 +133,16 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     assert r.returncode == 0, r.stderr
     submit(c, "hardened", total_steps=20)
     wait_for("training", lambda: step(c, "hardened") >= 2, 120, 0.5)
-    # The workers: uid mselastic, in the unit's cgroup (host PIDs), and not root.
+    # The workers: uid mselastic, in the unit's cgroup (host PIDs), and not root. They started under
+    # SCHED_BATCH through the unit's seccomp filter (msrun's scheduler is still under it) and train
+    # under the default policy again.
     uids = {int(c.run("stat", "-c", "%u", f"/proc/{p}").stdout) for p in _in_container(c, _worker_pids(c))}
     mselastic_uid = int(c.run("id", "-u", "mselastic").stdout)
     assert uids == {mselastic_uid}, uids
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # (what the unit's processes have without chrt)
+    policies = {role: [thread_policies(p) for p in _worker_pids(c, role)] for role in ("MS_SCHED", "MS_WORKER")}
+    assert policies["MS_SCHED"] == [{os.SCHED_BATCH}] and policies["MS_WORKER"] and \
+        all(p == {os.SCHED_OTHER} for p in policies["MS_WORKER"]), policies
     done = ended(c, "hardened")
     assert done["state"] == "SUCCEEDED", done
     result = json.loads(c.run("cat", f"{JOBS}/hardened/out/result_g1.json").stdout)
@@ -215,13 +221,14 @@ def test_a_hung_elasticd_is_restarted_by_the_watchdog(node: Container) -> None:
     assert "Watchdog timeout" in log, log[-2000:]
 
 
-def _worker_pids(c: Container) -> list[int]:
-    """Host PIDs of the unit's MindSpore ranks (MS_ROLE=MS_WORKER in their environment)."""
+def _worker_pids(c: Container, role: str = "MS_WORKER") -> list[int]:
+    """Host PIDs of the unit's MindSpore ranks (MS_ROLE=MS_WORKER in their environment), or of its
+    processes of another ``role`` (MS_SCHED)."""
     found = []
     for p in c.unit_pids(UNIT):
         try:
             with open(f"/proc/{p}/environ", "rb") as f:
-                if b"MS_ROLE=MS_WORKER\0" in f.read():
+                if f"MS_ROLE={role}\0".encode() in f.read():
                     found.append(p)
         except OSError:
             continue

@@ -8,7 +8,6 @@ rank SIGKILLed under elasticd whose relaunch is handed to the standbys it report
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -29,8 +28,8 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
-from tests.harness import REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, \
-    generation_processes, worker_pids
+from tests.harness import REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, lenet_spec, \
+    start_node, thread_policies, thread_stats, wait_for, generation_processes, worker_pids
 
 JOB = "lenet"
 
@@ -421,24 +420,20 @@ def sync_waits(log: str) -> list[float]:
     return [b - a for a, b in zip(stamps[::2], stamps[1::2])]
 
 
-def thread_stats(pid: int, field: int) -> set[int]:
-    """Field ``field`` (numbered as in proc(5)) of every thread's /proc stat, of a process."""
-    values = set()
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The cores each thread of a process may run on."""
+    cores = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError):
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                values.add(int(f.read().rsplit(b")", 1)[1].split()[field - 3]))
-    return values
+        try:
+            cores.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:
+            pass
+    return cores
 
 
 def thread_nices(pid: int) -> set[int]:
     """The nice values of a process's threads (field 19 of their stat)."""
     return thread_stats(pid, 19)
-
-
-def thread_policies(pid: int) -> set[int]:
-    """The scheduling policies of a process's threads (field 41 of their stat: os.SCHED_*)."""
-    return thread_stats(pid, 41)
 
 
 def standbys_may_renice() -> bool:
@@ -461,9 +456,9 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     (generation 3, warm again), and the job finishes; no standby is left once it succeeded. No rank
     of any generation sleeps out MindSpore's 3 s address poll: a local peer's return from init()
     gets it nudged. The standbys, their server and msrun's scheduler run under SCHED_BATCH, the
-    ranks, cold and warm, are back under the default policy once they joined, and no warm rank's
-    registration with its (listening) scheduler fails: under the default policy MindSpore's TCP
-    client loses a race with its own event loop."""
+    ranks, cold and warm, are back under the default policy and on every core once they joined,
+    and the warm ranks' registrations with their (listening) scheduler fail at most once: under
+    the default policy MindSpore's TCP client loses a race with its own event loop."""
     total = 50
     tmp = str(tmp_path)
     work = os.path.join(tmp, "work")
@@ -488,11 +483,13 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     if standbys_may_renice():  # they wait nicely
         assert all(thread_nices(pid) == {19} for pid in pids), {pid: thread_nices(pid) for pid in pids}
     wait_for("a checkpoint", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12, 120, 0.1)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # (what elasticd's children inherit without chrt)
     cold = worker_pids(procs, 1)
     scheduler = [p.pid for p in generation_processes(procs, 1) if p.environ().get("MS_ROLE") == "MS_SCHED"]
     batch = {pid: thread_policies(pid) for pid in [*scheduler, *pids, *servers]}
     assert len(scheduler) == 1 and all(p == {os.SCHED_BATCH} for p in batch.values()), batch
-    assert all(thread_policies(pid) == {os.SCHED_OTHER} for pid in cold.values())
+    assert all(thread_policies(pid) == {os.SCHED_OTHER} for pid in cold.values()), \
+        {pid: thread_policies(pid) for pid in cold.values()}
     os.kill(cold[1], signal.SIGKILL)
     second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r,
                       60, 0.1)
@@ -502,7 +499,10 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     assert len(ranks) == 2 and set(ranks.values()) < pids, (ranks, pids)
     if standbys_may_renice():
         assert all(thread_nices(pid) == {0} for pid in ranks.values()), {p: thread_nices(p) for p in ranks.values()}
-    assert all(thread_policies(pid) == {os.SCHED_OTHER} for pid in ranks.values())
+    assert all(thread_policies(pid) == {os.SCHED_OTHER} for pid in ranks.values()), \
+        {pid: thread_policies(pid) for pid in ranks.values()}
+    cores = frozenset(os.sched_getaffinity(0))  # (init() ran on one core; every thread is back on all)
+    assert all(thread_cores(pid) == {cores} for pid in ranks.values()), {p: thread_cores(p) for p in ranks.values()}
     fresh = wait_for("three new standbys",
                      lambda: len(s := [x.pid for x in standbys(endpoint) if x.ready and x.pid not in pids]) == 3 and s,
                      120, 0.2)
@@ -525,11 +525,14 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     for g in ("g000001", "g000002", "g000003"):
         waits = [w for r in (0, 1) for w in sync_waits(os.path.join(logs, g, f"worker_{r}.log"))]
         assert len(waits) == 2 and max(waits) < 2.9, (g, waits)
-    for g in ("g000002", "g000003"):  # (the cold one's workers may start before their scheduler listens)
+    refused = []  # (the cold generation's workers may start before their scheduler listens)
+    for g in ("g000002", "g000003"):
         for r in (0, 1):
             with open(os.path.join(logs, g, f"worker_{r}.log"), errors="replace") as f:
-                refused = [line for line in f if "Failed to connect to the meta server" in line]
-            assert not refused, (g, r, refused)
+                refused += [line for line in f if "Failed to connect to the meta server" in line]
+    # Rare, not impossible (docs/DESIGN.md, ninth part): at most one in these eight connections
+    # (two warm generations, two ranks, two connections each; 4-5 under the default policy).
+    assert len(refused) <= 1, refused
 
 
 @pytest.mark.skipif(not standbys_may_renice(), reason="needs nice 0 and CAP_SYS_NICE (root)")

@@ -52,7 +52,7 @@ class AgentConfig:
     pass_env: frozenset[str] = frozenset()
     #: Keep standby workers for the jobs running here (see mselastic.agent.standby).
     warm_standbys: bool = True
-    #: The jobs' processes run under SCHED_BATCH (see mselastic.agent.supervisor.spawn_as_worker).
+    #: The jobs' processes start under SCHED_BATCH (see mselastic.agent.supervisor.spawn_as_worker).
     batch_scheduling: bool = True
     #: This node's folder in memory for the jobs' snapshots ("": none; see Generation).
     snapshot_root: str = ""

@@ -39,7 +39,7 @@ import psutil
 from mselastic import metrics
 from mselastic.agent import procs
 from mselastic.agent.standby import Proc, Standby
-from mselastic.agent.users import WorkerUser, forbidden_env, inherited_env
+from mselastic.agent.users import WorkerUser, batch_prefix, forbidden_env, inherited_env, setpriv
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.pdeathsig import with_parent_death
@@ -208,11 +208,6 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
 SNAPSHOT_KEEP_S = 24 * 3600.0
 
 
-def setpriv(user: WorkerUser) -> list[str]:
-    """The command prefix that runs what follows as ``user`` (its groups too)."""
-    return [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--"]
-
-
 def snapshot_folder(root: str, job: str, user: WorkerUser | None) -> str:
     """This node's in-memory folder for ``job``'s snapshots (see
     :mod:`mselastic.trainer.checkpoint`): ``root`` (and its parent) elasticd's own, that nobody
@@ -279,16 +274,11 @@ def _write_and_close(fd: int, data: bytes) -> None:
         pass
 
 
-# Why the job's processes run under SCHED_BATCH (elasticd's ``batch_scheduling``, on by
-# default). MindSpore 2.10's TCP client adds a socket to its event loop's epoll set and only then
-# marks the connection "connecting" (``TCPComm::DoConnect``); a connect to a listening peer on
-# loopback is complete by then, so the event loop's thread, woken by that very ``epoll_ctl``,
-# preempts the connecting thread on its own core, marks the connection connected, and the
-# "connecting" written after it wins: the client waits 30 ms, gives up ("Failed to connect to the
-# meta server node url", ``compute_graph_node.cc:193/201``) and retries 0.5 s later. Under
-# ``SCHED_BATCH`` a woken thread does not preempt a running one (it waits for the tick or for a
-# free core), so the write comes first. Measured: 9 such failures in 12 workers' registrations
-# (6 plain msrun start-ups of 2 workers) under the default policy, 0 in 12 under SCHED_BATCH.
+# Under SCHED_BATCH (``batch_scheduling``) a woken thread does not preempt a running one: MindSpore
+# 2.10's TCP client marks a connection "connecting" after handing it to its event loop, whose
+# thread, woken at once on loopback, otherwise preempts it and has its "connected" overwritten (a
+# registration failed and retried 0.5 s later; the trainer library also runs init() on one core:
+# mselastic.trainer.context._unraced). The measurements: docs/DESIGN.md, ninth part.
 async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str, str], user: WorkerUser | None,
                           cwd: str, *, batch: bool = True, **io: Any) -> asyncio.subprocess.Process:
     """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a
@@ -296,13 +286,10 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     process through a pipe that ``mselastic.agent.envexec`` reads, so nothing runs as root with it
     (``LD_PRELOAD``, if an admin allows it), it is never on disk, and elasticd needs no right to write
     in the worker user's folders. ``batch``: under the ``SCHED_BATCH`` policy, inherited by every
-    process and thread it starts (see the comment above). ``io``: stdin, stdout, stderr as
-    for asyncio's subprocesses. Raises OSError or RuntimeError when it cannot be started."""
+    process and thread it starts (see above). ``io``: stdin, stdout, stderr as for asyncio's
+    subprocesses. Raises OSError or RuntimeError when it cannot be started."""
     if batch:
-        chrt = shutil.which("chrt")
-        if chrt is None:
-            raise RuntimeError("chrt (util-linux) not found: install util-linux, or set batch_scheduling = false")
-        cmd = [chrt, "--batch", "0", *cmd]
+        cmd = [*batch_prefix(), *cmd]
     who = user if user is not None and user.switch else None
     env_r = env_w = -1
     if who is not None:
@@ -328,7 +315,6 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
         threading.Thread(target=_write_and_close, args=(env_w, json.dumps(job_env).encode()),
                          name=f"env-{proc.pid}", daemon=True).start()
     return proc
-
 
 
 def scheduler_host(addr: str) -> str:
@@ -596,8 +582,8 @@ class Generation:
                self.spec.script, *self.spec.args]
         assert self._log is not None
         self._msrun = await spawn_as_worker(cmd, self._env(), self._job_env(), self.user, self.cwd,
-                                            batch=self.batch_scheduling, stdin=asyncio.subprocess.DEVNULL, stdout=self._log,
-                                            stderr=asyncio.subprocess.STDOUT)
+                                            batch=self.batch_scheduling, stdin=asyncio.subprocess.DEVNULL,
+                                            stdout=self._log, stderr=asyncio.subprocess.STDOUT)
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s",
                  self._msrun.pid, p.master_addr, p.master_port, self.first_rank,
                  self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)

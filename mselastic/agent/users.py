@@ -98,15 +98,18 @@ def resolve(name: str) -> WorkerUser:
                         f"another") from None
 
 
+def setpriv(user: WorkerUser) -> list[str]:
+    """The command prefix that runs what follows as ``user`` (its groups too)."""
+    return [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--"]
+
+
 def cannot_run_python(user: WorkerUser) -> str:
     """Why ``user`` cannot run this installation's Python ("" when it can): msrun and the workers
     are this venv's interpreter, and a Python under a private home (a pyenv in /root) is out of
     another user's reach."""
     if not user.switch:
         return ""
-    r = subprocess.run([shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
-                        "--init-groups", "--", sys.executable, "-c",
-                        "import sys, mselastic.trainer; print(sys.base_prefix)"],
+    r = subprocess.run([*setpriv(user), sys.executable, "-c", "import sys, mselastic.trainer; print(sys.base_prefix)"],
                        capture_output=True, text=True, timeout=60, env=inherited_env(os.environ), cwd="/")
     if r.returncode != 0:
         lines = (r.stderr or r.stdout).strip().splitlines()
@@ -115,6 +118,31 @@ def cannot_run_python(user: WorkerUser) -> str:
         # It started, but could not reach its own installation and fell back to another Python's.
         return (f"user {user.name} cannot reach this Python's installation {sys.base_prefix} (it ran with "
                 f"{r.stdout.strip() or '?'}'s library instead)")
+    return ""
+
+
+def batch_prefix() -> list[str]:
+    """What starts a command under the SCHED_BATCH policy (util-linux's chrt), for the jobs'
+    processes (elasticd's ``batch_scheduling``; why: docs/DESIGN.md, ninth part)."""
+    chrt = shutil.which("chrt")
+    if chrt is None:
+        raise RuntimeError("chrt (util-linux) not found: install util-linux, or set batch_scheduling = false")
+    return [chrt, "--batch", "0"]
+
+
+def cannot_start_batch(user: WorkerUser) -> str:
+    """Why ``user``'s processes cannot be started under SCHED_BATCH ("" when they can): chrt missing,
+    or the kernel refusing it (elasticd under SCHED_IDLE without CAP_SYS_NICE and RLIMIT_NICE, a
+    seccomp filter), which would otherwise fail every launch with only msrun's log saying why."""
+    try:
+        cmd = [*batch_prefix(), "true"]
+    except RuntimeError as e:
+        return str(e)
+    r = subprocess.run([*setpriv(user), *cmd] if user.switch else cmd, capture_output=True, text=True, timeout=60,
+                       env=inherited_env(os.environ), cwd="/")
+    if r.returncode != 0:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return f"{user.name}'s processes cannot run under SCHED_BATCH: {lines[-1] if lines else f'exit {r.returncode}'}"
     return ""
 
 

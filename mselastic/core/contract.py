@@ -34,9 +34,9 @@ ENV_STOP_FILE = "MSELASTIC_STOP_FILE"
 #: training state between checkpoints (unset: none), and how often they take one (0: never).
 ENV_SNAPSHOT_DIR = "MSELASTIC_SNAPSHOT_DIR"
 ENV_SNAPSHOT_INTERVAL = "MSELASTIC_SNAPSHOT_INTERVAL_STEPS"
-#: "1": the agent started the job's processes under SCHED_BATCH for MindSpore's start-up (see
-#: ``mselastic.agent.supervisor.spawn_as_worker``); the trainer library puts a rank's threads back
-#: under the default policy once ``init()`` returned, so that training is scheduled as under msrun.
+#: "1": the agent started the job's processes under SCHED_BATCH for MindSpore's start-up
+#: (elasticd's ``batch_scheduling``); the trainer library runs ``init()`` on one core, then puts
+#: a rank's threads back on all its cores under SCHED_OTHER: its steps run as under plain msrun.
 ENV_BATCH_START = "MSELASTIC_BATCH_START"
 
 #: Standby workers (mselastic.trainer.standby): what one prints once MindSpore is imported, and the

@@ -45,7 +45,7 @@ import grpc
 from mselastic.agent import procs
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
-from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, resolve
+from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve
 from mselastic.core.contract import default_sockets
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
@@ -156,10 +156,10 @@ class Settings:
     #: and one for a scheduler): a relaunch hands them the generation instead of starting msrun and
     #: new Pythons. Each costs the memory of an idle Python with MindSpore imported.
     warm_standbys: bool = True
-    #: Run the jobs' processes (msrun, its scheduler and workers, the standbys) under the
-    #: SCHED_BATCH policy: a thread woken does not preempt a running one. Under the default policy
-    #: MindSpore's TCP client loses a race with its own event loop and a worker's registration with
-    #: its scheduler fails and waits 0.5 s, often several times per start (docs/DESIGN.md).
+    #: Start the jobs' processes (msrun, its scheduler and workers, the standbys) under SCHED_BATCH,
+    #: where MindSpore's registration seldom loses a race with its own event loop; the trainer
+    #: library runs init() on one core and then puts a rank back on all its cores under the
+    #: default policy (docs/DESIGN.md, ninth part). false: they inherit elasticd's own policy.
     batch_scheduling: bool = True
     #: While leading, keep a watched connection (keepalive pings) to the agent of every member of
     #: a live plan: a dead node is replaced in about a second instead of at its lease's expiry.
@@ -352,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
         "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
         "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
-        "batch_scheduling": "run the jobs' processes under SCHED_BATCH (MindSpore's registration then does not "
-                            "lose a race with its own event loop)",
+        "batch_scheduling": "start the jobs' processes under SCHED_BATCH (MindSpore's registration then seldom "
+                            "loses a race with its own event loop); ranks go back to the default policy after init()",
         "peer_evidence": "while leading, ping the agents of running jobs' nodes: a dead node is replaced before its "
                          "lease expires",
         "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none)",
@@ -515,6 +515,8 @@ async def serve(s: Settings) -> None:
     if why := await asyncio.to_thread(cannot_run_python, worker):
         raise _bad("worker_user", f"{why}; install mselastic where that user can read it (a system Python, "
                                   f"/opt/mselastic) or name another worker_user")
+    if s.batch_scheduling and (why := await asyncio.to_thread(cannot_start_batch, worker)):
+        raise _bad("batch_scheduling", f"{why}; set batch_scheduling = false")
     etcd = None
     endpoint, etcd_auth = s.etcd_endpoint, s.etcd_auth
     if s.embedded_etcd_dir:

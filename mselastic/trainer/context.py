@@ -26,6 +26,7 @@ from mselastic.core import contract
 from mselastic.core.contract import NOTE_MAX, Beat, BeatKind
 from mselastic.core.elastic import BatchLayout, batch_layout
 from mselastic.core.pdeathsig import die_with_parent
+from mselastic.core.threads import each_thread
 from mselastic.trainer.faults import FaultPlan
 
 log = logging.getLogger("mselastic.trainer")
@@ -69,23 +70,40 @@ def _nudgeable() -> Iterator[None]:
         signal.signal(contract.NUDGE_SIGNAL, previous)
 
 
-def _default_policy() -> None:
-    """Put every thread of this process that runs under SCHED_BATCH back under SCHED_OTHER (the
-    agent starts a job's processes under SCHED_BATCH for MindSpore's start-up only: see
-    ``contract.ENV_BATCH_START``). Threads started later inherit their starter's policy. Best
-    effort: a thread that ended meanwhile is skipped."""
-    other = os.sched_param(0)
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            if os.sched_getscheduler(int(tid)) == os.SCHED_BATCH:
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, other)
+@contextlib.contextmanager
+def _unraced() -> Iterator[None]:
+    """Around ``init()`` when the agent started this process under SCHED_BATCH for it
+    (``contract.ENV_BATCH_START``): on one core, so that MindSpore's TCP client, which hands a
+    connection to its event loop's thread before it has finished setting it up, finishes first
+    (SCHED_BATCH keeps the woken thread from preempting it, one core keeps it from running
+    beside it: docs/DESIGN.md, ninth part). The threads ``init()`` starts inherit the core. Then
+    every thread goes back to the process's cores and to SCHED_OTHER (threads started later
+    inherit their starter's): training is scheduled as under plain msrun. (msrun's scheduler serves
+    inside ``init()`` until the job ends: it stays on its core, light work.) Best effort."""
+    if os.environ.get(contract.ENV_BATCH_START) != "1":
+        yield
+        return
+    cores = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {sorted(cores)[_env_int("RANK_ID", 0) % len(cores)]})
+
+    def release(tid: int) -> None:
+        os.sched_setaffinity(tid, cores)
+        if os.sched_getscheduler(tid) == os.SCHED_BATCH:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+    try:
+        yield
+    finally:
+        for tid, e in each_thread(release):
+            log.warning("thread %d not released to its cores and SCHED_OTHER: %s", tid, e)
 
 
 def joining(init: Callable[..., Any]) -> Callable[..., Any]:
     """``init`` (``mindspore.communication.init``) as elasticd's ranks call it: dying with their
     parent, an injected start-up fault first, the start-up phases reported around it, the
-    agent's nudge handled inside it (see :func:`_nudgeable`), and the default scheduling policy
-    back once it returned (see :func:`_default_policy`)."""
+    agent's nudge handled inside it (see :func:`_nudgeable`), on one core and back (see
+    :func:`_unraced`)."""
     @functools.wraps(init)
     def join(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get(contract.ENV_RUN_ID):
@@ -94,10 +112,8 @@ def joining(init: Callable[..., Any]) -> Callable[..., Any]:
         if fault is not None and os.environ.get("MS_ROLE") == "MS_WORKER":
             fault.at_startup(_env_int("RANK_ID", -1), _env_int(contract.ENV_GENERATION, 0))
         _phase("init")
-        with _nudgeable():
+        with _nudgeable(), _unraced():
             result = init(*args, **kwargs)
-        if os.environ.get(contract.ENV_BATCH_START) == "1":
-            _default_policy()
         _phase("joined")
         return result
 

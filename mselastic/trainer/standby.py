@@ -62,6 +62,7 @@ from typing import Any
 
 from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_FORKS, STANDBY_READY
 from mselastic.core.pdeathsig import die_with_parent
+from mselastic.core.threads import each_thread
 
 #: Its nice value until the handover: the ranks that train meanwhile on the same cores go first
 #: (replacement standbys importing MindSpore right after a relaunch slowed the new generation).
@@ -179,16 +180,9 @@ def _wait_nicely() -> int | None:
 def _renice(nice: int) -> None:
     """Every thread of this process at ``nice``: at the handover, back to where it started (it is a
     rank now); before the imports, those that importing this package started (numpy's)."""
-    done: set[str] = set()
-    while todo := set(os.listdir("/proc/self/task")) - done:  # (again: one of them may have started another)
-        for tid in todo:
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-            except ProcessLookupError:
-                pass  # (a thread that just ended)
-            except OSError as e:  # (the round trip worked: not expected; slow beats dead)
-                print(f"mselastic standby: thread {tid} not set to nice {nice}: {e}", file=sys.stderr, flush=True)
-        done |= todo
+    for tid, e in each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice)):
+        # (the round trip worked: not expected; slow beats dead)
+        print(f"mselastic standby: thread {tid} not set to nice {nice}: {e}", file=sys.stderr, flush=True)
 
 
 def serve(control: socket.socket) -> tuple[int, str, int]:
