@@ -78,9 +78,9 @@ def _unraced() -> Iterator[None]:
     (SCHED_BATCH keeps the woken thread from preempting it, one core keeps it from running
     beside it: docs/DESIGN.md, ninth part). The threads ``init()`` starts inherit the core. Then
     every thread goes back to the process's cores and to SCHED_OTHER (threads started later
-    inherit their starter's): training is scheduled as under plain msrun. (msrun's scheduler serves
-    inside ``init()`` until the job ends: it stays on its core, light work.) Best effort."""
-    if os.environ.get(contract.ENV_BATCH_START) != "1":
+    inherit their starter's): training is scheduled as under plain msrun. Not msrun's scheduler: it
+    connects to nobody, and serves inside ``init()`` until the job ends. Best effort."""
+    if os.environ.get(contract.ENV_BATCH_START) != "1" or os.environ.get("MS_ROLE") != "MS_WORKER":
         yield
         return
     cores = os.sched_getaffinity(0)
