@@ -103,17 +103,24 @@ def setpriv(user: WorkerUser) -> list[str]:
     return [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--"]
 
 
+def _probe(user: WorkerUser, cmd: list[str]) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``cmd`` run as ``user`` (elasticd's own identity when it does not switch), and why it
+    failed: the last line it wrote ("" when it exited 0)."""
+    r = subprocess.run([*setpriv(user), *cmd] if user.switch else cmd, capture_output=True, text=True, timeout=60,
+                       env=inherited_env(os.environ), cwd="/")
+    lines = (r.stderr or r.stdout).strip().splitlines() if r.returncode else [""]
+    return r, lines[-1] if lines else f"exit {r.returncode}"
+
+
 def cannot_run_python(user: WorkerUser) -> str:
     """Why ``user`` cannot run this installation's Python ("" when it can): msrun and the workers
     are this venv's interpreter, and a Python under a private home (a pyenv in /root) is out of
     another user's reach."""
     if not user.switch:
         return ""
-    r = subprocess.run([*setpriv(user), sys.executable, "-c", "import sys, mselastic.trainer; print(sys.base_prefix)"],
-                       capture_output=True, text=True, timeout=60, env=inherited_env(os.environ), cwd="/")
+    r, why = _probe(user, [sys.executable, "-c", "import sys, mselastic.trainer; print(sys.base_prefix)"])
     if r.returncode != 0:
-        lines = (r.stderr or r.stdout).strip().splitlines()
-        return f"user {user.name} cannot run {sys.executable}: {lines[-1] if lines else f'exit {r.returncode}'}"
+        return f"user {user.name} cannot run {sys.executable}: {why}"
     if r.stdout.strip() != sys.base_prefix:
         # It started, but could not reach its own installation and fell back to another Python's.
         return (f"user {user.name} cannot reach this Python's installation {sys.base_prefix} (it ran with "
@@ -135,15 +142,10 @@ def cannot_start_batch(user: WorkerUser) -> str:
     or the kernel refusing it (elasticd under SCHED_IDLE without CAP_SYS_NICE and RLIMIT_NICE, a
     seccomp filter), which would otherwise fail every launch with only msrun's log saying why."""
     try:
-        cmd = [*batch_prefix(), "true"]
+        r, why = _probe(user, [*batch_prefix(), "true"])
     except RuntimeError as e:
         return str(e)
-    r = subprocess.run([*setpriv(user), *cmd] if user.switch else cmd, capture_output=True, text=True, timeout=60,
-                       env=inherited_env(os.environ), cwd="/")
-    if r.returncode != 0:
-        lines = (r.stderr or r.stdout).strip().splitlines()
-        return f"{user.name}'s processes cannot run under SCHED_BATCH: {lines[-1] if lines else f'exit {r.returncode}'}"
-    return ""
+    return f"{user.name}'s processes cannot run under SCHED_BATCH: {why}" if r.returncode else ""
 
 
 def _user(pw: pwd.struct_passwd) -> WorkerUser:
