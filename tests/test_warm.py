@@ -303,12 +303,15 @@ def asked():
     msg, fds, _, _ = socket.recv_fds(ctl, 4096, 1)
     return json.loads(msg)["fork"]
 def child(uid):
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         if uid is not None:
             os.setuid(uid)
+        os.write(w, b"x")
         time.sleep(120)
         os._exit(0)
+    os.read(r, 1)  # (named once it runs as that user: the check is not raced)
     return pid
 say(json.dumps({"forked": int(sys.argv[1]), "marker": asked()}))  # another process, not its child
 say(json.dumps({"forked": child(65534), "marker": asked()}))  # its child, but another user's
