@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,6 +275,23 @@ def thread_stats(pid: int, field: int) -> set[int]:
 def thread_policies(pid: int) -> set[int]:
     """The scheduling policies of a process's threads (field 41 of their stat: os.SCHED_*)."""
     return thread_stats(pid, 41)
+
+
+def ms_stamps(log: str, marker: str = "") -> list[float]:
+    """The times (seconds since the epoch, this machine's clock) of a MindSpore log's lines that
+    contain ``marker``."""
+    stamps = []
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = re.search(r"\] \w+\(\S+\):(\d{4}-\d\d-\d\d-\d\d:\d\d:\d\d)\.(\d{3})\.(\d{3})", line)
+            if m is not None and marker in line:
+                t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d-%H:%M:%S"))
+                stamps.append(t + int(m.group(2)) / 1e3 + int(m.group(3)) / 1e6)
+    return stamps
+
+
+#: What a MindSpore worker logs when its registration with the scheduler failed to connect.
+REFUSED = "Failed to connect to the meta server"
 
 
 def worker_pids(procs: Processes, generation: int) -> dict[int, int]:

@@ -21,7 +21,8 @@ import pytest
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.trainer.faults import Fault, FaultPlan, flip_byte
 from tests.cluster import Cluster
-from tests.harness import check_history, elasticctl, generation_processes, lenet_spec, wait_for, worker_pids
+from tests.harness import REFUSED, check_history, elasticctl, generation_processes, lenet_spec, ms_stamps, wait_for, \
+    worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -75,6 +76,14 @@ def test_rank_fault_is_recovered_from_the_last_checkpoint(fault: Fault, cluster:
     second = wait_for("generation 2 first step", lambda: (r := etcd.report(JOB, 2, "n1")) and r.first_step_at
                       and r, 120, 0.2)
     assert second.resumed_step == committed
+    # n1's standby is handed over once n0's scheduler can be reached: none of its registrations was
+    # refused before that scheduler started (each refusal costs up to 0.5 s).
+    first = etcd.report(JOB, 2, "n0")
+    assert second.warm and first is not None and first.warm
+    g2 = [os.path.join(cluster.tmp, f"node{i}", "logs", JOB, "g000002") for i in (0, 1)]
+    scheduler_started = ms_stamps(os.path.join(g2[0], "scheduler.log"))[0]
+    refused = ms_stamps(os.path.join(g2[1], "worker_1.log"), REFUSED)
+    assert not [t for t in refused if t < scheduler_started], [round(t - scheduler_started, 3) for t in refused]
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 2 and status.restart_count == 1

@@ -28,8 +28,8 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
-from tests.harness import REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, lenet_spec, \
-    start_node, thread_policies, thread_stats, wait_for, generation_processes, worker_pids
+from tests.harness import REFUSED, REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, \
+    lenet_spec, ms_stamps, start_node, thread_policies, thread_stats, wait_for, generation_processes, worker_pids
 
 JOB = "lenet"
 
@@ -412,14 +412,7 @@ def standby_processes(procs: Processes) -> list[psutil.Process]:
 def sync_waits(log: str) -> list[float]:
     """Seconds each MindSpore CPU collective address exchange took in a worker log ("start sync" to
     "already been initialized"): 3.0 s or more for a rank that slept MindSpore's full poll."""
-    stamps = []
-    with open(log, errors="replace") as f:
-        for line in f:
-            if "start sync start" in line or "has already been initialized" in line:
-                m = re.search(r"(\d\d):(\d\d):(\d\d)\.(\d{3})\.(\d{3})", line)
-                assert m is not None, line
-                h, mi, s, ms, us = map(int, m.groups())
-                stamps.append(h * 3600 + mi * 60 + s + ms / 1e3 + us / 1e6)
+    stamps = sorted(ms_stamps(log, "start sync start") + ms_stamps(log, "has already been initialized"))
     return [b - a for a, b in zip(stamps[::2], stamps[1::2])]
 
 
@@ -532,7 +525,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
     for g in ("g000002", "g000003"):
         for r in (0, 1):
             with open(os.path.join(logs, g, f"worker_{r}.log"), errors="replace") as f:
-                refused += [line for line in f if "Failed to connect to the meta server" in line]
+                refused += [line for line in f if REFUSED in line]
     # Rare, not impossible (docs/DESIGN.md, ninth part): at most one in these eight connections
     # (two warm generations, two ranks, two connections each; 4-5 under the default policy).
     assert len(refused) <= 1, refused

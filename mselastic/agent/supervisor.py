@@ -35,6 +35,7 @@ import uuid
 from typing import Any, Callable
 
 import psutil
+import tenacity
 
 from mselastic import metrics
 from mselastic.agent import procs
@@ -330,6 +331,10 @@ def scheduler_host(addr: str) -> str:
 #: How long the workers of a warm launch wait for its scheduler to listen before they are handed
 #: over anyway (they retry connecting; ``startup_timeout_s`` bounds the launch).
 SCHEDULER_LISTEN_S = 2.0
+#: How long the workers of a warm launch on another node wait for node 0's scheduler to be
+#: reachable before they are handed over anyway (node 0 may still be stopping the previous
+#: generation, or start this one cold).
+SCHEDULER_REACH_S = 10.0
 #: The launcher of the cold path: the msrun of elasticd's own environment.
 MSRUN = os.path.join(os.path.dirname(sys.executable), "msrun")
 
@@ -387,6 +392,37 @@ async def _listening(port: int, proc: Proc, within_s: float) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+class _stop_when(tenacity.stop.stop_base):
+    """tenacity's stop condition: ``done()`` says so (a generation stopped meanwhile)."""
+
+    def __init__(self, done: Callable[[], bool]) -> None:
+        self.done = done
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self.done()
+
+
+async def _reachable(host: str, port: int, within_s: float, stopping: Callable[[], bool]) -> bool:
+    """Wait until a TCP connection to ``host:port`` (node 0's scheduler) opens, at most
+    ``within_s`` and while ``stopping()`` is false. The connection is closed at once, with
+    nothing sent: MindSpore's scheduler drops it and goes on (a probe connecting five times
+    before a plain msrun job's workers did: the job ran as without it)."""
+    async def connect() -> None:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+    try:
+        await tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_delay(within_s) | _stop_when(stopping),
+            wait=tenacity.wait_fixed(0.02), reraise=True,
+            retry=tenacity.retry_if_exception_type((OSError, asyncio.TimeoutError)))(connect)
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
 
 
 #: What a standby gets only at its handover: the generation's own values (and HOME, the
@@ -595,7 +631,9 @@ class Generation:
         worker ``MS_ROLE=MS_WORKER``, ``RANK_ID``/``MS_NODE_ID`` its global rank, ``DEVICE_ID`` its local
         index), its log files, arguments and working directory. The scheduler (node_rank 0: the node
         whose address is master_addr) goes first and the workers once it listens, all of them at once:
-        workers that meet no scheduler retry only half a second later."""
+        workers that meet no scheduler retry only half a second later. On the other nodes the
+        workers wait for it too, by connecting to it (node 0 may still be stopping the previous
+        generation when they are ready)."""
         p = self.plan
         env = {**self._env(), **self._job_env()}  # as msrun's environment is (the job's env applied last)
         common = {"MS_WORKER_NUM": str(p.world_size), "MS_SCHED_HOST": scheduler_host(p.master_addr),
@@ -615,6 +653,11 @@ class Generation:
             if scheduler.proc.returncode is not None:
                 raise RuntimeError(f"the scheduler (standby pid {scheduler.pid}) exited with code "
                                    f"{scheduler.proc.returncode}; see {path}")
+        elif not await _reachable(common["MS_SCHED_HOST"], p.master_port, SCHEDULER_REACH_S, lambda: self._stopping):
+            if not self._stopping:
+                log.warning("the scheduler at %s:%d was not reachable within %.0fs; the workers are handed over "
+                            "and retry on their own", common["MS_SCHED_HOST"], p.master_port, SCHEDULER_REACH_S,
+                            extra=self._ctx)
         for i, (rs, standby) in enumerate(zip(self.ranks.values(), standbys)):
             if self._stopping:
                 return
