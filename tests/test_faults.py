@@ -77,13 +77,16 @@ def test_rank_fault_is_recovered_from_the_last_checkpoint(fault: Fault, cluster:
                       and r, 120, 0.2)
     assert second.resumed_step == committed
     # n1's standby is handed over once n0's scheduler can be reached: none of its registrations was
-    # refused before that scheduler started (each refusal costs up to 0.5 s).
+    # refused before that scheduler started (each refusal costs up to 0.5 s). Only when both nodes
+    # started generation 2 warm (a fault before a node's standbys have imported finds none there:
+    # msrun's workers are not elasticd's to hold back); in the CI runs seen, every time.
     first = etcd.report(JOB, 2, "n0")
-    assert second.warm and first is not None and first.warm
-    g2 = [os.path.join(cluster.tmp, f"node{i}", "logs", JOB, "g000002") for i in (0, 1)]
-    scheduler_started = ms_stamps(os.path.join(g2[0], "scheduler.log"))[0]
-    refused = ms_stamps(os.path.join(g2[1], "worker_1.log"), REFUSED)
-    assert not [t for t in refused if t < scheduler_started], [round(t - scheduler_started, 3) for t in refused]
+    if second.warm and first is not None and first.warm:
+        g2 = [os.path.join(cluster.tmp, f"node{i}", "logs", JOB, "g000002") for i in (0, 1)]
+        logged = ms_stamps(os.path.join(g2[0], "scheduler.log"))
+        assert logged, f"n0's scheduler of generation 2 logged nothing by n1's first step; see {g2[0]}"
+        refused = ms_stamps(os.path.join(g2[1], "worker_1.log"), REFUSED)
+        assert not [t for t in refused if t < logged[0]], [round(t - logged[0], 3) for t in refused]
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     assert status.generation == 2 and status.restart_count == 1

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -244,6 +245,33 @@ def test_the_scheduler_port_counts_as_connected_while_a_peer_holds_a_connection_
         finally:
             client.close()
             accepted.close()
+
+
+def test_the_other_nodes_wait_for_node_0s_scheduler_until_it_listens_or_they_are_stopped() -> None:
+    """What another node's agent waits on before it hands its standbys over: a connection to node 0's
+    scheduler port that succeeds, not a socket bound there (its workers would be refused); a stop ends
+    the wait; past its limit the wait gives up (the workers are handed over and retry themselves)."""
+    async def run() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("127.0.0.1", 0))
+            port = server.getsockname()[1]
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.4, server.listen)
+            t0 = time.monotonic()
+            assert await supervisor._reachable("127.0.0.1", port, 5.0, lambda: False)
+            assert 0.4 <= time.monotonic() - t0 < 1.5
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bound:  # (bound, never listening)
+            bound.bind(("127.0.0.1", 0))
+            port = bound.getsockname()[1]
+            t0 = time.monotonic()
+            assert not await supervisor._reachable("127.0.0.1", port, 0.5, lambda: False)
+            assert 0.5 <= time.monotonic() - t0 < 2.0
+            stopped = loop.time() + 0.3
+            t0 = time.monotonic()
+            assert not await supervisor._reachable("127.0.0.1", port, 30.0, lambda: loop.time() > stopped)
+            assert time.monotonic() - t0 < 2.0
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("batch", [True, False])

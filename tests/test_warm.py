@@ -306,12 +306,16 @@ def child(uid):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        if uid is not None:
-            os.setuid(uid)
-        os.write(w, b"x")
-        time.sleep(120)
-        os._exit(0)
+        try:
+            if uid is not None:
+                os.setuid(uid)
+            os.write(w, b"x")
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(w)
     os.read(r, 1)  # (named once it runs as that user: the check is not raced)
+    os.close(r)
     return pid
 say(json.dumps({"forked": int(sys.argv[1]), "marker": asked()}))  # another process, not its child
 say(json.dumps({"forked": child(65534), "marker": asked()}))  # its child, but another user's

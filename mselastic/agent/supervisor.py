@@ -418,7 +418,7 @@ async def _reachable(host: str, port: int, within_s: float, stopping: Callable[[
     try:
         await tenacity.AsyncRetrying(
             stop=tenacity.stop_after_delay(within_s) | _stop_when(stopping),
-            wait=tenacity.wait_fixed(0.02), reraise=True,
+            wait=tenacity.wait_random(0.02, 0.1), reraise=True,
             retry=tenacity.retry_if_exception_type((OSError, asyncio.TimeoutError)))(connect)
         return True
     except (OSError, asyncio.TimeoutError):
@@ -560,6 +560,8 @@ class Generation:
     async def _run(self) -> None:
         if any(not sb.ready_at for sb in self.standbys) and not await self._standbys_ready():
             return
+        if self.standbys and self.member.node_rank != 0 and not await self._scheduler_reached():
+            return
         if self.standbys:
             try:
                 await self._hand_over()
@@ -587,24 +589,43 @@ class Generation:
         try:
             await asyncio.gather(*(sb.until_ready(self.spec.startup_timeout_s) for sb in importing))
         except RuntimeError as e:
-            if self._stopping:
-                return False
-            log.warning("%s; starting cold", e, extra=self._ctx)
-            standbys, self.standbys = self.standbys, []
-            await asyncio.gather(*(sb.kill() for sb in standbys))
-            try:
-                await self._start_msrun(MSRUN)
-            except (OSError, RuntimeError) as err:
-                await self._fail(-1, f"msrun could not be started: {err}", FailureCause.LAUNCH_NODE)
-                return False
-            if self._stopping:  # stopped while msrun was being started: it may not have been seen
-                await procs.stop_generation(self._markers(), self._live_launched(), grace_s=0)
-                return False
-            self.started_mono = time.monotonic()
-            return True
+            return not self._stopping and await self._cold_instead(str(e))
         log.info("waited %.1fs for standbys %s to finish importing", time.monotonic() - t0,
                  [sb.pid for sb in importing], extra=self._ctx)
         return not self._stopping
+
+    async def _scheduler_reached(self) -> bool:
+        """On a node other than node_rank 0: wait until node 0's scheduler can be reached (node 0
+        may still be stopping the previous generation; a worker MindSpore's scheduler refuses
+        retries only half a second later), ``SCHEDULER_REACH_S`` at most, then hand over anyway.
+        A standby that died meanwhile sends the generation cold. False when the generation was
+        stopped meanwhile or could not start."""
+        host, port = scheduler_host(self.plan.master_addr), self.plan.master_port
+        if not await _reachable(host, port, SCHEDULER_REACH_S, lambda: self._stopping) and not self._stopping:
+            log.warning("the scheduler at %s:%d was not reachable within %.0fs; the workers are handed over "
+                        "and retry on their own", host, port, SCHEDULER_REACH_S, extra=self._ctx)
+        if self._stopping:
+            return False
+        if not all(sb.alive for sb in self.standbys):
+            return await self._cold_instead("a standby worker exited while waiting for the scheduler")
+        return True
+
+    async def _cold_instead(self, why: str) -> bool:
+        """Start the generation under msrun after all, its standbys killed, rather than blame the
+        node. False when msrun could not be started or the generation was stopped meanwhile."""
+        log.warning("%s; starting cold", why, extra=self._ctx)
+        standbys, self.standbys = self.standbys, []
+        await asyncio.gather(*(sb.kill() for sb in standbys))
+        try:
+            await self._start_msrun(MSRUN)
+        except (OSError, RuntimeError) as err:
+            await self._fail(-1, f"msrun could not be started: {err}", FailureCause.LAUNCH_NODE)
+            return False
+        if self._stopping:  # stopped while msrun was being started: it may not have been seen
+            await procs.stop_generation(self._markers(), self._live_launched(), grace_s=0)
+            return False
+        self.started_mono = time.monotonic()
+        return True
 
     async def _start_msrun(self, msrun: str) -> None:
         """The cold path: msrun starts the scheduler (on node_rank 0) and the local ranks."""
@@ -631,9 +652,9 @@ class Generation:
         worker ``MS_ROLE=MS_WORKER``, ``RANK_ID``/``MS_NODE_ID`` its global rank, ``DEVICE_ID`` its local
         index), its log files, arguments and working directory. The scheduler (node_rank 0: the node
         whose address is master_addr) goes first and the workers once it listens, all of them at once:
-        workers that meet no scheduler retry only half a second later. On the other nodes the
-        workers wait for it too, by connecting to it (node 0 may still be stopping the previous
-        generation when they are ready)."""
+        workers that meet no scheduler retry only half a second later (on the other nodes they are
+        handed over once it can be reached: ``_scheduler_reached``). The ranks' start-up timeout
+        counts from the handover, as a cold rank's from msrun's start."""
         p = self.plan
         env = {**self._env(), **self._job_env()}  # as msrun's environment is (the job's env applied last)
         common = {"MS_WORKER_NUM": str(p.world_size), "MS_SCHED_HOST": scheduler_host(p.master_addr),
@@ -653,11 +674,6 @@ class Generation:
             if scheduler.proc.returncode is not None:
                 raise RuntimeError(f"the scheduler (standby pid {scheduler.pid}) exited with code "
                                    f"{scheduler.proc.returncode}; see {path}")
-        elif not await _reachable(common["MS_SCHED_HOST"], p.master_port, SCHEDULER_REACH_S, lambda: self._stopping):
-            if not self._stopping:
-                log.warning("the scheduler at %s:%d was not reachable within %.0fs; the workers are handed over "
-                            "and retry on their own", common["MS_SCHED_HOST"], p.master_port, SCHEDULER_REACH_S,
-                            extra=self._ctx)
         for i, (rs, standby) in enumerate(zip(self.ranks.values(), standbys)):
             if self._stopping:
                 return
@@ -671,6 +687,7 @@ class Generation:
         if self._log is not None:  # (closed: stopped meanwhile)
             self._log.write("".join(line + "\n" for line in lines).encode())  # what msrun would have said
             self._log.flush()
+        self.started_mono = time.monotonic()
         log.info("generation launched warm: standbys %s, master %s:%d, ranks %d..%d, logs %s",
                  [sb.pid for sb in self.standbys], p.master_addr, p.master_port, self.first_rank,
                  self.first_rank + self.member.local_workers - 1, self.log_dir, extra=self._ctx)
