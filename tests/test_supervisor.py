@@ -258,18 +258,18 @@ def test_the_other_nodes_wait_for_node_0s_scheduler_until_it_listens_or_they_are
             loop = asyncio.get_running_loop()
             loop.call_later(0.4, server.listen)
             t0 = time.monotonic()
-            assert await supervisor._reachable("127.0.0.1", port, 5.0, lambda: False)
-            assert 0.4 <= time.monotonic() - t0 < 1.5
+            assert await supervisor._reachable("127.0.0.1", port, 10.0, lambda: False)
+            assert time.monotonic() - t0 >= 0.4  # (not before it listened)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bound:  # (bound, never listening)
             bound.bind(("127.0.0.1", 0))
             port = bound.getsockname()[1]
             t0 = time.monotonic()
             assert not await supervisor._reachable("127.0.0.1", port, 0.5, lambda: False)
-            assert 0.5 <= time.monotonic() - t0 < 2.0
+            assert 0.5 <= time.monotonic() - t0 < 5.0  # (its limit, give or take one attempt)
             stopped = loop.time() + 0.3
             t0 = time.monotonic()
             assert not await supervisor._reachable("127.0.0.1", port, 30.0, lambda: loop.time() > stopped)
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < 5.0  # (the stop, not the 30 s limit)
 
     asyncio.run(run())
 
