@@ -16,7 +16,8 @@ polled every 10 ms; its standbys must be ready before the window opens, so that 
 steady state, not their imports), and
 each mode's ratio to the baseline (steps per second, so 1.00 is "costs nothing", < 1 slower):
 the ratio of the medians, and the median of each round's own ratio (the modes of one round run
-back to back, so a slow spell of the machine weighs on both sides of it).
+back to back, so a slow spell of the machine weighs on both sides of it) with its 95 % bootstrap
+interval (whole rounds resampled): a cost inside it is one this machine cannot tell from noise.
 
 Usage: make bench-steady   (or: python bench/steady_state.py --data build/data/digits --runs 3)
 """
@@ -82,6 +83,19 @@ def under_elasticd(data: str, work: str, from_step: int, to_step: int) -> float:
         return (at[to_step] - at[from_step]) / (to_step - from_step) * 1000
 
 
+def _interval(base: list[float], other: list[float]) -> tuple[float, float]:
+    """The 95 % bootstrap interval of the median paired ratio (scipy's, resampling whole rounds)."""
+    if len(base) < 3:
+        return float("nan"), float("nan")
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    ci = bootstrap((np.array(base), np.array(other)), lambda b, o, axis=-1: np.median(b / o, axis=axis),
+                   paired=True, vectorized=True, n_resamples=10_000, method="percentile",
+                   rng=np.random.default_rng(0)).confidence_interval
+    return float(ci.low), float(ci.high)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
@@ -99,14 +113,16 @@ def main() -> int:
                 results[mode].append(ms)
                 print(f"run {i + 1} {mode}: {ms:.1f} ms/step", flush=True)
     base = statistics.median(results["plain"])
-    print(f"\n{'mode':<20}{'ms/step':>10}{'ratio':>8}{'paired':>8}{'spread':>9}"
+    print(f"\n{'mode':<20}{'ms/step':>10}{'ratio':>8}{'paired':>8}{'95 % interval':>17}{'spread':>9}"
           "   (ratio: plain's ms/step over this one's, 1.00 = no cost; paired: median of the rounds' own"
-          " ratios; spread: this mode's slowest run over its fastest)")
+          " ratios, and its bootstrap interval: the cost this machine's noise cannot tell from it; spread:"
+          " this mode's slowest run over its fastest)")
     for mode in MODES:
         med = statistics.median(results[mode])
         paired = statistics.median(b / m for b, m in zip(results["plain"], results[mode]))
+        low, high = _interval(results["plain"], results[mode])
         spread = max(results[mode]) / min(results[mode])
-        print(f"{mode:<20}{med:>10.1f}{base / med:>8.3f}{paired:>8.3f}{spread:>9.3f}")
+        print(f"{mode:<20}{med:>10.1f}{base / med:>8.3f}{paired:>8.3f}   [{low:.3f}, {high:.3f}]{spread:>9.3f}")
     print("BENCH " + json.dumps({m.replace(" + ", "_").replace(" ", "_") + "_ms_per_step":
                                  round(statistics.median(v), 2) for m, v in results.items()}))
     return 0
