@@ -11,9 +11,21 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import nn  # noqa: E402
 
-from mselastic.trainer.checkpoint import Checkpointer, host_copy  # noqa: E402
+from mselastic.trainer.checkpoint import Checkpointer, Manifest, host_copy  # noqa: E402
 from mselastic.trainer.elastic import Session  # noqa: E402
 from mselastic.trainer.faults import flip_byte  # noqa: E402
+
+
+def test_a_manifest_reads_back_as_written_and_a_checkpoints_has_no_snapshot_fields() -> None:
+    """``to_json`` writes the fields as they are (no deep copy: it runs at every snapshot)."""
+    snap = Manifest(step=7, epoch=1, world_size=2, generation=3, file="ckpt-00000007-g000003.snap", sha256="",
+                    size=12, extra={"num_samples": 100}, rng={"global_seed": 1, "kernel_seed": [["a", 0, 2]]},
+                    lineage="x", tensors=[{"name": "w", "dtype": "float32", "shape": [3]}], crc32=5)
+    assert Manifest(**json.loads(snap.to_json())) == snap
+    ckpt = Manifest(step=7, epoch=1, world_size=2, generation=3, file="ckpt-00000007-g000003.ckpt", sha256="ab",
+                    size=12)
+    fields = json.loads(ckpt.to_json())
+    assert "tensors" not in fields and "crc32" not in fields and Manifest(**fields) == ckpt
 
 
 def make_opt(seed: int) -> nn.Momentum:
