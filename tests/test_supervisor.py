@@ -274,6 +274,67 @@ def test_the_other_nodes_wait_for_node_0s_scheduler_until_it_listens_or_they_are
     asyncio.run(run())
 
 
+def _pidfds() -> int:
+    """How many pidfds this process holds."""
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if _link(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]")
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def test_a_rank_killed_from_outside_is_seen_at_once_not_at_the_watchs_next_look(tmp_path: os.PathLike[str]) -> None:
+    """The watch looks at the ranks every ``poll_interval_s``; a rank's exit (its pidfd) wakes it at
+    once. With a 60 s interval, a rank SIGKILLed from outside while the watch sleeps is blamed, with
+    its signal, within a second; its launch (a stand-in for msrun, the rank's parent) is stopped,
+    and the pidfds are closed."""
+    tmp = str(tmp_path)
+    plan = Plan(job="j", generation=2, members=(Member("n0", 0, 1, "127.0.0.1:1", "127.0.0.1"),),
+                world_size=1, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
+    spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
+                   workers_per_node=1)
+    held = _pidfds()
+
+    async def run() -> tuple[Generation, float, int]:
+        gen = Generation(plan, spec, "n0", tmp, lambda g, urgent: None, poll_interval_s=60.0)
+        os.makedirs(gen.log_dir)
+        open(os.path.join(gen.log_dir, "msrun.log"), "w").close()  # (as preflight makes it)
+        gen._log = supervisor._open_own(os.path.join(gen.log_dir, "msrun.log"))
+        # msrun's stand-in: the rank is its child, which it reaps only when it looks (msrun: once a second).
+        launch = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
+            "print(p.pid, flush=True); time.sleep(120)", stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            assert launch.stdout is not None
+            pid = int(await asyncio.wait_for(launch.stdout.readline(), 30))
+            gen._msrun, gen.started_mono = launch, time.monotonic()  # (as start() sets them)
+            gen.ranks[0].pid, gen.ranks[0].create_time = pid, psutil.Process(pid).create_time()
+            watch = asyncio.create_task(gen._watch())
+            await asyncio.sleep(0.5)  # (it has looked once, and waits for the next look, 60 s away)
+            assert not watch.done() and gen.state is GenerationState.STARTING
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.wait_for(gen.done.wait(), 30)
+            await watch
+            code = await asyncio.wait_for(launch.wait(), 10)  # stopped by the teardown, not by this test
+            return gen, gen.detected_at - killed, code
+        finally:
+            if launch.returncode is None:
+                os.killpg(launch.pid, signal.SIGKILL)  # (its group: the rank too)
+                await launch.wait()
+
+    gen, seen_s, launch_code = asyncio.run(run())
+    assert gen.state is GenerationState.FAILED and gen.failed_rank == 0 and gen.cause is FailureCause.RANK_EXITED
+    assert "exited before finishing" in gen.reason and "SIGKILL" in gen.reason, gen.reason
+    assert seen_s < 1.0, seen_s  # (the next look was 59.5 s away)
+    assert launch_code != 0
+    assert _pidfds() == held  # closed with the generation
+
+
 @pytest.mark.parametrize("batch", [True, False])
 def test_a_jobs_processes_run_under_sched_batch_unless_the_admin_says_otherwise(batch: bool) -> None:
     """What elasticd starts for a job (msrun, a standby's server) runs under SCHED_BATCH, and so do

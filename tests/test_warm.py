@@ -127,8 +127,15 @@ out = dict(env=dict(os.environ), kernel=kernel, argv=sys.argv, cwd=os.getcwd(), 
            session_leader=os.getsid(0) == os.getpid(), main=__name__,
            stdout=os.readlink("/proc/self/fd/1"), stderr=os.readlink("/proc/self/fd/2"),
            stdin=os.readlink("/proc/self/fd/0"))
-with open(os.path.join(sys.argv[1], name + ".json"), "w") as f:
+with open(os.path.join(sys.argv[1], name + ".tmp"), "w") as f:
     json.dump(out, f)
+os.rename(os.path.join(sys.argv[1], name + ".tmp"), os.path.join(sys.argv[1], name + ".json"))
+# A rank's exit ends the generation at once (elasticd tears the others down): leave once all wrote.
+names = ("scheduler.json", "worker-0.json", "worker-1.json")
+deadline = time.monotonic() + 30
+while role != "MS_SCHED" and time.monotonic() < deadline and \
+        not all(os.path.exists(os.path.join(sys.argv[1], n)) for n in names):
+    time.sleep(0.01)
 if role == "MS_SCHED":
     while True:  # until the generation is torn down (msrun's scheduler outlives its workers too)
         time.sleep(0.1)

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -479,6 +480,12 @@ class Generation:
         self.on_joined: Callable[["Generation"], None] = lambda gen: None
         self._remote_joined_at = 0.0
         self._poll_s = poll_interval_s
+        #: Set when a watched process has ended (see :meth:`_watch_exits`): the watch looks at once.
+        self._wake = asyncio.Event()
+        #: What wakes it: msrun's ranks by pid -> pidfd (-1: none could be opened); the processes
+        #: elasticd has a handle on (msrun, the warm ranks and scheduler) by pid -> their wait().
+        self._exit_fds: dict[int, int] = {}
+        self._exit_waits: dict[int, asyncio.Future[int]] = {}
         self._msrun: asyncio.subprocess.Process | None = None
         #: Warm: the standbys handed this generation (the scheduler's first on node_rank 0), and the
         #: rank each worker became. Cold: msrun starts them.
@@ -956,6 +963,13 @@ class Generation:
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+        for fd in self._exit_fds.values():
+            if fd >= 0:
+                asyncio.get_running_loop().remove_reader(fd)
+                os.close(fd)
+        for waiting in self._exit_waits.values():
+            waiting.cancel()
+        self._exit_fds, self._exit_waits = {}, {}
         self.done.set()
 
     # -- watching ----------------------------------------------------------
@@ -1109,7 +1123,9 @@ class Generation:
     async def _watch(self) -> None:
         try:
             while not self.state.terminal and not self._stopping:
+                self._wake.clear()
                 self._discover()
+                self._watch_exits()
                 self._nudge()
                 self._note_exit_codes()
                 fault = self._find_fault()
@@ -1130,7 +1146,9 @@ class Generation:
                              "msrun and its scheduler stopped", extra=self._ctx)
                     await self._launch_exited(0)
                     return
-                await asyncio.sleep(self._poll_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._poll_s):
+                        await self._wake.wait()
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not leave workers unwatched
@@ -1150,6 +1168,46 @@ class Generation:
         if not all(rs.finished and rs.exit_code == 0 for rs in self.ranks.values()):
             return False
         return not await asyncio.to_thread(_connected, self.plan.master_port)
+
+    def _watch_exits(self) -> None:
+        """Wake the watch at once when a process of the generation ends, instead of at its next look
+        (up to ``poll_interval_s`` later); the look still decides what happened. msrun, and warm,
+        the ranks and the scheduler: when their exit code is known (asyncio's for msrun, the fork
+        server's word for a standby), so that the look finds it. msrun's ranks, whose code their
+        parent reaps: a pidfd, readable once the rank has exited (a zombie still shows its status).
+        Each once, as its pid becomes known."""
+        if self.done.is_set():
+            return
+        handles: list[Any] = [self._msrun, *(sb.proc for sb in self._warm_ranks.values())]
+        if (scheduler := self._warm_scheduler()) is not None:
+            handles.append(scheduler.proc)
+        for proc in handles:
+            if proc is not None and proc.pid not in self._exit_waits:
+                waiting = asyncio.ensure_future(proc.wait())
+                waiting.add_done_callback(lambda _: self._wake.set())
+                self._exit_waits[proc.pid] = waiting
+        loop = asyncio.get_running_loop()
+        for rs in self.ranks.values():
+            if not rs.pid or rs.rank in self._warm_ranks or rs.pid in self._exit_fds:
+                continue
+            try:
+                fd = os.pidfd_open(rs.pid)
+            except OSError as e:
+                self._exit_fds[rs.pid] = -1
+                if e.errno != errno.ESRCH:  # (gone already: the look sees it)
+                    log.warning("no pidfd for rank %d (pid %d): %s; its exit is seen at the next look",
+                                rs.rank, rs.pid, e, extra={**self._ctx, "rank": rs.rank})
+                continue
+            if not procs.alive(rs.pid, rs.create_time):  # (gone, or another process's pid now: the look sees it)
+                os.close(fd)
+                self._exit_fds[rs.pid] = -1
+                continue
+            self._exit_fds[rs.pid] = fd
+            loop.add_reader(fd, self._exited, fd)
+
+    def _exited(self, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)  # (readable for good: once is enough)
+        self._wake.set()
 
     def _discover(self) -> None:
         """Learn each local rank's pid from msrun's direct children.
@@ -1217,11 +1275,19 @@ class Generation:
         their nodes, which cannot see it, find them silent only after the whole ``hang_timeout_s``.
         """
         now = time.monotonic()
-        exited = [rs for rs in self.ranks.values() if rs.exit_step >= 0]
-        dead = [rs for rs in self.ranks.values()
-                if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
+
+        def unannounced() -> list[RankState]:
+            return [rs for rs in self.ranks.values()
+                    if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
+
+        dead = unannounced()
         if dead:
-            self._drain_beats()  # a rank's fatal beat comes just before it exits
+            # A rank's last beat (finished, a planned exit, fatal) comes just before it exits, and
+            # its exit wakes this at once: read what is queued, then look again.
+            self._drain_beats()
+            dead = unannounced()
+        exited = [rs for rs in self.ranks.values() if rs.exit_step >= 0]
+        if dead:
             fatal = [rs for rs in self.ranks.values() if rs.fatal]
             if fatal:
                 first = min(fatal, key=lambda r: r.rank)
