@@ -205,6 +205,7 @@ def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: i
         global_batch_size=32, checkpoint_dir=ckpt_dir, checkpoint_interval_steps=10, keep_checkpoints=3,
         hang_timeout_s=60, stop_grace_period_s=5, snapshot_interval_steps=0)
     fields.update(overrides)
+    _pace(fields, pinned_batch="global_batch_size" in overrides or "micro_batch_sizes" in overrides)
     with open(path, "w") as f:
         for key, value in fields.items():
             if isinstance(value, dict):  # a TOML inline table
@@ -213,6 +214,37 @@ def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: i
                 value_text = json.dumps(value)
             f.write(f"{key} = {value_text}\n")
     return path
+
+
+#: Checks the suite against machine speed (#36): ``slow`` adds 0.15 s to every LeNet step, all the
+#: run long (a ``--pace-until`` release is dropped); ``fast`` makes the steps cheaper, a global batch
+#: of 8 where a test leaves the default, and where it pins the batch halves its ``--step-sleep-s``
+#: (harder than a faster machine: the pacing's own margin halved). Unset in CI.
+PACE = os.environ.get("MSELASTIC_TEST_PACE", "")
+
+
+def _pace(fields: dict[str, Any], pinned_batch: bool) -> None:
+    args = fields.get("args")
+    if PACE not in ("slow", "fast") or not isinstance(args, list) or "--data" not in args:
+        return
+    args = list(args)
+    i = args.index("--step-sleep-s") + 1 if "--step-sleep-s" in args else 0
+    sleep = float(args[i]) if i else 0.0
+    if PACE == "fast" and not pinned_batch:
+        fields["global_batch_size"] = 8
+    elif PACE == "fast":
+        sleep /= 2
+    else:
+        sleep += 0.15
+        if "--pace-until" in args:
+            k = args.index("--pace-until")
+            del args[k:k + 2]
+            i = args.index("--step-sleep-s") + 1 if i else 0
+    if i:
+        args[i] = str(sleep)
+    else:
+        args += ["--step-sleep-s", str(sleep)]
+    fields["args"] = args
 
 
 def elasticctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
@@ -305,6 +337,34 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
         if env.get("MS_ROLE") == "MS_WORKER":
             ranks[int(env["RANK_ID"])] = p.pid
     return ranks
+
+
+class Pace:
+    """A LeNet job kept slow while a test needs it running (its faults, its windows of checks): each
+    step sleeps ``step_sleep_s`` until :meth:`release`, then the job finishes at full speed. The
+    pacing, not the machine's speed, makes the job outlast the test's sequence."""
+
+    def __init__(self, tmp: str, step_sleep_s: float) -> None:
+        self.path = os.path.join(tmp, "pace-released")
+        self.step_sleep_s = step_sleep_s
+
+    @property
+    def args(self) -> list[str]:
+        return ["--step-sleep-s", str(self.step_sleep_s), "--pace-until", self.path]
+
+    def release(self) -> None:
+        open(self.path, "w").close()
+
+
+def still_running(etcd: Etcd, job: str, before: str) -> bool:
+    """True while ``job`` has not ended; when it has, fail saying that it finished before ``before``
+    (the fault or the window a test needed it running for): the job was too short or unpaced for
+    this machine's speed, which is the test's fault, not the product's."""
+    status = etcd.status(job)
+    if status is not None and status.state.terminal:
+        raise AssertionError(f"the job finished before {before} ({status.state.value} in generation "
+                             f"{status.generation}): pace it (--step-sleep-s) or give it more steps")
+    return True
 
 
 def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, snapshots: bool = False) -> list[Plan]:

@@ -14,8 +14,8 @@ import pytest
 from mselastic.core.model import AGENT_RESTARTED, Event
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster, ClusterFault
-from tests.harness import DATA_DIR, LENET, REPO, check_history, elasticctl, holds_for, lenet_spec, wait_for, \
-    worker_pids
+from tests.harness import DATA_DIR, LENET, REPO, Pace, check_history, elasticctl, holds_for, lenet_spec, \
+    still_running, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -29,7 +29,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def submit(cluster: Cluster, total_steps: int, **overrides: object) -> None:
+def submit(cluster: Cluster, total_steps: int, pace: Pace | None = None, **overrides: object) -> None:
+    if pace is not None:
+        overrides["args"] = ["--data", DATA_DIR, "--out", os.path.join(cluster.tmp, "out"), "--lr", "0.05", *pace.args]
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"),
                       os.path.join(cluster.tmp, "ckpt"), total_steps, workers=1,
                       **{"min_nodes": 1, "max_nodes": 2, **overrides})
@@ -50,7 +52,9 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     # scheduler on n0 for 4 s more. n0 must not end its generation (and the scheduler) before.
     lingered = os.path.join(cluster.tmp, "lingered")
     out = os.path.join(cluster.tmp, "out")
-    submit(cluster, total_steps=30, script=LINGER, args=[LENET, "--data", DATA_DIR, "--out", out, "--lr", "0.05"],
+    pace = Pace(cluster.tmp, 0.3)  # until the kill's relaunch is planned: step 15 and a kill, on any machine
+    submit(cluster, total_steps=30, script=LINGER,
+           args=[LENET, "--data", DATA_DIR, "--out", out, "--lr", "0.05", *pace.args],
            env={"MSELASTIC_TEST_LINGER": f"1:4:{lingered}"})
     etcd = cluster.etcd
     assert etcd is not None
@@ -58,6 +62,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     assert [m.node_id for m in plan1.members] == ["n0", "n1"] and plan1.master_addr == cluster.address(0)
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 15, 180, 0.2)
     ranks = worker_pids(cluster.procs, 1)
+    still_running(etcd, JOB, "the kill")
     assert sorted(ranks) == [0, 1]
     os.kill(ranks[1], signal.SIGKILL)  # rank 1 lives on n1
     killed = time.time()
@@ -66,6 +71,7 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     assert failed.detected_at - killed < 1.0 and failed.failed_rank == 1
     plan2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
     assert [m.node_id for m in plan2.members] == ["n0", "n1"]  # same nodes, same order
+    pace.release()
     wait_for("generation 1 gone on every node", lambda: not worker_pids(cluster.procs, 1), 15)
     n0 = wait_for("n0's generation 2 to end", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal and r,
                   240, 0.05)
@@ -89,15 +95,18 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
 def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=30, scale_up_settle_s=600)  # n1's return below does not scale up
+    pace = Pace(cluster.tmp, 0.3)  # until the relaunch is planned
+    submit(cluster, total_steps=30, pace=pace, scale_up_settle_s=600)  # n1's return below does not scale up
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
+    still_running(etcd, JOB, "the node's loss")
     cluster.inject(ClusterFault.KILL_NODE, 1)  # elasticd and, through the parent-death chain, its workers
     killed = time.monotonic()
     # The leader's connection to n1's agent drops with it: a new plan well before n1's lease expires.
     plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15, 0.02)
     took = time.monotonic() - killed
+    pace.release()
     assert took < 2.0, f"node loss -> new plan took {took:.2f}s"
     assert etcd.get(etcd.keys.node("n1")) is not None  # still registered: peer evidence, not the lease
     assert [m.node_id for m in plan2.members] == ["n0"] and plan2.world_size == 1
@@ -123,10 +132,12 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     assert etcd is not None
     wait_for("n0 to lead", lambda: etcd.leader() == "n0", 30)
     cluster.start_nodes(1, 2)
-    submit(cluster, total_steps=40)
+    pace = Pace(cluster.tmp, 0.3)  # until the new leader has left the generation alone (about 6 s)
+    submit(cluster, total_steps=40, pace=pace)
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     assert sorted(before) == [0, 1]
+    still_running(etcd, JOB, "the leader's loss")
     cluster.inject(ClusterFault.KILL_LEADER)
     killed = time.monotonic()
     new = wait_for("a new leader", lambda: (ld := etcd.leader()) not in (None, "n0") and ld,
@@ -135,7 +146,9 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
     # The new leader reconciles from etcd and leaves the healthy generation alone.
     wait_for("training to go on under the new leader",
              lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 120, 0.2)
+    still_running(etcd, JOB, "the check under the new leader")
     assert worker_pids(cluster.procs, 1) == before
+    pace.release()
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     check_history(etcd, JOB, 40)
@@ -145,11 +158,13 @@ def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> 
 def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=30)
+    pace = Pace(cluster.tmp, 0.3)  # until the relaunch is planned
+    submit(cluster, total_steps=30, pace=pace)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
     on_n1 = {r: p for r, p in worker_pids(cluster.procs, 1).items() if r == 1}
+    still_running(etcd, JOB, "the partition")
     assert on_n1
     cluster.inject(ClusterFault.PARTITION, 1)
     cut, cut_at = time.monotonic(), time.time()
@@ -158,6 +173,7 @@ def test_partitioned_node_fences_itself_and_rejoins_when_healed(cluster: Cluster
              lambda: not any(_alive(p) for p in on_n1.values()), cluster.lease_ttl_s + 1, 0.05)
     assert time.monotonic() - cut <= cluster.lease_ttl_s + 0.3  # + polling
     plan2 = wait_for("generation 2 without n1", lambda: (p := etcd.plan(JOB)) and p.generation >= 2 and p, 20)
+    pace.release()
     assert [m.node_id for m in plan2.members] == ["n0"]
     # The leader's keepalive pings to n1's agent go unanswered: the plan came before n1's lease expired.
     events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
@@ -183,8 +199,11 @@ def test_a_node_the_leader_cannot_reach_is_replaced_and_stops_its_own_generation
     assert etcd is not None
     wait_for("n0 to lead", lambda: etcd.leader() == "n0", 30)
     cluster.start_nodes(1, slots=2)
-    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"),
-                      os.path.join(cluster.tmp, "ckpt"), 60, workers=2, min_nodes=1, max_nodes=1)
+    pace = Pace(cluster.tmp, 0.3)  # until n1 stopped its replaced generation (up to 13 s after step 10)
+    out = os.path.join(cluster.tmp, "out")
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), 60,
+                      workers=2, min_nodes=1, max_nodes=1,
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", *pace.args])
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     assert [m.node_id for m in plan1.members] == ["n1"]
@@ -192,6 +211,7 @@ def test_a_node_the_leader_cannot_reach_is_replaced_and_stops_its_own_generation
     wait_for("step 10 on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     cluster.wait_registered(2)
     old = list(worker_pids(cluster.procs, 1).values())
+    still_running(etcd, JOB, "the cut")
     assert len(old) == 2
     cluster.cut(0, 1)
     cut = time.monotonic()
@@ -204,6 +224,7 @@ def test_a_node_the_leader_cannot_reach_is_replaced_and_stops_its_own_generation
     assert etcd.get(etcd.keys.node("n1")) is not None  # its lease held all along: no self-fencing did this
     rep = wait_for("n1's report of it closed", lambda: (r := etcd.report(JOB, 1, "n1")) and r.state.terminal and r, 5)
     assert rep.state is GenerationState.STOPPED and rep.step < 60
+    pace.release()
     cluster.cut(0, 1, heal=True)
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
@@ -220,9 +241,10 @@ def test_a_rack_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
     cluster.start_node(0, slots=0)  # the coordinator, holding no ranks
     cluster.wait_registered(0)
     cluster.start_nodes(1, 2)
-    # 50 steps: generation 1 must still be training when n1 fences itself (up to TTL + 1.5 s
-    # after the cut, while n1 and n2 go on together: at ~0.3 s a step, 30 steps ended first).
-    submit(cluster, total_steps=50, scale_up_settle_s=3600)
+    # Paced (0.4 s a step) until the relaunch: generation 1 must still be training when n1 fences
+    # itself (up to TTL + 1.5 s after the cut, while n1 and n2 go on together).
+    pace = Pace(cluster.tmp, 0.4)
+    submit(cluster, total_steps=50, pace=pace, scale_up_settle_s=3600)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 15, 180, 0.2)
@@ -230,6 +252,7 @@ def test_a_rack_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
     assert plan1 is not None and [m.node_id for m in plan1.members] == ["n1", "n2"]
     # n1 runs rank 0, the rank that writes checkpoints: cut it, so that the check below can fail.
     on_n1 = {r: p for r, p in worker_pids(cluster.procs, 1).items() if r == 0}
+    still_running(etcd, JOB, "the cut")
     assert on_n1
     cluster.inject(ClusterFault.CUT_FROM_ETCD, 0)
     cluster.inject(ClusterFault.CUT_FROM_ETCD, 1)
@@ -244,6 +267,7 @@ def test_a_rack_cut_from_etcd_but_not_from_its_peers_fences_itself(cluster: Clus
         with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
             assert "but reachable from n2: this node is cut off, self-fencing" in f.read()
     finally:
+        pace.release()
         cluster.inject(ClusterFault.RECONNECT_ETCD, 0)
         cluster.inject(ClusterFault.RECONNECT_ETCD, 1)
     status = finished(cluster)
@@ -267,7 +291,10 @@ def test_etcd_stall_and_outage_leave_a_healthy_job_alone(cluster: Cluster) -> No
     pids through both; the nodes register again and the coordinator adopts the generation."""
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=110)  # both faults are over by step ~70
+    # Paced (0.3 s a step) until both faults are over: the sequence takes about 25 s, the 150 steps
+    # after step 10 at least 45 s on any machine; then the job finishes at full speed.
+    pace = Pace(cluster.tmp, 0.3)
+    submit(cluster, total_steps=160, pace=pace)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
@@ -275,6 +302,7 @@ def test_etcd_stall_and_outage_leave_a_healthy_job_alone(cluster: Cluster) -> No
     for fault, back in ((ClusterFault.FREEZE_ETCD, ClusterFault.THAW_ETCD),
                         (ClusterFault.STOP_ETCD, ClusterFault.START_ETCD)):
         step_before = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
+        still_running(etcd, JOB, fault.value)
         cluster.inject(fault)
         # Training goes on while etcd is away: the ranks keep running (checked by their pids).
         holds_for(f"the workers running ({fault.value})", lambda: worker_pids(cluster.procs, 1) == before,
@@ -283,12 +311,14 @@ def test_etcd_stall_and_outage_leave_a_healthy_job_alone(cluster: Cluster) -> No
         # The daemons reconnect and report progress made meanwhile; nothing was relaunched.
         wait_for(f"progress reported after {back.value}",
                  lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step_before + 10, 60, 0.5)
+        still_running(etcd, JOB, f"the check after {back.value}")
         assert worker_pids(cluster.procs, 1) == before
         assert (p := etcd.plan(JOB)) is not None and p.generation == 1
         wait_for("both nodes registered", lambda: all(etcd.get(etcd.keys.node(n)) for n in ("n0", "n1")), 10, 0.2)
+    pace.release()
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 110)
+    check_history(etcd, JOB, 160)
     assert status.generation == 1 and status.restart_count == 0
     # The stall did what it does: both leases expired with etcd, and the generation was kept.
     for i in (0, 1):
@@ -341,13 +371,15 @@ def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster
     the same generation trains through both."""
     cluster.up(2, etcd_members=3)
     cluster.start_nodes(0, 1)
-    submit(cluster, total_steps=100)
+    pace = Pace(cluster.tmp, 0.4)  # until both faults are over (about 20 s; 90 steps after step 10: 36 s)
+    submit(cluster, total_steps=100, pace=pace)
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     for fault in (ClusterFault.FREEZE_ETCD_LEADER, ClusterFault.KILL_ETCD_LEADER):
         step = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
+        still_running(etcd, JOB, fault.value)
         cluster.inject(fault)
         if fault is ClusterFault.FREEZE_ETCD_LEADER:
             holds_for("the workers running while the etcd leader is frozen",
@@ -356,7 +388,9 @@ def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster
         # The other two members elect a new leader; the daemons fail over to them.
         wait_for(f"progress reported after {fault.value}",
                  lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step + 10, 60, 0.5)
+        still_running(etcd, JOB, f"the check after {fault.value}")
         assert worker_pids(cluster.procs, 1) == before
+    pace.release()
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     check_history(etcd, JOB, 100)
@@ -386,7 +420,10 @@ def test_restarts_exhausted_fails_with_nothing_left_anywhere(cluster: Cluster) -
 def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaunch(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0)
-    submit(cluster, total_steps=40)
+    # Paced (0.5 s a step) until the kill: the join, the 2 s window and step 11 take about 8 s,
+    # the 35 steps after step 5 at least 17 s on any machine.
+    pace = Pace(cluster.tmp, 0.5)
+    submit(cluster, total_steps=40, pace=pace)
     etcd = cluster.etcd
     assert etcd is not None
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
@@ -394,12 +431,16 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
     cluster.inject(ClusterFault.JOIN, 1)  # joins while generation 1 runs (scale_up_settle_s is 30 s)
-    holds_for("generation 1 untouched by the join", lambda: (p := etcd.plan(JOB)) and p.generation == 1
-              and worker_pids(cluster.procs, 1) == before, 2.0)
-    # The next relaunch (rank 0 killed) takes the newcomer in, appended after the survivor.
+    holds_for("generation 1 untouched by the join", lambda: still_running(etcd, JOB, "the join's window ended")
+              and (p := etcd.plan(JOB)) and p.generation == 1 and worker_pids(cluster.procs, 1) == before, 2.0)
+    # The next relaunch (rank 0 killed past the checkpoint of step 10) takes the newcomer in,
+    # appended after the survivor.
+    wait_for("step 11", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 11, 60, 0.1)
+    still_running(etcd, JOB, "the kill")
     os.kill(before[0], signal.SIGKILL)
     plan2 = wait_for("generation 2", lambda: (q := etcd.plan(JOB)) and q.generation == 2 and q, 30, 0.1)
     assert [m.node_id for m in plan2.members] == ["n0", "n1"] and plan2.world_size == 2
+    pace.release()
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
     check_history(etcd, JOB, 40)

@@ -19,7 +19,7 @@ from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from tests.cluster import Cluster
-from tests.harness import LENET, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, \
+from tests.harness import DATA_DIR, LENET, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, \
     generation_processes, holds_for, lenet_spec, local_socket, start_node, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -120,8 +120,12 @@ def test_three_one_slot_jobs_on_two_nodes_start_in_submission_order(cluster: Clu
     jobs = ["j1", "j2", "j3"]
     with Sampler(cluster.procs.mark) as sampler:
         for job in jobs:
-            spec = lenet_spec(os.path.join(cluster.tmp, f"{job}.toml"), job, os.path.join(cluster.tmp, job, "out"),
-                              os.path.join(cluster.tmp, job, "ckpt"), total_steps=5, workers=1)
+            out = os.path.join(cluster.tmp, job, "out")
+            # j1 and j2 take a second a step: both slots still held when j3 is submitted, on any machine.
+            spec = lenet_spec(os.path.join(cluster.tmp, f"{job}.toml"), job, out,
+                              os.path.join(cluster.tmp, job, "ckpt"), total_steps=5, workers=1,
+                              args=["--data", DATA_DIR, "--out", out, "--lr", "0.05",
+                                    "--step-sleep-s", "1" if job != "j3" else "0"])
             r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
             assert r.returncode == 0, r.stderr
         queued = wait_for("j3 queued", lambda: (s := etcd.status("j3")) and "held by" in s.message and s, 20, 0.1)

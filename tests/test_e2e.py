@@ -18,8 +18,8 @@ import pytest
 from mselastic.core.model import AGENT_RESTARTED
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
-from tests.harness import Etcd, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec, local_socket, \
-    start_node, wait_for, worker_pids
+from tests.harness import DATA_DIR, Etcd, Pace, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec, \
+    local_socket, start_node, still_running, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"  # the harness helpers assume this job name
@@ -58,11 +58,14 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     bad = lenet_spec(os.path.join(tmp, "bad.toml"), JOB, out, ckpt, total_steps=40, env={"LD_PRELOAD": "/tmp/x.so"})
     r = elasticctl("submit", bad, endpoint=endpoint)
     assert r.returncode == 2 and "LD_PRELOAD may not be set by a job" in r.stderr and len(r.stderr.splitlines()) == 1
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=20, env={"API_TOKEN": "t0ken"})
+    pace = Pace(tmp, 0.3)  # until its processes are looked at (nobody can see the release in tmp)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=20, env={"API_TOKEN": "t0ken"},
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", *pace.args])
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 0, r.stderr
     wait_for("step 5", lambda: (rep := etcd.report(JOB, 1, "n0")) and rep.step >= 5, 180, 0.2)
     processes = generation_processes(procs, 1)
+    still_running(etcd, JOB, "its processes were looked at")
     assert len(worker_pids(procs, 1)) == 2 and len(processes) >= 3  # msrun, its scheduler, the workers
     for p in processes:
         assert p.uids().real == nobody and p.uids().effective == nobody, (p.pid, p.cmdline()[:3], p.uids())
@@ -70,6 +73,7 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
         assert "ELASTICD_TEST_SECRET" not in env and env["API_TOKEN"] == "t0ken" and env["USER"] == "nobody"
     described = elasticctl("describe", "job", JOB, "-o", "json", endpoint=endpoint).stdout
     assert "t0ken" not in described and "API_TOKEN" in described
+    pace.release()
     status = wait_for("job to succeed",
                       lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, poll_s=0.5)
     assert status.state is JobState.SUCCEEDED, status.message
@@ -99,7 +103,9 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
     out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
     total = 35
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=total)
+    pace = Pace(tmp, 0.3)  # until the kill's relaunch is committed
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=total,
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", *pace.args])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     # Kill once a checkpoint exists and training is past it.
@@ -108,6 +114,7 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     roles = {p.environ().get("MS_ROLE", "msrun") for p in old}
     assert {"MS_WORKER", "MS_SCHED"} <= roles, roles
     victim = worker_pids(procs, 1)[1]
+    still_running(etcd, JOB, "the kill")
 
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
@@ -126,6 +133,7 @@ def test_rank_kill_is_detected_torn_down_and_resumed(procs: Processes, etcd: Etc
     assert checkpointed >= 10
 
     plan2 = wait_for("generation 2 committed", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 10)
+    pace.release()
     assert plan2.master_port != plan1.master_port and plan2.restart_count == 1
     started = wait_for("generation 2 first step",
                        lambda: (r := etcd.report(JOB, 2, "n0")) and r.first_step_at and r, 120, poll_s=0.2)

@@ -19,8 +19,8 @@ import pytest
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from tests.cluster import Cluster, ClusterFault
-from tests.harness import (DATA_DIR, Etcd, Processes, check_history, elasticctl, lenet_spec, params, plain_msrun,
-                           rank_steps, start_node, wait_for, worker_pids)
+from tests.harness import (DATA_DIR, Etcd, Pace, Processes, check_history, elasticctl, lenet_spec, params,
+                           plain_msrun, rank_steps, start_node, still_running, wait_for, worker_pids)
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -83,11 +83,15 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     cluster.warm = True  # (five relaunches, warm as in production)
     cluster.start_nodes(0, 1)
     out = os.path.join(cluster.tmp, "out")
+    # Paced (0.5 s a step) until the last change is planned, whatever the machine's speed: epoch 0
+    # (46 steps) holds the drain at step 12 and the scale-up after the 2 s settle window, and the
+    # node loss, the join and the scale-down all happen before step 90 (about 75 on any machine).
+    pace = Pace(cluster.tmp, 0.5)
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), total,
                       workers=1, min_nodes=1, max_nodes=2, max_restarts=3, scale_up_settle_s=2, micro_batch_sizes=[8],
                       # no backstop within reach: every planned stop here is at the step the leader names
                       stop_check_interval_steps=1000,
-                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", "--step-sleep-s", "0.05"])
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", *pace.args])
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     etcd = cluster.etcd
     assert etcd is not None
@@ -95,6 +99,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     def at_step(gen: int, node: str, step: int) -> None:
         wait_for(f"generation {gen} at step {step}", lambda: (r := etcd.report(JOB, gen, node)) and r.step >= step,
                  180, 0.1)
+        still_running(etcd, JOB, f"the change after generation {gen}'s step {step}")
 
     def plan(gen: int, members: list[str]):  # type: ignore[no-untyped-def]
         p = wait_for(f"generation {gen}", lambda: (p := etcd.plan(JOB)) and p.generation >= gen and p, 60, 0.1)
@@ -131,6 +136,8 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     assert elasticctl("uncordon", "n1", endpoint=cluster.endpoint(0)).returncode == 0
     p3 = plan(3, ["n0", "n1"])
     assert p3.planned and "scale up, n1 joined (world size 1 -> 2)" in p3.reason
+    assert p3.stop_previous_at_step < STEPS_PER_EPOCH, \
+        f"epoch 0 ended before the scale-up (generation 3 resumes at step {p3.stop_previous_at_step}): pace it slower"
 
     # 3 -> 4: n1 dies in epoch 1; the job goes on alone from the last interval checkpoint.
     at_step(3, "n0", STEPS_PER_EPOCH + 6)
@@ -150,6 +157,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     assert r.returncode == 0 and "1..1 nodes" in r.stdout, r.stderr
     p6 = plan(6, ["n0"])
     assert p6.planned and "scale down to max_nodes=1" in p6.reason
+    pace.release()
 
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
@@ -198,23 +206,26 @@ def test_sigterm_torn_save_and_sigkill_resume_bit_identically_with_dropout(
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total,
                       # (paced: the SIGTERM must land before step 20, the kill before step 30)
                       args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--dropout", "0.2", "--step-sleep-s",
-                            "0.1"],
+                            "0.2"],
                       env={"MSELASTIC_FAULT": "sigkill_in_save:rank=0:generation=2:step=20"},
                       quarantine_after_failures=5)  # three failures of the only node: no cooldown
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     # The ranks stop 3 steps ahead of the highest they reached: a SIGTERM at step 10 stops them at
     # 13, between the interval checkpoint at 10 and the torn one at 20. Timed on the ranks' own
     # heartbeats (the agent's reports in etcd, once a second, were 4 steps late once: a stop at 20).
+    # (each victim found first: a scan of /proc is time the window between the steps must not spend)
+    victim = wait_for("generation 1's rank 1", lambda: worker_pids(procs, 1).get(1), 180, 0.2)
     wait_for("step 10", lambda: min(rank_steps(endpoint, 1).values(), default=0) >= 10, 180, 0.02)
-    os.kill(worker_pids(procs, 1)[1], signal.SIGTERM)
+    os.kill(victim, signal.SIGTERM)
     rep1 = wait_for("generation 1 stopped", lambda: (r := etcd.report(JOB, 1, "n0")) and r.state.terminal and r, 30)
     assert rep1.state is GenerationState.STOPPED and 10 < rep1.exit_step < 20, rep1
     rep2 = wait_for("generation 2 killed in its save", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal
                     and r, 120, 0.1)
     assert rep2.state is GenerationState.FAILED and rep2.failed_rank == 0 and "SIGKILL" in rep2.reason, rep2
     assert rep2.resumed_steps == {"0": rep1.exit_step, "1": rep1.exit_step}
+    victim = wait_for("generation 3's rank 1", lambda: worker_pids(procs, 3).get(1), 120, 0.2)
     wait_for("generation 3 past step 25", lambda: min(rank_steps(endpoint, 3).values(), default=0) >= 25, 120, 0.02)
-    os.kill(worker_pids(procs, 3)[1], signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     plans = check_history(etcd, JOB, total)
@@ -241,8 +252,10 @@ def test_stop_checkpoints_at_the_step_the_leader_names(procs: Processes, etcd: E
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
     ckpt = os.path.join(tmp, "ckpt")
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), ckpt, 300,
-                      stop_check_interval_steps=1000)
+    out = os.path.join(tmp, "out")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, 300, stop_check_interval_steps=1000,
+                      # paced: the report read before the stop lags the ranks by at most a few steps
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--step-sleep-s", "0.1"])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     before = wait_for("step 12", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12 and r, 180, 0.05)
     r = elasticctl("stop", JOB, endpoint=endpoint)

@@ -21,8 +21,8 @@ import pytest
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.trainer.faults import Fault, FaultPlan, flip_byte
 from tests.cluster import Cluster
-from tests.harness import REFUSED, check_history, elasticctl, generation_processes, lenet_spec, ms_stamps, wait_for, \
-    worker_pids
+from tests.harness import DATA_DIR, REFUSED, check_history, elasticctl, generation_processes, lenet_spec, ms_stamps, \
+    still_running, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -134,10 +134,14 @@ def test_a_rank_that_cannot_read_the_newest_checkpoint_makes_every_rank_resume_f
     namespace: a stale cache, a checkpoint_dir that is not really shared): both ranks resume from
     the previous one, and say why. Then every checkpoint is damaged on disk: the relaunch fails the
     job with the reasons instead of starting again from step 0, and nothing is pruned."""
-    ckpt = start(cluster, "", total=40)  # (two relaunches, each past a checkpoint)
+    # (two relaunches, each past a checkpoint; paced 0.3 s a step, so that both kills land before
+    # the end on any machine: the job fails in generation 3 and is never released)
+    ckpt = start(cluster, "", total=40, args=["--data", DATA_DIR, "--out", os.path.join(cluster.tmp, "out"),
+                                               "--lr", "0.05", "--step-sleep-s", "0.3"])
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("step 25", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 25, 180, 0.1)
+    still_running(etcd, JOB, "the first kill")
     os.kill(worker_pids(cluster.procs, 1)[0], signal.SIGKILL)
     wait_for("generation 1 gone on every node", lambda: not generation_processes(cluster.procs, 1), 15)
     newest = committed_step(ckpt)
@@ -156,6 +160,7 @@ def test_a_rank_that_cannot_read_the_newest_checkpoint_makes_every_rank_resume_f
 
     wait_for("generation 2 past a checkpoint", lambda: (r := etcd.report(JOB, 2, "n1")) and r.step >= newest + 1,
              120, 0.1)
+    still_running(etcd, JOB, "the second kill")
     os.kill(worker_pids(cluster.procs, 2)[1], signal.SIGKILL)
     wait_for("generation 2 gone on every node", lambda: not generation_processes(cluster.procs, 2), 15)
     damaged = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt"))
@@ -187,12 +192,16 @@ def test_a_rank_death_msrun_reports_first_is_still_blamed_on_the_rank(cluster: C
     tests/test_supervisor.py.)"""
     cluster.up(2)
     cluster.start_nodes(0, 1)
-    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"),
-                      os.path.join(cluster.tmp, "ckpt"), TOTAL, workers=1, min_nodes=1, max_nodes=2, max_restarts=0)
+    out = os.path.join(cluster.tmp, "out")
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), TOTAL,
+                      workers=1, min_nodes=1, max_nodes=2, max_restarts=0,
+                      # paced: still training when the kill lands on any machine (the job fails there)
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--step-sleep-s", "0.3"])
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     etcd = cluster.etcd
     assert etcd is not None
     wait_for("generation 1 training on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 5, 180, 0.05)
+    still_running(etcd, JOB, "the kill")
     agent = cluster.daemons[1]
     msrun = next(p for p in generation_processes(cluster.procs, 1) if p.ppid() == agent.pid)
     os.kill(agent.pid, signal.SIGSTOP)

@@ -53,7 +53,7 @@ def run(etcd_server: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> 
         spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
                           TOTAL, env={"MSELASTIC_FAULT": "sigkill:rank=1:generation=1:step=20"},
                           args=["--data", DATA_DIR,
-                                "--out", os.path.join(tmp, "out"), "--lr", "0.05", "--step-sleep-s", "0.1"])
+                                "--out", os.path.join(tmp, "out"), "--lr", "0.05", "--step-sleep-s", "0.2"])
         r = elasticctl("submit", spec, endpoint=endpoint)
         assert r.returncode == 0, r.stderr
         yield Run(endpoint, metrics, etcd, tmp)

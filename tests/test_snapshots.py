@@ -13,7 +13,8 @@ import signal
 import pytest
 
 from mselastic.core.states import GenerationState, JobState
-from tests.harness import Etcd, Processes, check_history, elasticctl, lenet_spec, start_node, wait_for, worker_pids
+from tests.harness import DATA_DIR, Etcd, Pace, Processes, check_history, elasticctl, lenet_spec, start_node, \
+    still_running, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -25,7 +26,9 @@ def kill_and_resume(procs: Processes, etcd: Etcd, generation: int, rank: int, pa
     reached, the step the next one resumed from)."""
     wait_for(f"generation {generation} past step {past}",
              lambda: (r := etcd.report(JOB, generation, "n0")) and r.step > past, 180, 0.05)
-    os.kill(worker_pids(procs, generation)[rank], signal.SIGKILL)
+    victim = worker_pids(procs, generation)[rank]
+    still_running(etcd, JOB, f"the kill of rank {rank}")
+    os.kill(victim, signal.SIGKILL)
     failed = wait_for(f"generation {generation} FAILED", lambda: (r := etcd.report(JOB, generation, "n0"))
                       and r.state is GenerationState.FAILED and r, 10, 0.05)
     assert failed.failed_rank == rank
@@ -40,8 +43,9 @@ def test_a_killed_rank_costs_at_most_a_step_even_when_it_held_the_snapshots(
     work, out, ckpt = os.path.join(tmp, "work"), os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
     endpoint = start_node(procs, etcd, namespace, work)
     # No interval checkpoint before the end: without snapshots every relaunch would start at step 0.
+    pace = Pace(tmp, 0.3)  # until both kills are done, on any machine
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, TOTAL, checkpoint_interval_steps=100,
-                      snapshot_interval_steps=1)
+                      snapshot_interval_steps=1, args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", *pace.args])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
 
     # Rank 1 (not the one keeping the node's snapshots), then rank 0 (the keeper and the writer).
@@ -49,6 +53,7 @@ def test_a_killed_rank_costs_at_most_a_step_even_when_it_held_the_snapshots(
     assert reached - 1 <= resumed <= reached, (reached, resumed)
     reached, resumed = kill_and_resume(procs, etcd, 2, rank=0, past=resumed + 5)
     assert reached - 1 <= resumed <= reached, (reached, resumed)
+    pace.release()
     # The snapshots it resumed from are checkpoints now, the kind plain MindSpore loads.
     assert os.path.exists(os.path.join(ckpt, f"ckpt-{resumed:08d}-g000002.ckpt"))
 

@@ -74,7 +74,7 @@ def ctl(c: Container, *args: str, check: bool = True) -> Any:
 def submit(c: Container, name: str, total_steps: int, **overrides: Any) -> None:
     fields = dict(name=name, script="/srv/examples/lenet/train.py",
                   args=["--data", "/srv/data", "--out", f"{JOBS}/{name}/out", "--lr", "0.05", "--record-samples",
-                        "--step-sleep-s", "0.05"],
+                        "--step-sleep-s", "0.25"],  # (the checks below need the job running for seconds)
                   workers_per_node=2, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
                   global_batch_size=32, checkpoint_dir=f"{JOBS}/{name}/ckpt", checkpoint_interval_steps=10,
                   keep_checkpoints=3, hang_timeout_s=60, stop_grace_period_s=10)

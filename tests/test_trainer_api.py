@@ -18,7 +18,7 @@ from mselastic.core.states import JobState
 from mselastic.store.embedded import free_port
 from tests.cluster import Cluster
 from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, check_history, elasticctl, lenet_spec, msrun_done, \
-    params, rank_steps, wait_for, worker_pids
+    params, rank_steps, still_running, wait_for, worker_pids
 from tests.test_elastic import WORLD_CHANGE_ATOL, check_exactly_once, committed_samples
 
 CLASSIC = os.path.join(REPO, "examples", "classic")
@@ -115,9 +115,12 @@ def test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy
     assert etcd is not None
     # Right after the checkpoint at 20, by rank 1's own heartbeats: rank 0 (its node's snapshot
     # keeper) is writing that checkpoint in the background, and its snapshots must not wait for it.
+    # (The victim is found first: a scan of /proc between the step and the kill is time in which a
+    # fast machine finishes these scripts' last 19 steps.)
+    victim = wait_for("rank 1's pid", lambda: worker_pids(cluster.procs, 1).get(1), 240, 0.2)
     wait_for("generation 1 past its checkpoint at 20",
              lambda: rank_steps(cluster.endpoint(1), 1).get(1, 0) >= 21, 240, 0.05)
-    victim = worker_pids(cluster.procs, 1)[1]
+    still_running(etcd, JOB, "the kill")
     os.kill(victim, signal.SIGKILL)
     status = wait_for("job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message

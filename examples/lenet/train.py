@@ -88,6 +88,9 @@ def main() -> None:
     p.add_argument("--record-samples", action="store_true",
                    help="append the sample ids each rank consumes to OUT/samples_g<G>_r<R>.jsonl")
     p.add_argument("--step-sleep-s", type=float, default=0.0, help="pause after each step (tests pace the run)")
+    p.add_argument("--pace-until", metavar="PATH", default="",
+                   help="pause --step-sleep-s only until PATH exists (a test keeps the job running while it "
+                        "needs it, then lets it finish at full speed)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layers (0: none)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -140,7 +143,8 @@ def main() -> None:
             ctx.beat("step", step, loss)  # elastic
             if step % 10 == 0 or step == start + 1:  # what `elasticctl logs -f` shows
                 print(f"step {step}/{ctx.total_steps} loss {loss:.4f} world_size {ctx.world_size}", flush=True)
-            time.sleep(args.step_sleep_s)
+            if args.step_sleep_s and not (args.pace_until and os.path.exists(args.pace_until)):
+                time.sleep(args.step_sleep_s)
             stop = ctx.should_stop(step)  # elastic: a planned stop: every rank stops at the step elasticd named
             if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
                 ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
