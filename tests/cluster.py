@@ -47,6 +47,9 @@ class ClusterFault(enum.Enum):
     FREEZE_ETCD = "freeze_etcd"
     FREEZE_ETCD_LEADER = "freeze_etcd_leader"  # SIGSTOP the member leading the etcd cluster
     THAW_ETCD = "thaw_etcd"  # SIGCONT every frozen member
+    #: A one-way cut: the node's packets reach etcd, etcd's answers do not reach the node (a
+    #: blackhole route to it in etcd's namespace); RECONNECT_ETCD removes it as well.
+    DEAF_TO_ETCD = "deaf_to_etcd"
 
 
 def _ip(*args: str) -> None:
@@ -78,6 +81,7 @@ class Cluster:
         self.etcd_members: list[EmbeddedEtcd] = []
         self.etcd: Etcd | None = None
         self.frozen: list[EmbeddedEtcd] = []
+        self.deaf: set[int] = set()  # nodes with a blackhole route to them in the root namespace
 
     # -- addresses and names ---------------------------------------------------
 
@@ -196,7 +200,14 @@ class Cluster:
         elif fault is ClusterFault.CUT_FROM_ETCD:  # etcd listens on the bridge's address only
             _ip("-n", self.nodes[node], "route", "add", "blackhole", f"{self.gateway}/32")
         elif fault is ClusterFault.RECONNECT_ETCD:
-            _ip("-n", self.nodes[node], "route", "del", "blackhole", f"{self.gateway}/32")
+            if node in self.deaf:
+                self.deaf.discard(node)
+                _ip("route", "del", "blackhole", f"{self.address(node)}/32")
+            else:
+                _ip("-n", self.nodes[node], "route", "del", "blackhole", f"{self.gateway}/32")
+        elif fault is ClusterFault.DEAF_TO_ETCD:  # (other nodes reach it over the bridge, not routed)
+            _ip("route", "add", "blackhole", f"{self.address(node)}/32")
+            self.deaf.add(node)
 
     def cut(self, i: int, j: int, heal: bool = False) -> None:
         """Nodes ``i`` and ``j`` stop reaching each other (a blackhole route each way); each still
@@ -219,6 +230,9 @@ class Cluster:
     def down(self) -> None:
         """Stop everything; safe to call more than once and after a partial ``up``."""
         self.thaw()
+        for i in list(self.deaf):
+            subprocess.run(["ip", "route", "del", "blackhole", f"{self.address(i)}/32"], capture_output=True, timeout=30)
+        self.deaf.clear()
         self.procs.stop_all()
         for m in self.etcd_members:
             m.stop()

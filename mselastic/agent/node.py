@@ -2,8 +2,9 @@
 
 The agent acts only on a plan that is newer than what it runs and equal to the
 plan committed in etcd (the coordinator's push may be stale or from a deposed
-leader). When etcd cannot be reached for most of a TTL, it asks its peers whether
-it is cut off, and stops its workers if so (self-fencing, see :meth:`NodeAgent._hold`).
+leader). When etcd cannot be reached for most of a TTL, it asks its peers every
+TTL/3 whether they reach etcd, and stops its workers when the fencing rule says so
+(:func:`mselastic.core.fencing.node_verdict`; see :meth:`NodeAgent._fence_round`).
 When etcd then says its lease expired with the workers still running (etcd was away
 for every node: a stall), it registers again and keeps the generations etcd still has
 committed; the coordinator adopts them (see ``Coordinator._excused``).
@@ -23,6 +24,7 @@ from mselastic import __version__
 from mselastic.agent.standby import Standby, StandbyPool
 from mselastic.agent.supervisor import Generation, remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.users import WorkerUser
+from mselastic.core import fencing
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
@@ -91,10 +93,8 @@ class NodeAgent:
         #: The lease expired with generations running: once registered again, keep only those that
         #: are still the committed plan of a live job.
         self._recheck = False
-        #: In the current spell without renewals, peers answered and none of them reached etcd
-        #: either, or this node read etcd itself: the evidence that a lease expiry is etcd's (a
-        #: stall, an outage, a frozen member the renewals went to), not this node's cut.
-        self._not_cut_off = False
+        #: The rule the latest round without etcd went by (logged when it changes).
+        self._rule: fencing.Rule | None = None
 
     # -- registration ------------------------------------------------------
 
@@ -104,8 +104,8 @@ class NodeAgent:
         try:
             await self._close_stale_reports(stop)
             while not stop.is_set():
-                self._lease = KeptLease(self.store, self.cfg.lease_ttl_s)
-                await self._register(self._lease, stop)
+                previous, self._lease = self._lease, KeptLease(self.store, self.cfg.lease_ttl_s)
+                await self._register(self._lease, stop, fencing_by=previous)
                 if stop.is_set():
                     break
                 on_registered()
@@ -116,14 +116,10 @@ class NodeAgent:
                 if stop.is_set():
                     break
                 running = [g for g in self.generations.values() if not g.done.is_set()]
-                if running and not (self._not_cut_off or not self._peers):
-                    log.error("registration lease expired, and this node may be the one cut off (no peer said etcd "
-                              "was down for it too): self-fencing (stopping all local workers)", extra=self._ctx)
-                    await self.stop_all(grace_s=0)
-                elif running:
-                    # Not fenced while etcd was away (nobody reached it: a stall, an outage), so the
-                    # lease expired with etcd, not with this node. The coordinator gives the members of
-                    # a running generation time to register again and adopts it (see
+                if running:
+                    # Not fenced so far (the rounds go on until this node is registered again), so
+                    # the lease expired with etcd, not with this node. The coordinator holds the
+                    # jobs of a member whose agent still runs their generation (see
                     # Coordinator._excused); this agent keeps what etcd still has committed.
                     log.warning("registration lease expired with etcd (it was unreachable from every node, or "
                                 "reachable from this one); the workers are healthy: registering again and keeping "
@@ -237,54 +233,47 @@ class NodeAgent:
         return now_seen
 
     async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
-        """Return once the lease has expired (or on stop), fencing meanwhile if partitioned.
-
-        When etcd cannot be reached for most of a TTL, the agent asks the other nodes whether
-        *they* reach etcd. If one does, this node alone is cut off from etcd (a filter, a
-        route, its rack's uplink to etcd): the cluster is about to relaunch without it, so it
-        stops its workers now (self-fencing). If peers answer but none reaches etcd, etcd itself
-        is down and nobody can relaunch anything: the workers go on. If none answers, this node
-        is cut off from everything: it fences. A peer answers by reading etcd right then (its
-        own lease keeper may not have noticed an outage yet), and the peers are asked again every
-        TTL/3 while etcd stays unreachable here (etcd may come back for them and not for us).
-        Before fencing it reads etcd itself once more: when an etcd member fails, every client
-        misses renewals while it fails over, and a read may already go through for all of them.
-        """
+        """Return once the lease has expired (or on stop), fencing meanwhile if the rule says so:
+        while no renewal goes through, a round every TTL/3 (:meth:`_fence_round`)."""
         peers = asyncio.create_task(self._track_peers(stop), name="peers")
         try:
             while not stop.is_set() and not lease.lost.is_set():
                 await _first(lease.lost, lease.unreachable, stop)
-                if lease.lost.is_set() and not lease.unreachable.is_set():
-                    # etcd answered a renewal that the lease is gone while renewals went through until
-                    # then: etcd lost it (a member frozen and thawed, a leader change), this node was
-                    # never cut off. (Seen: renewed through the other members, expired 3 s later.)
-                    self._not_cut_off = True
-                    break
-                reported = False
-                self._not_cut_off = False
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
-                    if any(not g.done.is_set() for g in self.generations.values()) and self._peers:
-                        answered, reaching = await self._ask_peers()
-                        if reaching and await self.reaches_etcd(self._probe_s / 2):
-                            # etcd answers us too: a member failed over, the lease keeper catches up.
-                            self._not_cut_off = True
-                        elif reaching:
-                            log.error("etcd unreachable from here but reachable from %s: this node is cut off, "
-                                      "self-fencing", ", ".join(reaching), extra=self._ctx)
-                            await self.stop_all(grace_s=0)
-                        elif not answered:
-                            log.error("etcd and every peer unreachable: partitioned, self-fencing", extra=self._ctx)
-                            await self.stop_all(grace_s=0)
-                        else:
-                            self._not_cut_off = True
-                        if answered and not reaching and not reported:
-                            reported = True
-                            log.warning("etcd unreachable here and from the peers that answer (%s): etcd itself is "
-                                        "down, training goes on", ", ".join(answered), extra=self._ctx)
-                    await _first(lease.lost, stop, timeout_s=self.cfg.lease_ttl_s / 3)
+                    await self._fence_round(lease)
+                    await _first(lease.lost, stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
         finally:
             peers.cancel()
             await asyncio.gather(peers, return_exceptions=True)
+
+    async def _fence_rounds(self, lease: KeptLease, stop: asyncio.Event) -> None:
+        """Rounds on an expired lease's terms, while this node registers again (etcd may be away
+        for long: the outage grace is counted from that lease)."""
+        while not stop.is_set():
+            await self._fence_round(lease)
+            await _first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
+
+    async def _fence_round(self, lease: KeptLease) -> None:
+        """One round without etcd: ask every known peer whether it reaches etcd and read etcd once
+        more ourselves (when an etcd member fails, every client misses renewals while it fails
+        over, and a read may already go through), then stop the local workers if
+        :func:`~mselastic.core.fencing.node_verdict` says so. A peer answers by reading etcd right
+        then (its own lease keeper may not have noticed an outage yet)."""
+        if not any(not g.done.is_set() for g in self.generations.values()):
+            self._rule = None
+            return
+        probe = self._probe_s
+        answers, etcd_ok = await asyncio.gather(self._ask_peers(), self.reaches_etcd(probe / 2))
+        verdict = fencing.node_verdict(fencing.NodeObservation(
+            now=time.monotonic(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
+            peers=answers))
+        if verdict.act:
+            log.error("self-fencing: %s (stopping all local workers)", verdict.reason, extra=self._ctx)
+            await self.stop_all(grace_s=0, reason=f"self-fenced: {verdict.reason}")
+            lease.abandon()  # registered again once etcd answers
+        elif verdict.rule is not self._rule and verdict.rule is not fencing.Rule.ETCD_ANSWERS:
+            log.warning("etcd unreachable here; training goes on: %s", verdict.reason, extra=self._ctx)
+        self._rule = verdict.rule
 
     async def _track_peers(self, stop: asyncio.Event) -> None:
         """Keep the other nodes' Agent addresses, read from etcd whenever it answers."""
@@ -345,8 +334,9 @@ class NodeAgent:
         """How long asking the peers (and etcd once more) may take: fencing stays well within the TTL."""
         return probe_s(self.cfg.lease_ttl_s)
 
-    async def _ask_peers(self) -> tuple[list[str], list[str]]:
-        """(the peers that answered, those of them that reach etcd), asked at once, within TTL/6."""
+    async def _ask_peers(self) -> dict[str, bool | None]:
+        """Every known peer and whether it reaches etcd (None: no answer), asked at once, within
+        TTL/6."""
         probe_s = self._probe_s
 
         async def probe(node_id: str, address: str) -> tuple[str, bool | None]:
@@ -358,29 +348,36 @@ class NodeAgent:
                 except grpc.aio.AioRpcError:
                     return node_id, None
 
-        results = await asyncio.gather(*(probe(n, a) for n, a in self._peers.items()))
-        return sorted(n for n, r in results if r is not None), sorted(n for n, r in results if r)
+        return dict(await asyncio.gather(*(probe(n, a) for n, a in self._peers.items())))
 
     def _record(self) -> NodeRecord:
         return NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
                           slots=self.cfg.slots, version=__version__)
 
-    async def _register(self, lease: KeptLease, stop: asyncio.Event) -> None:
-        """Register the node id under our lease, if it is free (create-if-absent).
+    async def _register(self, lease: KeptLease, stop: asyncio.Event, fencing_by: KeptLease | None = None) -> None:
+        """Register the node id under our lease, if it is free (create-if-absent); meanwhile,
+        fencing rounds on the terms of the lease before it (``fencing_by``), if any.
 
         Taken by a running elasticd that answers as this node: :class:`NodeIdTaken` (two daemons
         with one id would evict each other). Taken by our predecessor at this same address (it
         died less than a TTL ago): its lease is revoked and the id registered anew. Taken by one
         that does not answer: wait for its lease to expire."""
         key = self.store.keys.node(self.cfg.node_id)
-        async for attempt in self.store.retry.reconnecting(stop):
-            with attempt:
-                if not lease.id or lease.lost.is_set():
-                    await lease.grant()
-                if not await self.store.create(key, self._record().to_json(), lease=lease.id):
-                    holder = await self.store.get(key)
-                    if holder is None or holder.lease != lease.id:
-                        await self._claim(holder)
+        rounds = asyncio.create_task(self._fence_rounds(fencing_by, stop), name="fence-rounds") \
+            if fencing_by is not None else None
+        try:
+            async for attempt in self.store.retry.reconnecting(stop):
+                with attempt:
+                    if not lease.id or lease.lost.is_set():
+                        await lease.grant()
+                    if not await self.store.create(key, self._record().to_json(), lease=lease.id):
+                        holder = await self.store.get(key)
+                        if holder is None or holder.lease != lease.id:
+                            await self._claim(holder)
+        finally:
+            if rounds is not None:
+                rounds.cancel()
+                await asyncio.gather(rounds, return_exceptions=True)
         log.info("registered %s (lease %x, ttl %ss)", key, lease.id, lease.ttl_s, extra=self._ctx)
 
     async def _claim(self, holder: KV | None) -> None:
@@ -453,7 +450,7 @@ class NodeAgent:
             self._changed(gen)
             return "launched"
 
-    async def stop(self, job: str, generation: int, grace_s: float, stop_at: int = 0) -> list[int]:
+    async def stop(self, job: str, generation: int, grace_s: float, stop_at: int = 0, reason: str = "") -> list[int]:
         async with self._lock(job):
             gen = self.generations.get(job)
             if gen is None or (generation and gen.plan.generation > generation):
@@ -463,7 +460,7 @@ class NodeAgent:
                 # (its Launch not here yet): the step the other members stop at is in that plan.
                 stop_at = await self._successor_stop_step(job, gen.plan.generation) if generation and grace_s > 0 \
                     else 0
-            left = await gen.stop(grace_s, stop_at)
+            left = await gen.stop(grace_s, stop_at, reason)
             self._changed(gen)
             return left
 
@@ -476,10 +473,10 @@ class NodeAgent:
             return 0
         return plan.stop_previous_at_step if plan is not None and plan.generation == generation + 1 else 0
 
-    async def stop_all(self, grace_s: float) -> list[int]:
+    async def stop_all(self, grace_s: float, reason: str = "") -> list[int]:
         left: list[int] = []
         for job in list(self.generations):
-            left += await self.stop(job, 0, grace_s)
+            left += await self.stop(job, 0, grace_s, reason=reason)
         return left
 
     def _tell_peers_joined(self, gen: Generation) -> None:

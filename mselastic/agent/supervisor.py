@@ -805,8 +805,9 @@ class Generation:
         refused = forbidden_env(dict(self.spec.env), self.allow_env)
         return {k: v for k, v in self.spec.env.items() if k not in refused}
 
-    async def stop(self, grace_s: float, stop_at: int = 0) -> list[int]:
-        """Stop every process of this generation. Returns leftovers.
+    async def stop(self, grace_s: float, stop_at: int = 0, reason: str = "") -> list[int]:
+        """Stop every process of this generation. Returns leftovers. ``reason``: why, for the
+        report (else what the ranks' exits say).
 
         With ``grace_s`` > 0 (a planned stop) the ranks alone get SIGTERM first, after the step
         they stop at is in the stop file: ``stop_at``, which the coordinator chose for every
@@ -839,8 +840,8 @@ class Generation:
         if not self.state.terminal:
             self._drain_beats()
             self.exit_step = self._exit_step()
-            self._set(GenerationState.STOPPED, reason=self._exit_reason(asked=grace_s > 0)
-                      if self.exit_step >= 0 else "stopped on request")
+            self._set(GenerationState.STOPPED, reason=reason or (self._exit_reason(asked=grace_s > 0)
+                      if self.exit_step >= 0 else "stopped on request"))
         self._close()
         if left:
             log.error("processes left after stop: %s", left, extra=self._ctx)

@@ -31,7 +31,7 @@ import grpc
 
 from mselastic import metrics
 from mselastic.wire import plan_to_pb
-from mselastic.core import contract
+from mselastic.core import contract, fencing
 from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
@@ -40,7 +40,7 @@ from mselastic.core.states import FailureCause, JobState
 from mselastic.core.status import next_status
 from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
-from mselastic.store.lease import Election, Term, probe_s
+from mselastic.store.lease import UNREACHABLE_FRACTION, Election, Term, probe_s
 from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.daemon import liveness
 from mselastic.tls import TlsFiles
@@ -72,24 +72,41 @@ MAX_REST_S = 1.0
 STOP_MARGIN_S = 1.0
 
 
-#: A member of a live plan whose registration is gone but whose agent answers that it still runs
-#: the generation (its lease expired with etcd, in a stall, not with the node) has this many lease
-#: TTLs to register again before it counts as lost.
-STALL_GRACE_TTLS = 2
-
-
 @dataclasses.dataclass
 class Absence:
-    """A plan member seen unregistered by this leader, and what its agent says."""
+    """A plan member this leader cannot count on (unregistered, or its connection dropped), and
+    what its agent says."""
 
-    #: When this leader first saw it unregistered (its own monotonic clock).
+    #: When this leader first saw it so (its own monotonic clock).
     since: float
     member: Member
+    #: When this leader first saw it unregistered (None: registered, as far as it saw).
+    gone_since: float | None = None
     #: (job, generation) the agent runs (starting or running), as of its last answer; None: not
-    #: asked yet; empty: it does not answer, or runs nothing.
-    running: set[tuple[str, int]] | None = None
-    excused: bool = False
+    #: asked yet, or no answer lately.
+    running: frozenset[tuple[str, int]] | None = None
+    #: Its address refused a connection: no elasticd listens there.
+    refused: bool = False
+    #: The verdict of the last pass (logged when its rule changes).
+    verdict: fencing.Verdict | None = None
     task: "asyncio.Task[None] | None" = None
+
+
+async def _refused(address: str, timeout_s: float) -> bool:
+    """Whether ``host:port`` refuses a TCP connection: the host answers, and nothing listens
+    there (the node's elasticd is not running, so its workers died with it: parent-death
+    signals). A partition, a dead host or a filter that drops packets times out instead."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
 
 
 class Fenced(Exception):
@@ -383,6 +400,12 @@ class Coordinator:
         self._first_step.clear()
         try:
             while not stop.is_set() and not term.lease.lost.is_set() and not self._fenced.is_set():
+                if term.lease.unreachable.is_set():
+                    # It can decide nothing, and while its renewals still reach etcd (a one-way cut)
+                    # nobody else could lead: it steps down (the revoke may get there too).
+                    log.warning("stepping down: etcd has not answered this leader's renewals for %.1fs",
+                                UNREACHABLE_FRACTION * term.lease.ttl_s, extra=dict(node=self.cfg.node_id))
+                    break
                 if watcher.done():  # the informer died of a bug: its cache is frozen, so start it again
                     error = watcher.exception() if not watcher.cancelled() else None
                     log.error("the cluster cache stopped (%s); listing again", error, exc_info=error)
@@ -423,11 +446,11 @@ class Coordinator:
         """Until a change wakes the loop (or ``reconcile_interval_s``), but first ``rest_s``: changes
         that come meanwhile make one pass, not one each (thousands of nodes report every second)."""
         if rest_s > 0:
-            resting = [asyncio.create_task(e.wait()) for e in (stop, term.lease.lost)]
+            resting = [asyncio.create_task(e.wait()) for e in (stop, term.lease.lost, term.lease.unreachable)]
             await asyncio.wait(resting, timeout=rest_s, return_when=asyncio.FIRST_COMPLETED)
             for w in resting:
                 w.cancel()
-        waits = [asyncio.create_task(e.wait()) for e in (self._wake, stop, term.lease.lost)]
+        waits = [asyncio.create_task(e.wait()) for e in (self._wake, stop, term.lease.lost, term.lease.unreachable)]
         await asyncio.wait(waits, timeout=self.cfg.reconcile_interval_s, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
@@ -441,8 +464,9 @@ class Coordinator:
         informer = self.informer
         if informer is not None and not informer.synced.is_set():
             return  # the first list is under way; it wakes the loop when done
-        cluster = self._suspected(informer.view() if informer is not None else await read_cluster(self.store))
-        excused = self._excused(cluster)
+        seen = informer.view() if informer is not None else await read_cluster(self.store)
+        cluster = self._suspected(seen)
+        excused = self._excused(cluster, {n.node_id for n in seen.nodes})
         self.passes += 1
         now, mono = time.time(), time.monotonic()
         self._settle_inflight(cluster)
@@ -507,27 +531,31 @@ class Coordinator:
         self._blind = False
         return dataclasses.replace(cluster, nodes=[n for n in cluster.nodes if n.node_id not in self.liveness.suspects])
 
-    def _excused(self, cluster: ClusterView) -> set[str]:
-        """Jobs to leave alone in this pass: a member of their plan is unregistered but excused.
+    def _excused(self, cluster: ClusterView, registered: set[str]) -> set[str]:
+        """Jobs to leave alone in this pass: a member of their plan may still be training, and
+        nothing may be committed without it until it is known to have stopped
+        (:func:`mselastic.core.fencing.replace_verdict`).
 
-        A lease expiry is evidence, not a verdict: when etcd stalls (a slow fsync, a long pause)
-        every lease expires at once, with every node and its workers healthy. So a member of a live
-        plan found unregistered is asked (``Agent.Status``) whether it still runs its generations;
-        while it says so it has ``STALL_GRACE_TTLS`` lease TTLs (this leader's clock) to register
-        again, and its jobs get no decision meanwhile (no relaunch, no planned change): the running
-        generation is adopted when it is back. A member whose agent says it runs nothing (it fenced
-        itself) is lost at once, one that does not answer twice in a row (a dead node, a partition)
-        within about a second (a suspect, whose connection dropped already: once); until the first
-        answer it waits at most half a TTL. Suspects (see :meth:`_suspected`) come here as if
-        unregistered."""
-        registered = {n.node_id for n in cluster.nodes}
+        A member found unregistered (its lease expired: a dead node, a partition, or an etcd stall
+        that expires every lease at once with every node healthy) or whose connection dropped (a
+        suspect, see :meth:`_suspected`: it comes here as if unregistered; ``registered`` is what
+        etcd says) is asked (``Agent.Status``) what it runs. It is replaced at once when its agent
+        says it runs none of the generation (it fenced itself) or nothing listens at its address
+        (elasticd died: its workers died with it). While its agent says it runs the generation,
+        its jobs wait for it to register again (it is adopted then) or to fence itself. One that
+        does not answer is replaced only once its registration has been gone for
+        :func:`~mselastic.core.fencing.fenced_within` on this leader's clock; while it still
+        renews its lease, never."""
+        present = {n.node_id for n in cluster.nodes}
         wanted: dict[str, list[tuple[str, int]]] = {}
         members: dict[str, Member] = {}
         for view in cluster.jobs.values():
             if view.plan is None or view.status.state.terminal:
                 continue
+            reports = view.current_reports()
             for m in view.plan.members:
-                if m.node_id not in registered:
+                # (A member that reported the generation ended, in etcd, has stopped it.)
+                if m.node_id not in present and not (m.node_id in reports and reports[m.node_id].state.terminal):
                     wanted.setdefault(m.node_id, []).append((view.name, view.plan.generation))
                     members.setdefault(m.node_id, m)
         for node_id in list(self._absent):
@@ -535,28 +563,32 @@ class Coordinator:
                 gone = self._absent.pop(node_id)
                 if gone.task is not None:
                     gone.task.cancel()
-                if gone.excused and node_id in registered:
+                if gone.verdict is not None and not gone.verdict.act and node_id in present:
                     log.warning("node %s registered or answering again after %.1fs with its generation(s) intact: "
                                 "adopted", node_id, time.monotonic() - gone.since, extra=dict(node=node_id))
-        now, grace = time.monotonic(), STALL_GRACE_TTLS * self.cfg.lease_ttl_s
+        now = time.monotonic()
         held: set[str] = set()
         for node_id, gens in wanted.items():
             a = self._absent.get(node_id)
             if a is None:
                 a = self._absent[node_id] = Absence(now, members[node_id])
                 a.task = asyncio.create_task(self._ask_absent(a), name=f"absent-{node_id}")
-            waited = now - a.since
-            excused = waited <= grace and (a.running is None and waited <= self.cfg.lease_ttl_s / 2
-                                           or a.running is not None and set(gens) <= a.running)
-            if excused and not a.excused:
-                log.warning("node %s is unregistered but its agent still runs %s: waiting up to %ds for it to "
-                            "register again (a stall of etcd expires every lease at once)", node_id,
-                            ", ".join(f"{j} generation {g}" for j, g in gens), grace, extra=dict(node=node_id))
-            elif a.excused and not excused:
-                log.warning("node %s lost: %s", node_id, f"not registered again within {grace}s" if waited > grace
-                            else "its agent no longer runs the generation or does not answer", extra=dict(node=node_id))
-            a.excused = excused
-            if excused:
+            if node_id in registered:
+                a.gone_since = None
+            elif a.gone_since is None:
+                a.gone_since = now
+            verdict = fencing.replace_verdict(fencing.MemberEvidence(
+                now=now, ttl_s=self.cfg.lease_ttl_s, registered=node_id in registered, gone_since=a.gone_since,
+                running=a.running, wanted=frozenset(gens), refused=a.refused))
+            if a.verdict is None or verdict.rule is not a.verdict.rule:
+                what = ", ".join(f"{j} generation {g}" for j, g in gens)
+                if verdict.act:
+                    log.warning("node %s lost (%s): %s", node_id, what, verdict.reason, extra=dict(node=node_id))
+                else:
+                    log.warning("node %s does not answer or is unregistered; holding %s: %s", node_id, what,
+                                verdict.reason, extra=dict(node=node_id))
+            a.verdict = verdict
+            if not verdict.act:
                 held.update(job for job, _ in gens)
         return held
 
@@ -605,26 +637,27 @@ class Coordinator:
 
     async def _ask_absent(self, a: Absence) -> None:
         """Ask an absent member's agent what it runs, every TTL/3 (after a failed call, at once
-        again), until it is forgotten. Two failed calls in a row: it does not answer."""
+        again), until it is forgotten. Two failed calls in a row: no answer lately. A connection
+        refused at its address: no elasticd there."""
         failed = 0
         while True:
+            probe = probe_s(self.cfg.lease_ttl_s)
             try:
                 # (Waiting for a connection up to the deadline: a channel that is reconnecting would
                 # fail the call at once, and two of those 0.1 s apart would lose a healthy node.)
-                probe = probe_s(self.cfg.lease_ttl_s)
                 res = await self.agents.stub(a.member.agent_address, probe).Status(
                     pb.AgentStatusRequest(), timeout=probe, wait_for_ready=True)
-                running = {(g.job, g.generation) for g in res.generations
-                           if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING)}
-                a.running, failed = (running if res.node_id == a.member.node_id else set()), 0
+                running = frozenset((g.job, g.generation) for g in res.generations
+                                    if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING))
+                # Another elasticd at that address (a node id moved) runs nothing of this member's.
+                a.running, a.refused, failed = (running if res.node_id == a.member.node_id else frozenset()), False, 0
                 if res.node_id == a.member.node_id:
                     self.liveness.clear(res.node_id)
             except grpc.aio.AioRpcError:
                 failed += 1
-                # A suspect's connection dropped already (unanswered pings, or a reset) and this
-                # question waited its whole deadline for a new one: evidence enough at the first.
-                if failed >= (1 if a.member.node_id in self.liveness.suspects else 2):
-                    a.running = set()
+                a.refused = await _refused(a.member.agent_address, probe)
+                if failed >= 2:
+                    a.running = None
             self._wake.set()
             await asyncio.sleep(self.cfg.lease_ttl_s / 3 if not failed else 0.1)
 
@@ -902,9 +935,12 @@ class Coordinator:
         failure = self._failure(view, d)
         status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
         self._wrote(status)
+        # Why each lost member may be replaced (the fencing rule that let this leader go on without it).
+        fenced = "".join(f"; {n}: {a.verdict.reason}" for n in d.lost_nodes
+                         if (a := self._absent.get(n)) is not None and a.verdict is not None and a.verdict.act)
         event = Event(at=time.time(), kind=EventKind.PLANNED if d.plan.planned else EventKind.GENERATION, generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
-                              f" (world size {d.plan.world_size}, master port {d.plan.master_port}): {d.reason}",
+                              f" (world size {d.plan.world_size}, master port {d.plan.master_port}): {d.reason}{fenced}",
                       node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1,
                       detected_at=failure.detected_at if failure and (d.fault or d.lost_nodes) else 0.0)
         plan_key = k.plan(view.name).encode()

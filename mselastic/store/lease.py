@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import time
 
+from mselastic.core import fencing
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)
@@ -26,10 +27,7 @@ log = logging.getLogger(__name__)
 UNREACHABLE_FRACTION = 0.6
 
 
-def probe_s(ttl_s: float) -> float:
-    """How long one question to another node about a lease may take (a peer asked whether it
-    reaches etcd, an unregistered member asked what it runs): well within the TTL."""
-    return min(1.0, ttl_s / 6)
+probe_s = fencing.probe_s
 
 
 class KeptLease:
@@ -41,10 +39,18 @@ class KeptLease:
         self.id = 0
         self.lost = asyncio.Event()
         self.unreachable = asyncio.Event()
+        #: Until when (monotonic, this process's clock) the lease surely holds in etcd: the request
+        #: time of the last grant or renewal etcd answered, plus the TTL less the clocks' drift.
+        self.valid_until = 0.0
         self._task: asyncio.Task[None] | None = None
 
+    def _held_from(self, sent: float) -> None:
+        self.valid_until = sent + self.ttl_s * (1 - fencing.DRIFT)
+
     async def grant(self) -> int:
+        sent = time.monotonic()
         self.id = await self.store.grant(self.ttl_s)
+        self._held_from(sent)
         self.lost.clear()
         self._last_ok = time.monotonic()
         self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.id:x}")
@@ -54,6 +60,7 @@ class KeptLease:
         interval = self.ttl_s / 3
         while not self.lost.is_set():
             await asyncio.sleep(interval)
+            sent = time.monotonic()
             try:
                 ttl = await asyncio.wait_for(self.store.refresh(self.id), timeout=interval)
             except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
@@ -69,7 +76,17 @@ class KeptLease:
                 if self.unreachable.is_set():
                     log.info("lease %x renewed again", self.id)
                     self.unreachable.clear()
+                self._held_from(sent)
                 self._last_ok = time.monotonic()
+
+    def abandon(self) -> None:
+        """Stop refreshing, and take the lease as lost, without asking etcd: it expires there by
+        itself. A node that fenced itself without etcd does so, so that a leader does not count on
+        it for as long as its renewals still get through (a one-way cut) and it cannot be told."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self.lost.set()
 
     async def release(self) -> None:
         """Stop refreshing and revoke (best effort: an unreachable etcd lets it expire)."""

@@ -1,0 +1,180 @@
+"""A job never runs twice, from outside: three nodes in their own network namespaces, one etcd on
+the bridge, real elasticds, msrun and MindSpore workers, and the partitions of issue 29 made with
+routes. A thread samples the live workers of every generation every 0.2 s; no sample may show two
+generations with live workers. Each test prints when the job's node fenced (its workers gone) and
+when the new generation took its first step, counted from the cut (docs/DESIGN.md, "Fencing")."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from mselastic.core import fencing
+from mselastic.core.contract import ENV_RUN_ID
+from mselastic.core.model import Event
+from mselastic.core.states import JobState
+from tests.cluster import Cluster, ClusterFault
+from tests.harness import DATA_DIR, TEST_MARK, Pace, check_history, elasticctl, lenet_spec, still_running, wait_for
+
+pytestmark = pytest.mark.slow
+JOB = "lenet"
+
+
+class Sampler:
+    """Which generations of the job have live workers (ranks under msrun), every 0.2 s, in a thread."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+        self.samples: list[tuple[float, dict[int, int]]] = []  # (monotonic, generation -> live ranks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _look(self) -> dict[int, int]:
+        live: dict[int, int] = {}
+        for p in psutil.process_iter():
+            try:
+                env = p.environ()
+                if env.get(TEST_MARK) != self.mark or env.get("MS_ROLE") != "MS_WORKER" \
+                        or p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                job, generation, *_ = env.get(ENV_RUN_ID, "..").split(".")
+                if job == JOB:
+                    live[int(generation)] = live.get(int(generation), 0) + 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+                continue
+        return live
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), self._look()))
+            self._stop.wait(0.2)
+
+    def twice(self) -> list[tuple[float, dict[int, int]]]:
+        return [(t, s) for t, s in self.samples if len(s) > 1]
+
+    def first(self, what: str, since: float, fn) -> float:  # type: ignore[no-untyped-def]
+        """Seconds from ``since`` to the first sample where ``fn(sample)`` holds."""
+        return next(t - since for t, s in self.samples if t >= since and fn(s)) if any(
+            t >= since and fn(s) for t, s in self.samples) else float("nan")
+
+
+def submit(cluster: Cluster, pace: Pace) -> None:
+    out = os.path.join(cluster.tmp, "out")
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), 200,
+                      workers=2, min_nodes=1, max_nodes=1, args=["--data", DATA_DIR, "--out", out, "--lr", "0.05",
+                                                                *pace.args])
+    r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
+    assert r.returncode == 0, r.stderr
+
+
+def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule) -> None:  # type: ignore[no-untyped-def]
+    """The job on ``job_node``, ``cut()`` made after step 10: never two generations with live
+    workers; the job's workers gone and a new generation's first step elsewhere within the
+    documented bound, its event naming the ``rule`` that let the leader replace ``job_node``;
+    then ``heal()``, and the job ends SUCCEEDED with an intact history."""
+    etcd = cluster.etcd
+    assert etcd is not None
+    pace = Pace(cluster.tmp, 0.3)
+    submit(cluster, pace)
+    plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
+    assert [m.node_id for m in plan1.members] == [job_node]
+    wait_for("step 10", lambda: (r := etcd.report(JOB, 1, job_node)) and r.step >= 10, 180, 0.2)
+    bound = 2 * cluster.lease_ttl_s + fencing.fenced_within(cluster.lease_ttl_s) + 30  # (+ a cold launch)
+    with Sampler(cluster.procs.mark) as sampler:
+        time.sleep(0.5)
+        still_running(etcd, JOB, "the cut")
+        cut_at = time.monotonic()
+        cut()
+        try:
+            p2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation >= 2 and p, bound, 0.2)
+            wait_for("generation 2's first step", lambda: (r := etcd.report(JOB, p2.generation, p2.members[0].node_id))
+                     and r.first_step_at, bound, 0.2)
+            time.sleep(1.0)
+        finally:
+            heal()
+    pace.release()
+    fenced = sampler.first("generation 1 gone", cut_at, lambda s: 1 not in s)
+    resumed = sampler.first("generation 2 live", cut_at, lambda s: p2.generation in s)
+    print(f"split brain ({job_node}'s job cut): {len(sampler.samples)} samples every 0.2 s, "
+          f"{len(sampler.twice())} with two generations live; generation 1 gone {fenced:.1f}s after the cut, "
+          f"generation {p2.generation} live {resumed:.1f}s after it, on {[m.node_id for m in p2.members]}")
+    assert not sampler.twice(), f"two generations live at once: {sampler.twice()[:5]}"
+    assert job_node not in [m.node_id for m in p2.members]
+    status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    check_history(etcd, JOB, 200)
+    events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
+    relaunch = next(e.message for e in events if e.kind == "generation" and e.generation == p2.generation)
+    assert f"{job_node}: {rule.value}" in relaunch, relaunch
+
+
+def test_the_leaders_rack_cut_from_etcd_and_the_third_node_trains_on_one_side_only(cluster: Cluster) -> None:
+    """Issue 29's case: n0 leads and runs the job; the rack of n0 and n2 loses etcd and n1 but
+    still reaches itself. n2 says etcd is down for it too, n1 does not answer: n0 may not read that
+    as an outage (n1 may lead with etcd), so it fences once its lease runs out; n1 takes the lead
+    and waits for n0's fencing deadline before it relaunches the job on itself."""
+    cluster.up(3)
+    for i in (0, 1, 2):
+        cluster.start_nodes(i, slots=2)
+    etcd = cluster.etcd
+    assert etcd is not None and etcd.leader() == "n0"
+
+    def cut() -> None:
+        for i in (0, 2):
+            cluster.inject(ClusterFault.CUT_FROM_ETCD, i)
+            cluster.cut(i, 1)
+
+    def heal() -> None:
+        for i in (0, 2):
+            cluster.inject(ClusterFault.RECONNECT_ETCD, i)
+            cluster.cut(i, 1, heal=True)
+
+    partitioned(cluster, "n0", cut, heal, fencing.Rule.FENCE_DEADLINE)
+    with open(os.path.join(cluster.procs.log_dir, "elasticd-n0.log")) as f:
+        assert "self-fencing: the lease ran out and a peer does not answer: n1" in f.read()
+
+
+def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node(cluster: Cluster) -> None:
+    """The mirror case: n1 runs the job and loses etcd and the leader n0, but reaches n2, which
+    reaches etcd: n1 is the one cut off and fences at once; n0 cannot hear that from n1, so it
+    waits for n1's fencing deadline, then relaunches on n2."""
+    cluster.up(3)
+    cluster.start_node(0, slots=0)
+    cluster.wait_registered(0)
+    cluster.start_nodes(1, 2, slots=2)
+
+    def cut() -> None:
+        cluster.inject(ClusterFault.CUT_FROM_ETCD, 1)
+        cluster.cut(0, 1)
+
+    def heal() -> None:
+        cluster.inject(ClusterFault.RECONNECT_ETCD, 1)
+        cluster.cut(0, 1, heal=True)
+
+    partitioned(cluster, "n1", cut, heal, fencing.Rule.FENCE_DEADLINE)
+    with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
+        assert "self-fencing: etcd is reachable from a peer but not from here: reachable from n2" in f.read()
+
+
+def test_a_job_node_that_can_send_to_etcd_but_not_hear_from_it(cluster: Cluster) -> None:
+    """A one-way cut: n1's renewals still reach etcd (its registration would live on), its
+    answers never come back. n1 fences (its peers reach etcd) and stops renewing; the leader hears
+    from n1's agent that it runs nothing and relaunches on n2."""
+    cluster.up(3)
+    cluster.start_node(0, slots=0)
+    cluster.wait_registered(0)
+    cluster.start_nodes(1, 2, slots=2)
+    partitioned(cluster, "n1", lambda: cluster.inject(ClusterFault.DEAF_TO_ETCD, 1),
+                lambda: cluster.inject(ClusterFault.RECONNECT_ETCD, 1), fencing.Rule.SAYS_STOPPED)
