@@ -24,6 +24,8 @@ from localnode import REPO, LocalNode, say, wait_for, write_lenet_spec
 
 from mselastic.core.model import GenerationReport, JobStatus, Plan
 from mselastic.core.states import GenerationState
+from mselastic.store import versions
+from mselastic.store.embedded import etcd_binary, etcd_version
 from mselastic.store.keys import Keys
 from mselastic.v1 import elastic_pb2 as pb
 
@@ -105,8 +107,12 @@ def main() -> int:
     p.add_argument("--work", default=os.path.join(REPO, "build", "demo"))
     args = p.parse_args()
     node = LocalNode(args.work)
-    say(f"starting elasticd (embedded etcd on {node.etcd_endpoint}, gRPC on {node.endpoint}); "
-        f"logs under {args.work}")
+    version = etcd_version()
+    say(f"starting elasticd (embedded etcd {version} from {etcd_binary()} on {node.etcd_endpoint}, gRPC on "
+        f"{node.endpoint}); logs under {args.work}")
+    if not versions.supported(version):
+        say(f"WARNING: etcd {version} is below the versions etcd's maintainers support ({versions.POLICY}): "
+            f"fine for this demo, not for a cluster (as root on Debian/Ubuntu, make installs etcd-server)")
     try:
         node.start()
         return run(node, args)

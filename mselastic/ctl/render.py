@@ -117,6 +117,9 @@ def status_table(res: pb.StatusResponse) -> str:
         return f"{n.node_id}({n.slots}{', draining' if n.draining else ', cordoned' if n.cordoned else ''})"
 
     lines = [f"LEADER  {res.leader or '(none)'}", f"NODES   {', '.join(node(n) for n in res.nodes) or '(none)'}"]
+    if res.etcd:
+        lines.append("ETCD    " + ", ".join(f"{m.version} at {m.endpoint}" + (f" (WARNING: {m.warning})" if m.warning
+                                                                                else "") for m in res.etcd))
     if not res.jobs:
         return "\n".join(lines + ["JOBS    (none)"])
     lines.append(jobs_table(list(res.jobs)))

