@@ -40,6 +40,7 @@ import tenacity
 
 from mselastic import metrics
 from mselastic.agent import procs
+from mselastic.agent import verdict
 from mselastic.agent.standby import Proc, Standby
 from mselastic.agent.users import WorkerUser, batch_prefix, forbidden_env, inherited_env, setpriv
 from mselastic.core import contract
@@ -64,16 +65,6 @@ def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
             return int(_CREDS.unpack(data[:_CREDS.size])[0])
     return -1
-
-
-def _exit_status(code: int) -> str:
-    """"exit code 1", or "killed by SIGKILL" for a negative (subprocess) return code."""
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
 
 
 def _port_free(port: int) -> bool:
@@ -1105,22 +1096,6 @@ class Generation:
             rs.phase_at.setdefault(p, now)
         rs.phase = max(rs.phase, phase)
 
-    def _behind(self, now: float) -> tuple[RankState, RankState, float] | None:
-        """A local rank still short of a start-up phase (``Beat.PHASES``) that a local peer passed
-        longest ago: (the rank, the peer, seconds since the peer passed it). Only the phases count:
-        after ``init()`` the ranks load checkpoints and data at their own pace."""
-        worst = None
-        for rs in self.ranks.values():
-            if rs.phase + 1 >= len(Beat.PHASES):
-                continue
-            ahead = [(peer.phase_at[rs.phase + 1], peer) for peer in self.ranks.values()
-                     if peer.phase > rs.phase and rs.phase + 1 in peer.phase_at]
-            if ahead and not rs.finished:
-                since, peer = min(ahead, key=lambda a: (a[0], a[1].rank))
-                if worst is None or since < worst[2] or (since == worst[2] and rs.rank < worst[0].rank):
-                    worst = (rs, peer, since)
-        return None if worst is None else (worst[0], worst[1], now - worst[2])
-
     async def _watch(self) -> None:
         try:
             while not self.state.terminal and not self._stopping:
@@ -1264,95 +1239,49 @@ class Generation:
                          extra={**self._ctx, "rank": rs.rank})
 
     def _find_fault(self) -> tuple[int, str, FailureCause] | None:
-        """(rank, reason, cause) of the rank that failed; None while all is well.
+        """(rank, reason, cause) of the rank that failed; None while all is well: one look
+        (:meth:`_look`), judged by :func:`mselastic.agent.verdict.judge`."""
+        fault = verdict.judge(self._look(), verdict.Timing(self.spec.hang_timeout_s, self.spec.startup_timeout_s,
+                                                            self.spec.stop_grace_period_s))
+        if fault is None:
+            return None
+        rs = self.ranks.get(fault.rank)
+        if fault.cause is FailureCause.RANK_EXITED and rs is not None and rs.exit_code is None:
+            rs.exit_code = self._exits_msrun_saw().get(rs.pid)  # (what the report says, as judged)
+        return fault.rank, fault.reason, fault.cause
 
-        msrun SIGKILLs the other workers about a second after one exits, so one poll
-        may find several ranks gone: blame one msrun reaped already (the others it killed are
-        zombies still), then the one silent longest, then the lowest rank.
-        Ranks that announced a planned exit (they checkpointed on a SIGTERM) are not a
-        fault unless another rank died without one. A rank stopped (state T) for half of
-        ``hang_timeout_s`` is hung, before its first step too, and is the one blamed: its peers
-        stop beating at about the same time, waiting for it in a collective, and the agents of
-        their nodes, which cannot see it, find them silent only after the whole ``hang_timeout_s``.
-        """
+    def _look(self) -> verdict.Look:
+        """Look at the ranks once: which are dead (a rank's last beat, finished, a planned exit or
+        fatal, comes just before it exits, and its exit wakes the watch at once: the queued beats
+        are read and the ranks looked at again), which msrun reaped, how they exited as far as
+        known (msrun's log for those it reaped first), which are stopped (state T) and since when."""
         now = time.monotonic()
 
-        def unannounced() -> list[RankState]:
-            return [rs for rs in self.ranks.values()
-                    if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)]
+        def dead() -> set[int]:
+            return {rs.rank for rs in self.ranks.values()
+                    if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)}
 
-        dead = unannounced()
-        if dead:
-            # A rank's last beat (finished, a planned exit, fatal) comes just before it exits, and
-            # its exit wakes this at once: read what is queued, then look again.
+        gone = dead()
+        if gone:
             self._drain_beats()
-            dead = unannounced()
-        exited = [rs for rs in self.ranks.values() if rs.exit_step >= 0]
-        if dead:
-            fatal = [rs for rs in self.ranks.values() if rs.fatal]
-            if fatal:
-                first = min(fatal, key=lambda r: r.rank)
-                return first.rank, f"cannot go on: {first.fatal}", FailureCause.TRAINER_FATAL
-            # msrun reaps the rank it saw exit and SIGKILLs the others without reaping them: when this
-            # poll finds both, the one already reaped died first (their beats cannot tell: the others
-            # wait in a collective, their last beat as old as its).
-            reaped = [rs for rs in dead if self._msrun is not None and procs.gone(rs.pid)]
-            first = min(reaped or dead, key=lambda r: (r.last_beat, r.rank))
-            if first.exit_code is None:
-                first.exit_code = self._exits_msrun_saw().get(first.pid)
-            return first.rank, f"exited before finishing ({self._how_exited(first)})", FailureCause.RANK_EXITED
-        if exited:
-            # The ranks agreed on the step; the others' planned exits are at most a moment behind.
-            pending = [rs for rs in self.ranks.values() if rs.exit_step < 0 and not rs.finished]
-            if not pending or now - max(rs.last_beat for rs in exited) > self.spec.stop_grace_period_s:
-                first = exited[0]
-                return (first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})",
-                        FailureCause.SIGTERM)
-            return None
+            gone = dead()
         scheduler = self._warm_scheduler()
-        if scheduler is not None and scheduler.proc.returncode is not None:
+        scheduler_exit = scheduler.proc.returncode if scheduler is not None else None
+        if scheduler_exit is not None:
             self._drain_beats()  # (a rank's finished beat may be queued)
-        if scheduler is not None and scheduler.proc.returncode is not None and \
-                not all(rs.finished for rs in self.ranks.values()):
-            # msrun would notice only through its workers; the warm ranks would wait out MS_TOPO_TIMEOUT.
-            return (-1, f"the scheduler (standby pid {scheduler.pid}) exited with code {scheduler.proc.returncode} "
-                        f"while the ranks ran; see {self.log_dir}/scheduler.log", FailureCause.MSRUN_FAILED)
+        saw = self._exits_msrun_saw() if any(self.ranks[r].exit_code is None for r in gone) else {}
         for rs in self.ranks.values():
-            if rs.pid and procs.stopped(rs.pid, rs.create_time):
-                rs.stopped_since = rs.stopped_since or now
-            else:
-                rs.stopped_since = 0.0
-        stopped = [rs for rs in self.ranks.values() if rs.stopped_since and not rs.finished]
-        if stopped:
-            first = min(stopped, key=lambda r: (r.stopped_since, r.rank))
-            if now - first.stopped_since >= self.spec.hang_timeout_s / 2:
-                return (first.rank, f"stopped (state T, pid {first.pid}) for {now - first.stopped_since:.1f}s "
-                                    f"(half of hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
-            return None
-        behind = self._behind(now)
-        if behind is not None and behind[2] > self.spec.hang_timeout_s:
-            rs, peer, for_s = behind
-            where = Beat.PHASES[rs.phase] if rs.phase >= 0 else "start-up (before init())"
-            return (rs.rank, f"stuck in {where} for {for_s:.1f}s after rank {peer.rank} got past it "
-                             f"(hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
-        silent = [rs for rs in self.ranks.values()
-                  if not rs.finished and rs.last_beat and now - rs.last_beat > self.spec.hang_timeout_s]
-        if silent:
-            first = min(silent, key=lambda r: (r.last_beat, r.rank))
-            return (first.rank, f"no heartbeat for {now - first.last_beat:.1f}s "
-                                f"(hang_timeout_s={self.spec.hang_timeout_s:g})", FailureCause.RANK_HUNG)
-        for rs in self.ranks.values():
-            if not rs.last_beat and now - self.started_mono > self.spec.startup_timeout_s:
-                return (rs.rank, f"no heartbeat within startup_timeout_s={self.spec.startup_timeout_s:g}",
-                        FailureCause.RANK_NEVER_STARTED)
-        return None
-
-    @staticmethod
-    def _how_exited(rs: RankState) -> str:
-        """The exit code or signal of a rank, as far as it was seen."""
-        if rs.exit_code is None:
-            return f"pid {rs.pid}; exit status not seen, its parent reaped it first"
-        return f"pid {rs.pid}, {_exit_status(rs.exit_code)}"
+            stopped = bool(rs.pid) and rs.rank not in gone and procs.stopped(rs.pid, rs.create_time)
+            rs.stopped_since = (rs.stopped_since or now) if stopped else 0.0
+        return verdict.Look(now=now, started=self.started_mono, scheduler_exit=scheduler_exit,
+                            scheduler_pid=scheduler.pid if scheduler is not None else 0, log_dir=self.log_dir,
+                            ranks={rs.rank: verdict.RankLook(
+                                rank=rs.rank, pid=rs.pid, dead=rs.rank in gone,
+                                reaped=rs.rank in gone and self._msrun is not None and procs.gone(rs.pid),
+                                exit_code=rs.exit_code if rs.exit_code is not None else saw.get(rs.pid),
+                                last_beat=rs.last_beat, finished=rs.finished, exit_step=rs.exit_step, fatal=rs.fatal,
+                                stopped_since=rs.stopped_since, phase=rs.phase, phase_at=dict(rs.phase_at))
+                                for rs in self.ranks.values()})
 
     def _exited_on_sigterm(self) -> bool:
         """Every local rank checkpointed on a SIGTERM and has exited (or is exiting)."""
@@ -1449,7 +1378,7 @@ class Generation:
                 (unknown[0] if len(unknown) == 1 else None)
             if rs is not None:
                 rs.exit_code = code
-                return rs.rank, pid, _exit_status(code)
+                return rs.rank, pid, verdict.exit_status(code)
         return None
 
     def _ranks_seen(self) -> str:

@@ -1,0 +1,164 @@
+"""The agent's verdict on a running generation: a pure function of one look at its ranks.
+
+:class:`Generation` observes (process states, exit codes, the ranks' beats, msrun's log, the
+warm scheduler) and acts; what the look means is decided here, by :func:`judge`, which reads no
+clock, no ``/proc`` and no socket, so every rule of the failure matrix is tested as a table
+(``tests/test_verdict.py``) without starting a process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+from mselastic.core.contract import Beat
+from mselastic.core.states import FailureCause
+
+
+def exit_status(code: int) -> str:
+    """"exit code 1", or "killed by SIGKILL" for a negative (subprocess) return code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLook:
+    """One rank as one look saw it."""
+
+    rank: int
+    pid: int = 0
+    #: Its process is gone or a zombie (only asked of a rank whose pid is known).
+    dead: bool = False
+    #: ... and gone from the process table: its parent (msrun) reaped it.
+    reaped: bool = False
+    #: Its exit code as far as it is known: seen before msrun reaped it, or read from msrun's log.
+    exit_code: int | None = None
+    last_beat: float = 0.0  # monotonic
+    finished: bool = False
+    #: The step it checkpointed at before a planned exit (-1: none).
+    exit_step: int = -1
+    #: Why it cannot go on (its fatal beat), "" if it did not say.
+    fatal: str = ""
+    #: Since when it is seen stopped (state T); 0 while it is not.
+    stopped_since: float = 0.0
+    #: Start-up phases reached (an index into Beat.PHASES), and when.
+    phase: int = -1
+    phase_at: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """One look at a generation."""
+
+    now: float  # monotonic
+    ranks: dict[int, RankLook]
+    #: When the generation was launched (monotonic).
+    started: float
+    #: The warm path's scheduler (a standby) exited with this code (None: running, or cold).
+    scheduler_exit: int | None = None
+    scheduler_pid: int = 0
+    log_dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    hang_timeout_s: float
+    startup_timeout_s: float
+    stop_grace_period_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """The rank blamed (-1: none in particular), why, and the cause."""
+
+    rank: int
+    reason: str
+    cause: FailureCause
+
+
+def how_exited(r: RankLook) -> str:
+    """The exit code or signal of a rank, as far as it was seen."""
+    if r.exit_code is None:
+        return f"pid {r.pid}; exit status not seen, its parent reaped it first"
+    return f"pid {r.pid}, {exit_status(r.exit_code)}"
+
+
+def behind(look: Look) -> tuple[RankLook, RankLook, float] | None:
+    """A rank still short of a start-up phase (``Beat.PHASES``) that a peer passed longest ago:
+    (the rank, the peer, seconds since the peer passed it). Only the phases count: after
+    ``init()`` the ranks load checkpoints and data at their own pace."""
+    worst = None
+    for r in look.ranks.values():
+        if r.phase + 1 >= len(Beat.PHASES):
+            continue
+        ahead = [(peer.phase_at[r.phase + 1], peer) for peer in look.ranks.values()
+                 if peer.phase > r.phase and r.phase + 1 in peer.phase_at]
+        if ahead and not r.finished:
+            since, peer = min(ahead, key=lambda a: (a[0], a[1].rank))
+            if worst is None or since < worst[2] or (since == worst[2] and r.rank < worst[0].rank):
+                worst = (r, peer, since)
+    return None if worst is None else (worst[0], worst[1], look.now - worst[2])
+
+
+def judge(look: Look, t: Timing) -> Fault | None:
+    """The rank that failed, and why; None while all is well. In order:
+
+    - a rank dead without having finished or announced a planned exit: the one that said it cannot
+      go on (fatal), else one msrun reaped already (msrun SIGKILLs the others about a second after
+      one exits and leaves them zombies), else the one silent longest, else the lowest rank;
+    - ranks that announced a planned exit (they checkpointed on a SIGTERM): once every rank has, or
+      the others stayed silent for ``stop_grace_period_s``;
+    - the warm scheduler gone while ranks run (msrun would notice only through its workers);
+    - a rank stopped (state T) for half of ``hang_timeout_s``, before its first step too: its peers
+      stop beating about as early, waiting for it in a collective;
+    - a rank stuck in a start-up phase ``hang_timeout_s`` after a peer got past it;
+    - a rank without a heartbeat for ``hang_timeout_s``;
+    - a rank without any heartbeat ``startup_timeout_s`` after the launch.
+    """
+    ranks = look.ranks.values()
+    dead = [r for r in ranks if not r.finished and r.exit_step < 0 and r.pid and r.dead]
+    if dead:
+        fatal = [r for r in ranks if r.fatal]
+        if fatal:
+            first = min(fatal, key=lambda r: r.rank)
+            return Fault(first.rank, f"cannot go on: {first.fatal}", FailureCause.TRAINER_FATAL)
+        first = min([r for r in dead if r.reaped] or dead, key=lambda r: (r.last_beat, r.rank))
+        return Fault(first.rank, f"exited before finishing ({how_exited(first)})", FailureCause.RANK_EXITED)
+    exited = [r for r in ranks if r.exit_step >= 0]
+    if exited:
+        pending = [r for r in ranks if r.exit_step < 0 and not r.finished]
+        if not pending or look.now - max(r.last_beat for r in exited) > t.stop_grace_period_s:
+            first = exited[0]
+            return Fault(first.rank, f"checkpointed at step {first.exit_step} on a SIGTERM and exited (pid {first.pid})",
+                         FailureCause.SIGTERM)
+        return None
+    if look.scheduler_exit is not None and not all(r.finished for r in ranks):
+        return Fault(-1, f"the scheduler (standby pid {look.scheduler_pid}) exited with code {look.scheduler_exit} "
+                         f"while the ranks ran; see {look.log_dir}/scheduler.log", FailureCause.MSRUN_FAILED)
+    stopped = [r for r in ranks if r.stopped_since and not r.finished]
+    if stopped:
+        first = min(stopped, key=lambda r: (r.stopped_since, r.rank))
+        if look.now - first.stopped_since >= t.hang_timeout_s / 2:
+            return Fault(first.rank, f"stopped (state T, pid {first.pid}) for {look.now - first.stopped_since:.1f}s "
+                                     f"(half of hang_timeout_s={t.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+        return None
+    late = behind(look)
+    if late is not None and late[2] > t.hang_timeout_s:
+        r, peer, for_s = late
+        where = Beat.PHASES[r.phase] if r.phase >= 0 else "start-up (before init())"
+        return Fault(r.rank, f"stuck in {where} for {for_s:.1f}s after rank {peer.rank} got past it "
+                             f"(hang_timeout_s={t.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+    silent = [r for r in ranks if not r.finished and r.last_beat and look.now - r.last_beat > t.hang_timeout_s]
+    if silent:
+        first = min(silent, key=lambda r: (r.last_beat, r.rank))
+        return Fault(first.rank, f"no heartbeat for {look.now - first.last_beat:.1f}s "
+                                 f"(hang_timeout_s={t.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+    for r in ranks:
+        if not r.last_beat and look.now - look.started > t.startup_timeout_s:
+            return Fault(r.rank, f"no heartbeat within startup_timeout_s={t.startup_timeout_s:g}",
+                         FailureCause.RANK_NEVER_STARTED)
+    return None
