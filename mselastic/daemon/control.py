@@ -386,7 +386,7 @@ class ControlService(pb_grpc.ControlServicer):
         try:
             spec_kv = await self.store.get(k.spec(view.name))
             ok = await self.store.txn(
-                [tx.create(k.leader.encode()) == (await self._term(context)).create_revision,
+                [(await self._term(context)).guard(self.store),
                  tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0)],
                 [*(tx.delete(p.encode(), k.range_end(p).encode()) for p in prefixes),
                  tx.put(k.deleted(view.name).encode(), DeletedJob(last, time.time()).to_json().encode())])
@@ -443,7 +443,7 @@ class ControlService(pb_grpc.ControlServicer):
                               f"{spec.min_nodes}..{spec.max_nodes} by operator")
         spec_key = k.spec(view.name).encode()
         kv = await self.store.get(k.spec(view.name))
-        ok = await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
+        ok = await self.store.txn([term.guard(self.store),
                                    tx.mod(spec_key) == (kv.mod_revision if kv else 0)], [
             tx.put(spec_key, spec.to_json().encode()),
             tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())])

@@ -679,7 +679,7 @@ class Coordinator:
                 log.debug("cordon record of %s unreadable: %s", node.node_id, e)
                 continue
             done = dataclasses.replace(rec, drain=False)
-            if await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
+            if await self.store.txn([term.guard(self.store),
                                      tx.mod(k.cordon(node.node_id).encode()) == kv.mod_revision],
                                     [tx.put(k.cordon(node.node_id).encode(), done.to_json().encode())]):
                 log.info("node %s drained: no job runs there; it stays cordoned", node.node_id,
@@ -775,7 +775,7 @@ class Coordinator:
         message = f"reconcile error (retry {n}, next in {delay:.0f}s): {text}"[:2000]
         event = Event(at=time.time(), kind=EventKind.ERROR, generation=0, message=message)
         try:
-            if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
+            if not await self.store.txn([term.guard(self.store)],
                                         [tx.put(k.event(job, time.time_ns()).encode(), event.to_json().encode())]):
                 self._fenced.set()
             await self._show_error(term, job, message)
@@ -801,7 +801,7 @@ class Coordinator:
         if status.state.terminal:
             return
         shown = dataclasses.replace(status, message=message, updated_at=time.time())
-        await self.store.txn([tx.create(k.leader.encode()) == term.create_revision,
+        await self.store.txn([term.guard(self.store),
                               tx.mod(k.status(job).encode()) == kv.mod_revision],
                              [tx.put(k.status(job).encode(), shown.to_json().encode())])
 
@@ -883,7 +883,7 @@ class Coordinator:
             k, tx = self.store.keys, self.store.tx
             event = Event(at=time.time(), kind=EventKind.PROGRESS, generation=plan.generation, message=f"step {step}", step=step,
                           world_size=plan.world_size, loss=view.loss)
-            if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
+            if not await self.store.txn([term.guard(self.store)],
                                         [tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())]):
                 raise Fenced()
             self._progress_events[view.name] = n = self._progress_events.get(view.name, 0) + 1
@@ -903,7 +903,7 @@ class Coordinator:
         gone = sum(1 for key in keys if key < cut)
         if not gone:
             return 0
-        if not await self.store.txn([tx.create(k.leader.encode()) == term.create_revision],
+        if not await self.store.txn([term.guard(self.store)],
                                     [tx.delete(k.events(job).encode(), cut.encode())]):
             raise Fenced()
         log.info("pruned %d old events", gone, extra=dict(job=job))
@@ -944,7 +944,7 @@ class Coordinator:
                       node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1,
                       detected_at=failure.detected_at if failure and (d.fault or d.lost_nodes) else 0.0)
         plan_key = k.plan(view.name).encode()
-        compare = [tx.create(k.leader.encode()) == term.create_revision,
+        compare = [term.guard(self.store),
                    tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0),
                    self._status_unchanged(view)]
         # A pass reads two generations' reports, a restarting elasticd all of them: keep the newest few.
@@ -1144,7 +1144,7 @@ class Coordinator:
         k, tx = self.store.keys, self.store.tx
         self._wrote(status)
         kv = await self.store.txn_get(
-            [tx.create(k.leader.encode()) == term.create_revision, self._status_unchanged(view)],
+            [term.guard(self.store), self._status_unchanged(view)],
             [tx.put(k.status(view.name).encode(), status.to_json().encode()),
              *([tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())] if event else [])],
             k.status(view.name))

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from mselastic.core import fencing
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
@@ -108,6 +109,12 @@ class Term:
 
     create_revision: int
     lease: KeptLease
+
+    def guard(self, store: Store) -> Any:
+        """The compare every write of this leader carries (etcd's ``concurrency`` package's
+        ``IsOwner``): the leader key is still the one this term created. A deposed leader's
+        transaction fails it and writes nothing."""
+        return store.tx.create(store.keys.leader.encode()) == self.create_revision
 
 
 class Election:
