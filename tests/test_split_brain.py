@@ -7,7 +7,6 @@ when the new generation took its first step, counted from the cut (docs/DESIGN.m
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import psutil
@@ -18,61 +17,36 @@ from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import Event
 from mselastic.core.states import JobState
 from tests.cluster import Cluster, ClusterFault
-from tests.harness import DATA_DIR, TEST_MARK, Pace, check_history, elasticctl, lenet_spec, still_running, wait_for
+from tests.harness import DATA_DIR, TEST_MARK, Pace, Sampler, check_history, elasticctl, lenet_spec, still_running, wait_for
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
 
 
-class Sampler:
-    """Which generations of the job have live workers (ranks under msrun), every 0.2 s, in a thread."""
-
-    def __init__(self, mark: str) -> None:
-        self.mark = mark
-        self.samples: list[tuple[float, dict[int, int]]] = []  # (monotonic, generation -> live ranks)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _look(self) -> dict[int, int]:
-        live: dict[int, int] = {}
-        for p in psutil.process_iter():
-            try:
-                env = p.environ()
-                if env.get(TEST_MARK) != self.mark or env.get("MS_ROLE") != "MS_WORKER" \
-                        or p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                job, generation, *_ = env.get(ENV_RUN_ID, "..").split(".")
-                if job == JOB:
-                    live[int(generation)] = live.get(int(generation), 0) + 1
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+def live_generations(mark: str) -> dict[int, int]:
+    """Which generations of the job have live workers (ranks under msrun), and how many."""
+    live: dict[int, int] = {}
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if env.get(TEST_MARK) != mark or env.get("MS_ROLE") != "MS_WORKER" or p.status() == psutil.STATUS_ZOMBIE:
                 continue
-        return live
+            job, generation, *_ = env.get(ENV_RUN_ID, "..").split(".")
+            if job == JOB:
+                live[int(generation)] = live.get(int(generation), 0) + 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
+            continue
+    return live
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.monotonic(), self._look()))
-            self._stop.wait(0.2)
 
-    def twice(self) -> list[tuple[float, dict[int, int]]]:
-        return [(t, s) for t, s in self.samples if len(s) > 1]
-
-    def first(self, what: str, since: float, fn) -> float:  # type: ignore[no-untyped-def]
-        """Seconds from ``since`` to the first sample where ``fn(sample)`` holds."""
-        return next(t - since for t, s in self.samples if t >= since and fn(s)) if any(
-            t >= since and fn(s) for t, s in self.samples) else float("nan")
+def first(sampler: Sampler, since: float, fn) -> float:  # type: ignore[no-untyped-def]
+    """Seconds from ``since`` to the first sample where ``fn(sample)`` holds (nan: none)."""
+    return next((t - since for t, s in sampler.samples if t >= since and fn(s)), float("nan"))
 
 
 def submit(cluster: Cluster, pace: Pace) -> None:
     out = os.path.join(cluster.tmp, "out")
-    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), 200,
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), 60,
                       workers=2, min_nodes=1, max_nodes=1, args=["--data", DATA_DIR, "--out", out, "--lr", "0.05",
                                                                 *pace.args])
     r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
@@ -92,7 +66,7 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule) 
     assert [m.node_id for m in plan1.members] == [job_node]
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, job_node)) and r.step >= 10, 180, 0.2)
     bound = 2 * cluster.lease_ttl_s + fencing.fenced_within(cluster.lease_ttl_s) + 30  # (+ a cold launch)
-    with Sampler(cluster.procs.mark) as sampler:
+    with Sampler(lambda: live_generations(cluster.procs.mark)) as sampler:
         time.sleep(0.5)
         still_running(etcd, JOB, "the cut")
         cut_at = time.monotonic()
@@ -105,16 +79,17 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule) 
         finally:
             heal()
     pace.release()
-    fenced = sampler.first("generation 1 gone", cut_at, lambda s: 1 not in s)
-    resumed = sampler.first("generation 2 live", cut_at, lambda s: p2.generation in s)
+    fenced = first(sampler, cut_at, lambda s: 1 not in s)
+    resumed = first(sampler, cut_at, lambda s: p2.generation in s)
+    twice = [(t, s) for t, s in sampler.samples if len(s) > 1]
     print(f"split brain ({job_node}'s job cut): {len(sampler.samples)} samples every 0.2 s, "
-          f"{len(sampler.twice())} with two generations live; generation 1 gone {fenced:.1f}s after the cut, "
+          f"{len(twice)} with two generations live; generation 1 gone {fenced:.1f}s after the cut, "
           f"generation {p2.generation} live {resumed:.1f}s after it, on {[m.node_id for m in p2.members]}")
-    assert not sampler.twice(), f"two generations live at once: {sampler.twice()[:5]}"
+    assert not twice, f"two generations live at once: {twice[:5]}"
     assert job_node not in [m.node_id for m in p2.members]
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 200)
+    check_history(etcd, JOB, 60)
     events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
     relaunch = next(e.message for e in events if e.kind == "generation" and e.generation == p2.generation)
     assert f"{job_node}: {rule.value}" in relaunch, relaunch
