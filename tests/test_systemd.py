@@ -4,7 +4,8 @@ image's venv, ``elasticctl install-unit``, then systemctl, journalctl and real L
 running as the ``mselastic`` user under the unit's hardening.
 
 One container serves the module (booting and installing cost ~10 s); each test submits its
-own job. The unit gets one test drop-in: WatchdogSec=3, so that a hang is seen in seconds and
+own job. The unit's WatchdogSec=30 is left as installed: elasticd shortens it to
+fencing.watchdog_s(lease_ttl_s) (5.9 s at the TTL of 3 s here), so a hang is seen in seconds and
 a healthy training run outlives many watchdog periods."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from mselastic.core import fencing
 from mselastic.store.embedded import EmbeddedEtcd
 from tests.harness import DATA_DIR, REPO, VENV_BIN, thread_policies, wait_for
 from tests.systemd_container import VENV, Container, cannot_boot, image, wheel
@@ -33,9 +35,6 @@ embedded_etcd_dir = "/var/lib/mselastic/etcd"
 slots = 2
 lease_ttl_s = 3
 shutdown_grace_s = 20.0
-"""
-DROP_IN = """[Service]
-WatchdogSec=3
 """
 
 
@@ -57,7 +56,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         out = c.run("elasticctl", "install-unit").stdout
         assert f"ExecStart={VENV}/bin/elasticd" in out and "ran systemd-sysusers" in out, out
         c.write("/etc/mselastic/elasticd.toml", CONFIG)
-        c.write(f"/etc/systemd/system/{UNIT}.d/test.conf", DROP_IN)
         c.run("systemctl", "daemon-reload")
         c.run("install", "-d", "-o", "mselastic", "-g", "mselastic", "-m", "0750", JOBS)
         yield c
@@ -152,7 +150,10 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     assert "step 20/20" in logs, logs[-500:]
     # The watchdog (3 s) saw a healthy elasticd through the whole run.
     props = c.show(UNIT, "NRestarts", "ActiveState", "WatchdogUSec")
-    assert props == {"NRestarts": "0", "ActiveState": "active", "WatchdogUSec": "3s"}, props
+    watchdog = props.pop("WatchdogUSec")
+    assert props == {"NRestarts": "0", "ActiveState": "active"}, props
+    # The unit says 30 s; elasticd asked for what its lease TTL allows (WATCHDOG_USEC=).
+    assert watchdog.endswith("s") and float(watchdog[:-1]) == pytest.approx(fencing.watchdog_s(3), abs=1e-3), watchdog
     # Journal entries carry the job, generation, node and rank as fields.
     entries = [e for e in c.journal(UNIT) if e.get("JOB") == "hardened"]
     assert entries and all(e.get("NODE") == "n0" for e in entries), entries[:3]
@@ -214,9 +215,14 @@ def test_a_hung_elasticd_is_restarted_by_the_watchdog(node: Container) -> None:
         started(c)
     before = int(c.show(UNIT, "NRestarts")["NRestarts"])
     main = _host_pid(c, int(c.show(UNIT, "MainPID")["MainPID"]))
-    os.kill(main, signal.SIGSTOP)  # hung: no event loop, no WATCHDOG=1 (systemd's SIGABRT waits, SIGKILL does not)
-    wait_for("restarted by the watchdog", lambda: int(c.show(UNIT, "NRestarts")["NRestarts"]) == before + 1
-             and c.show(UNIT, "ActiveState")["ActiveState"] == "active", 30, 0.2)
+    os.kill(main, signal.SIGSTOP)  # hung: no event loop, no WATCHDOG=1; the unit's SIGKILL needs no SIGCONT
+    hung = time.monotonic()
+    wait_for("restarted by the watchdog", lambda: int(c.show(UNIT, "NRestarts")["NRestarts"]) == before + 1,
+             30, 0.2)
+    # Killed (its workers with it) well before a leader could replace them (fenced_within after
+    # the lease is seen gone): the watchdog fired within its shortened timeout, not the unit's 30 s.
+    assert time.monotonic() - hung < fencing.watchdog_s(3) + 5, time.monotonic() - hung  # (+ RestartSec=2)
+    wait_for("active again", lambda: c.show(UNIT, "ActiveState")["ActiveState"] == "active", 30, 0.2)
     log = c.run("journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout
     assert "Watchdog timeout" in log, log[-2000:]
 

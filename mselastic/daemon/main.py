@@ -46,6 +46,7 @@ from mselastic.agent import procs
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve
+from mselastic.core import fencing
 from mselastic.core.contract import default_sockets
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
@@ -614,7 +615,7 @@ async def serve(s: Settings) -> None:
 
     tasks = [asyncio.create_task(agent.run(stop, registered), name="agent"),
              asyncio.create_task(coordinator.run(stop), name="coordinator"),
-             asyncio.create_task(systemd.watchdog(stop), name="watchdog")]
+             asyncio.create_task(systemd.watchdog(stop, fencing.watchdog_s(s.lease_ttl_s)), name="watchdog")]
     try:
         done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         for t in done:

@@ -1,7 +1,8 @@
 """systemd's notify protocol (``Type=notify``), through libsystemd's sd_notify (cysystemd).
 
 READY=1 once the node is registered in etcd, WATCHDOG=1 from the event loop every half
-``WatchdogSec`` (so a wedged loop gets the daemon restarted), STATUS= lines for
+``WatchdogSec`` (so a wedged loop gets the daemon restarted; a ``WatchdogSec`` longer than the
+fencing rule allows is shortened with ``WATCHDOG_USEC=``), STATUS= lines for
 ``systemctl status``, STOPPING=1 on shutdown. Outside systemd (no ``$NOTIFY_SOCKET``)
 every call does nothing.
 """
@@ -21,12 +22,14 @@ def _notify(*fields: str) -> None:
     from cysystemd.daemon import Notification, notify
 
     kinds = {"READY": Notification.READY, "WATCHDOG": Notification.WATCHDOG, "STOPPING": Notification.STOPPING,
-             "STATUS": Notification.STATUS}
+             "STATUS": Notification.STATUS, "WATCHDOG_USEC": Notification.WATCHDOG_USEC}
     for f in fields:
         key, _, value = f.partition("=")
         try:
             if key == "STATUS":
                 notify(kinds[key], value)
+            elif key == "WATCHDOG_USEC":
+                notify(kinds[key], int(value))
             else:
                 notify(kinds[key])
         except Exception as e:  # noqa: BLE001 - a notify failure must never stop the daemon
@@ -54,12 +57,20 @@ def watchdog_interval_s() -> float:
     return int(usec) / 2e6
 
 
-async def watchdog(stop: asyncio.Event) -> None:
-    """Ping the watchdog from the event loop until ``stop``."""
+async def watchdog(stop: asyncio.Event, within_s: float = 0.0) -> None:
+    """Ping the watchdog from the event loop until ``stop``. ``within_s``: the longest the
+    watchdog may take to see a hung elasticd (fencing.watchdog_s of the lease TTL); a unit's
+    longer WatchdogSec is shortened to it (``WATCHDOG_USEC=``, systemd 236+)."""
     interval = watchdog_interval_s()
     if not interval:
         await stop.wait()
         return
+    if within_s and within_s < 2 * interval:
+        usec = int(within_s * 1e6)
+        _notify(f"WATCHDOG_USEC={usec}")
+        log.info("watchdog timeout %.1fs (the unit's %.0fs is longer than a hung elasticd may keep its workers)",
+                 within_s, 2 * interval)
+        interval = within_s / 2
     while not stop.is_set():
         _notify("WATCHDOG=1")
         try:
