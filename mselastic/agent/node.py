@@ -89,6 +89,18 @@ class NodeAgent:
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: KeptLease | None = None
         self._peers: dict[str, str] = {}  # node id -> Agent address of the other nodes
+        #: When each peer was last seen registered (fencing.clock()): one gone for longer than the
+        #: outage grace is forgotten (a dead node must not make every etcd outage fence).
+        self._peer_seen: dict[str, float] = {}
+        #: Fenced without etcd: nothing is launched here until this node is registered again (a
+        #: launch that read the plan before the fence must not start it after).
+        self._fenced = False
+        #: Launches under way, (job, generation): Status counts them as running, so that a leader
+        #: asking does not take a generation about to start here for stopped.
+        self.launching: set[tuple[str, int]] = set()
+        #: The lease the local workers run on: the registered one, or while registering again, the
+        #: one before (the outage grace counts from it).
+        self._cover: KeptLease | None = None
         self._ctx = dict(node=cfg.node_id)
         #: The lease expired with generations running: once registered again, keep only those that
         #: are still the committed plan of a live job.
@@ -101,18 +113,28 @@ class NodeAgent:
     async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
         reporter = asyncio.create_task(self._report_loop(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
+        deadline = asyncio.create_task(self._deadline_loop(stop), name="fence-deadline")
         try:
             await self._close_stale_reports(stop)
             while not stop.is_set():
                 previous, self._lease = self._lease, KeptLease(self.store, self.cfg.lease_ttl_s)
+                self._cover = previous
                 await self._register(self._lease, stop, fencing_by=previous)
                 if stop.is_set():
                     break
+                self._cover, self._fenced = self._lease, False
                 on_registered()
+                keeper = None
                 if self._recheck:
                     self._recheck = False
-                    await self._keep_committed(stop)
-                await self._hold(self._lease, stop)
+                    # Alongside the hold: etcd may go away again meanwhile, and the rounds decide then.
+                    keeper = asyncio.create_task(self._keep_committed(stop), name="keep-committed")
+                try:
+                    await self._hold(self._lease, stop)
+                finally:
+                    if keeper is not None:
+                        keeper.cancel()
+                        await asyncio.gather(keeper, return_exceptions=True)
                 if stop.is_set():
                     break
                 running = [g for g in self.generations.values() if not g.done.is_set()]
@@ -128,10 +150,25 @@ class NodeAgent:
                     self._recheck = True
         finally:
             if self._lease is not None:
-                await self._lease.release()
-            reporter.cancel()
-            fencer.cancel()
-            await asyncio.gather(reporter, fencer, return_exceptions=True)
+                await self._release_after_workers(self._lease)
+            for t in (reporter, fencer, deadline):
+                t.cancel()
+            await asyncio.gather(reporter, fencer, deadline, return_exceptions=True)
+
+    async def _release_after_workers(self, lease: KeptLease) -> None:
+        """On shutdown, revoke the registration only once the local workers are gone (elasticd
+        stops them with their grace meanwhile): a leader that saw it gone early could replace
+        workers still checkpointing. Not gone within a minute: the lease is left to expire
+        (the workers die with elasticd)."""
+        running = [g.done.wait() for g in self.generations.values() if not g.done.is_set()]
+        if running:
+            try:
+                await asyncio.wait_for(asyncio.gather(*running), timeout=60)
+            except asyncio.TimeoutError:
+                log.warning("workers still running on shutdown; the registration is left to expire", extra=self._ctx)
+                lease.abandon()
+                return
+        await lease.release()
 
     async def _close_stale_reports(self, stop: asyncio.Event) -> None:
         """Close what a previous elasticd of this node left open in etcd, before registering.
@@ -240,7 +277,10 @@ class NodeAgent:
             while not stop.is_set() and not lease.lost.is_set():
                 await _first(lease.lost, lease.unreachable, stop)
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
-                    await self._fence_round(lease)
+                    try:
+                        await self._fence_round(lease)
+                    except Exception:  # a bug in a round must not end the hold (the next may fence)
+                        log.exception("fencing round failed", extra=self._ctx)
                     await _first(lease.lost, stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
         finally:
             peers.cancel()
@@ -250,7 +290,10 @@ class NodeAgent:
         """Rounds on an expired lease's terms, while this node registers again (etcd may be away
         for long: the outage grace is counted from that lease)."""
         while not stop.is_set():
-            await self._fence_round(lease)
+            try:
+                await self._fence_round(lease)
+            except Exception:  # a bug in a round must not end the rounds (the next may fence)
+                log.exception("fencing round failed", extra=self._ctx)
             await _first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
 
     async def _fence_round(self, lease: KeptLease) -> None:
@@ -265,32 +308,65 @@ class NodeAgent:
         probe = self._probe_s
         answers, etcd_ok = await asyncio.gather(self._ask_peers(), self.reaches_etcd(probe / 2))
         verdict = fencing.node_verdict(fencing.NodeObservation(
-            now=time.monotonic(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
+            now=fencing.clock(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
             peers=answers))
         if verdict.act:
             log.error("self-fencing: %s (stopping all local workers)", verdict.reason, extra=self._ctx)
-            await self.stop_all(grace_s=0, reason=f"self-fenced: {verdict.reason}")
             lease.abandon()  # registered again once etcd answers
+            await self._fence_now(f"self-fenced: {verdict.reason}")
         elif verdict.rule is not self._rule and verdict.rule is not fencing.Rule.ETCD_ANSWERS:
             log.warning("etcd unreachable here; training goes on: %s", verdict.reason, extra=self._ctx)
         self._rule = verdict.rule
+
+    async def _deadline_loop(self, stop: asyncio.Event) -> None:
+        """The member rule's first clause, checked four times a second rather than once a round:
+        past the outage grace after the lease the workers run on, they stop, whatever else is
+        seen. After a suspend or a pause of this process the rounds and the lease keeper wake
+        late; this loop wakes within a quarter second and kills before the workers train on
+        for long beside a generation that replaced them."""
+        grace = fencing.outage_grace_s(self.cfg.lease_ttl_s)
+        while not stop.is_set():
+            await _first(stop, timeout_s=0.25)
+            cover = self._cover
+            if cover is None or not cover.valid_until or self._fenced:
+                continue
+            over = fencing.clock() - cover.valid_until
+            if over >= grace and any(not g.done.is_set() for g in self.generations.values()):
+                reason = f"{fencing.Rule.OUTAGE_TOO_LONG.value}: {over:.1f}s past the lease"
+                log.error("self-fencing: %s (stopping all local workers)", reason, extra=self._ctx)
+                cover.abandon()
+                await self._fence_now(f"self-fenced: {reason}")
+
+    async def _fence_now(self, reason: str) -> None:
+        """Kill every local generation at once, without the jobs' locks: a launch or a planned stop
+        may hold one while it waits on etcd, and the fence must end within fencing.KILL_S.
+        Nothing is launched here until the node is registered again."""
+        self._fenced = True
+        gens = [g for g in self.generations.values() if not g.done.is_set()]
+        await asyncio.gather(*(g.stop(0, reason=reason) for g in gens))
+        for g in gens:
+            self._changed(g)
 
     async def _track_peers(self, stop: asyncio.Event) -> None:
         """Keep the other nodes' Agent addresses, read from etcd whenever it answers."""
         while not stop.is_set():
             try:
                 _, kvs = await self.store.get_prefix(self.store.keys.nodes)
-                peers = {}
+                now = fencing.clock()
                 for kv in kvs:
                     try:
                         rec = NodeRecord.from_json(kv.value)
                     except MalformedRecord:
                         continue
                     if rec.node_id != self.cfg.node_id:
-                        peers[rec.node_id] = rec.agent_address
-                # Merged, never shrunk by a read: right after an etcd stall the others may not have
-                # registered again yet, and a node that knows no peers cannot tell its own cut.
-                self._peers.update(peers)
+                        self._peers[rec.node_id] = rec.agent_address
+                        self._peer_seen[rec.node_id] = now
+                # Merged, not replaced by a read: right after an etcd stall the others may not have
+                # registered again yet, and a node that knows no peers cannot tell its own cut. A
+                # peer unseen for the outage grace is dead or gone: forgotten.
+                for node_id, seen in list(self._peer_seen.items()):
+                    if now - seen > fencing.outage_grace_s(self.cfg.lease_ttl_s):
+                        del self._peer_seen[node_id], self._peers[node_id]
                 await self._check_registered({kv.key for kv in kvs})
             except (TemporaryError, PermanentError):
                 pass
@@ -413,6 +489,14 @@ class NodeAgent:
         """Run ``plan`` here (idempotent). Raises LaunchRefused for a plan not to act on."""
         if plan.member(self.cfg.node_id) is None:
             raise LaunchRefused(f"node {self.cfg.node_id} is not a member of generation {plan.generation}")
+        key = (plan.job, plan.generation)
+        self.launching.add(key)
+        try:
+            return await self._launch(plan)
+        finally:
+            self.launching.discard(key)
+
+    async def _launch(self, plan: Plan) -> str:
         async with self._lock(plan.job):
             current = self.generations.get(plan.job)
             if current is not None and current.plan.generation >= plan.generation:
@@ -434,6 +518,9 @@ class NodeAgent:
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
+            if self._fenced:  # fenced while this launch read etcd: the plan may be replaced already
+                raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd; it launches again once "
+                                    f"registered")
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling)

@@ -63,6 +63,11 @@ class AgentService(pb_grpc.AgentServicer):
                 failure=g.reason, steps_per_s=g.steps_per_s(), warm=bool(g.standbys),
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
+        shown = {(g.job, g.generation) for g in gens}
+        # A launch under way is a generation about to run here: a leader asking whether this node
+        # stopped must not be told it did.
+        gens += [pb.LocalGeneration(job=job, generation=generation, state=pb.GENERATION_STATE_STARTING)
+                 for job, generation in sorted(self.agent.launching - shown)]
         standbys = [pb.StandbyStatus(job=job, pid=s["pid"], ready=s["ready"])
                     for job, pool in sorted(self.agent.standbys.items()) for s in pool.describe()]
         check = request.check_etcd_s

@@ -6,7 +6,7 @@ workers.* A generation is replaced only by a leader, through etcd; so the danger
 leader cannot hear from that keeps training while the leader relaunches without it.
 
 What each side assumes: no synchronised clocks. Every time here is a duration measured on one
-process's own monotonic clock, and clocks run at rates within ``DRIFT`` of each other. A
+process's own monotonic clock (:func:`clock`), and clocks run at rates within ``DRIFT`` of each other. A
 lease that etcd granted or renewed at a request sent at ``t`` (the member's clock) cannot have
 expired in etcd before ``t + ttl`` in real time, so the member counts on it only until
 ``t + ttl * (1 - DRIFT)``.
@@ -14,7 +14,8 @@ expired in etcd before ``t + ttl`` in real time, so the member counts on it only
 The rule (the proof is in docs/DESIGN.md, "Fencing: one rule for both sides"):
 
 - **Member** (:func:`node_verdict`, asked every ``ttl/3`` while etcd does not answer it):
-  trains on while its own lease holds; past that, only while every peer it knows answered in
+  stops its workers once its lease has been gone for ``outage_grace_s``, whatever else it sees;
+  before that, trains on while etcd answers it or its own lease holds; past that, only while every peer it knows answered in
   this round that etcd is unreachable for it too, and for at most ``outage_grace_s`` past the
   lease (a whole-cluster etcd outage). It stops its workers at once when a peer reaches etcd
   (this node alone is cut off) or when no peer answers.
@@ -28,13 +29,15 @@ The rule (the proof is in docs/DESIGN.md, "Fencing: one rule for both sides"):
 Whatever a member saw, it has stopped training ``outage_grace_s`` after its lease, plus one
 round; the leader waits that long (with the drift) after it sees the lease gone, which it can
 only see after the lease is gone. So the two generations never overlap, for every pattern of
-reachability (``tests/unit/test_fencing.py`` enumerates them).
+reachability (``tests/test_fencing.py`` enumerates them, with
+partitions that change, flap and heal, and agents that pause).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 
 #: Bound on how much faster or slower one machine's monotonic clock runs than another's (real
 #: crystals are within 1e-4; a VM migration or a suspended clock is a partition of its own kind).
@@ -46,6 +49,13 @@ OUTAGE_GRACE_TTLS = 3
 #: A member's workers are dead this long after it decides to fence (SIGKILL to its process
 #: groups, then the wait for them; measured in tens of milliseconds).
 KILL_S = 1.0
+
+
+def clock() -> float:
+    """The clock every fencing time is read on: CLOCK_BOOTTIME, monotonic and counting the time
+    the machine was suspended (CLOCK_MONOTONIC stops then: a node that wakes from a suspend must
+    see its lease long gone, and a leader must count the time it slept)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def probe_s(ttl_s: float) -> float:
@@ -63,6 +73,28 @@ def outage_grace_s(ttl_s: float) -> float:
     return OUTAGE_GRACE_TTLS * ttl_s
 
 
+def refused_within(ttl_s: float) -> float:
+    """How long after a leader first sees a member's registration gone a refused connection at
+    its address is taken as "no elasticd there": by then a member whose lease ended and that
+    hears from a peer reaching etcd (the leader, which it asks too), or misses one, has fenced."""
+    return (round_s(ttl_s) + probe_s(ttl_s) + KILL_S) * (1 + DRIFT) / (1 - DRIFT)
+
+
+def known_s(ttl_s: float) -> float:
+    """How long a node must have been registered for every member to know it as a peer: a member
+    reads the registrations every TTL while it reaches etcd, and its lease ends at most a TTL
+    after its last renewal went through."""
+    return 3 * ttl_s
+
+
+def watchdog_s(ttl_s: float) -> float:
+    """The systemd watchdog timeout elasticd asks for (``WATCHDOG_USEC``): a hung elasticd (its
+    event loop stopped, a SIGSTOP) cannot fence its workers, so systemd must kill it, and its
+    workers with it, before a leader may replace them: well within :func:`fenced_within` of the
+    moment its lease is seen gone."""
+    return fenced_within(ttl_s) / 2
+
+
 def fenced_within(ttl_s: float) -> float:
     """How long after a leader first sees a member's registration gone that member has stopped
     its workers, whatever it saw: its grace past the lease, the round that notices, the probe it
@@ -78,7 +110,7 @@ class Rule(enum.Enum):
     ISOLATED = "no peer answers"
     LEASE_HOLDS = "the lease still holds"
     PEER_SILENT = "the lease ran out and a peer does not answer"
-    OUTAGE_TOO_LONG = "etcd has been unreachable from every node for longer than the outage grace"
+    OUTAGE_TOO_LONG = "its lease ran out longer ago than a node may train without one"
     OUTAGE = "etcd is unreachable from every peer too"
     # The leader's side.
     SAYS_STOPPED = "its agent says it runs none of the generation"
@@ -119,7 +151,14 @@ class NodeObservation:
 
 
 def node_verdict(o: NodeObservation) -> Verdict:
-    """Whether a member that etcd does not answer stops its workers now (``act``)."""
+    """Whether a member that etcd does not answer stops its workers now (``act``).
+
+    The deadline comes first: past it no evidence keeps the workers, not even etcd answering a
+    read (a node that reads etcd but cannot register again, an agent that was paused or
+    suspended for longer than the grace: the leader may already have replaced it)."""
+    over = o.now - o.lease_until
+    if over >= outage_grace_s(o.ttl_s):
+        return Verdict(True, Rule.OUTAGE_TOO_LONG, f"{over:.1f}s past the lease")
     if o.etcd_ok:
         return Verdict(False, Rule.ETCD_ANSWERS)
     reaching = sorted(p for p, a in o.peers.items() if a)
@@ -132,9 +171,6 @@ def node_verdict(o: NodeObservation) -> Verdict:
         return Verdict(False, Rule.LEASE_HOLDS, f"{o.lease_until - o.now:.1f}s more")
     if silent:
         return Verdict(True, Rule.PEER_SILENT, ", ".join(silent) + " may lead with etcd")
-    over = o.now - o.lease_until
-    if over >= outage_grace_s(o.ttl_s):
-        return Verdict(True, Rule.OUTAGE_TOO_LONG, f"{over:.1f}s past the lease")
     answered = sorted(o.peers)
     return Verdict(False, Rule.OUTAGE, f"{', '.join(answered) or 'no other node'}; training goes on for "
                                        f"{outage_grace_s(o.ttl_s) - over:.1f}s more at most")
@@ -155,20 +191,30 @@ class MemberEvidence:
     running: frozenset[tuple[str, int]] | None
     #: The generations of the plans it is a member of.
     wanted: frozenset[tuple[str, int]]
-    #: Its address refused the connection: no elasticd listens there.
+    #: Its address refused the connection: no elasticd listens there, or a firewall REJECTs.
     refused: bool = False
+    #: Since when this leader's own node is registered, as far as it saw (None: it is not).
+    leader_known_since: float | None = None
 
 
 def replace_verdict(e: MemberEvidence) -> Verdict:
-    """Whether a leader may commit a generation without this member (``act``), or hold its jobs."""
+    """Whether a leader may commit a generation without this member (``act``), or hold its jobs.
+
+    Its agent's answer decides first (it counts a launch under way as running). A member that
+    still renews its lease is never replaced on anything else: a refused connection may be a
+    firewall's REJECT. Once its registration has been gone for :func:`refused_within`, a refused
+    connection means no elasticd listens there, so its workers died with it, provided the member
+    knew this leader's node as a peer (registered :func:`known_s` before): else a REJECT between
+    the two could hide a member training on through what looks to it like an etcd outage."""
     if e.running is not None:
         if not (e.wanted & e.running):
             return Verdict(True, Rule.SAYS_STOPPED)
         return Verdict(False, Rule.SAYS_RUNNING, ", ".join(f"{j} generation {g}" for j, g in sorted(e.wanted & e.running)))
-    if e.refused:
-        return Verdict(True, Rule.NO_ELASTICD, "its workers died with it")
     if e.registered or e.gone_since is None:
         return Verdict(False, Rule.RENEWS, "it trains on or fences itself, and says so in etcd")
+    known = e.leader_known_since is not None and e.leader_known_since <= e.gone_since - known_s(e.ttl_s)
+    if e.refused and known and e.now - e.gone_since >= refused_within(e.ttl_s):
+        return Verdict(True, Rule.NO_ELASTICD, "its workers died with it")
     until = e.gone_since + fenced_within(e.ttl_s)
     if e.now >= until:
         return Verdict(True, Rule.FENCE_DEADLINE, f"gone {e.now - e.gone_since:.1f}s")

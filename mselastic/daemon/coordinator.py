@@ -40,7 +40,7 @@ from mselastic.core.states import FailureCause, JobState
 from mselastic.core.status import next_status
 from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
-from mselastic.store.lease import UNREACHABLE_FRACTION, Election, Term, probe_s
+from mselastic.store.lease import Election, Term, probe_s
 from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.daemon import liveness
 from mselastic.tls import TlsFiles
@@ -77,7 +77,7 @@ class Absence:
     """A plan member this leader cannot count on (unregistered, or its connection dropped), and
     what its agent says."""
 
-    #: When this leader first saw it so (its own monotonic clock).
+    #: When this leader first saw it so (its own clock: fencing.clock()).
     since: float
     member: Member
     #: When this leader first saw it unregistered (None: registered, as far as it saw).
@@ -90,6 +90,14 @@ class Absence:
     #: The verdict of the last pass (logged when its rule changes).
     verdict: fencing.Verdict | None = None
     task: "asyncio.Task[None] | None" = None
+
+
+async def _first_of(*events: asyncio.Event, timeout_s: float) -> None:
+    """Until one of ``events`` is set, or ``timeout_s``."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
 
 
 async def _refused(address: str, timeout_s: float) -> bool:
@@ -352,6 +360,8 @@ class Coordinator:
         self._queued: set[str] = set()
         #: Members of live plans seen unregistered, by node id (see :meth:`_excused`).
         self._absent: dict[str, Absence] = {}
+        #: Since when this leader's own node is registered, as far as it saw (fencing.clock()).
+        self._registered_since: float | None = None
         #: Members of live plans whose agent's connection dropped: unregistered until it answers.
         self.liveness = liveness.Liveness(self.agents.channel, self._wake.set)
         self._blind = False  # (logged once) the evidence is ignored: most connections dropped at once
@@ -401,11 +411,16 @@ class Coordinator:
         try:
             while not stop.is_set() and not term.lease.lost.is_set() and not self._fenced.is_set():
                 if term.lease.unreachable.is_set():
-                    # It can decide nothing, and while its renewals still reach etcd (a one-way cut)
-                    # nobody else could lead: it steps down (the revoke may get there too).
-                    log.warning("stepping down: etcd has not answered this leader's renewals for %.1fs",
-                                UNREACHABLE_FRACTION * term.lease.ttl_s, extra=dict(node=self.cfg.node_id))
-                    break
+                    # It can decide nothing. Once its lease may have run out it steps down: while its
+                    # renewals still reach etcd (a one-way cut) nobody else could lead (the revoke
+                    # may get there too). Not sooner: an etcd leader election would change leaders too.
+                    left = term.lease.valid_until - fencing.clock()
+                    if left <= 0:
+                        log.warning("stepping down: etcd has not answered this leader's renewals for its whole "
+                                    "lease (%ss)", term.lease.ttl_s, extra=dict(node=self.cfg.node_id))
+                        break
+                    await _first_of(stop, term.lease.lost, timeout_s=min(left, 0.25))
+                    continue
                 if watcher.done():  # the informer died of a bug: its cache is frozen, so start it again
                     error = watcher.exception() if not watcher.cancelled() else None
                     log.error("the cluster cache stopped (%s); listing again", error, exc_info=error)
@@ -446,14 +461,9 @@ class Coordinator:
         """Until a change wakes the loop (or ``reconcile_interval_s``), but first ``rest_s``: changes
         that come meanwhile make one pass, not one each (thousands of nodes report every second)."""
         if rest_s > 0:
-            resting = [asyncio.create_task(e.wait()) for e in (stop, term.lease.lost, term.lease.unreachable)]
-            await asyncio.wait(resting, timeout=rest_s, return_when=asyncio.FIRST_COMPLETED)
-            for w in resting:
-                w.cancel()
-        waits = [asyncio.create_task(e.wait()) for e in (self._wake, stop, term.lease.lost, term.lease.unreachable)]
-        await asyncio.wait(waits, timeout=self.cfg.reconcile_interval_s, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
+            await _first_of(stop, term.lease.lost, term.lease.unreachable, timeout_s=rest_s)
+        await _first_of(self._wake, stop, term.lease.lost, term.lease.unreachable,
+                        timeout_s=self.cfg.reconcile_interval_s)
         self._wake.clear()
 
     # -- one pass ------------------------------------------------------------
@@ -565,8 +575,12 @@ class Coordinator:
                     gone.task.cancel()
                 if gone.verdict is not None and not gone.verdict.act and node_id in present:
                     log.warning("node %s registered or answering again after %.1fs with its generation(s) intact: "
-                                "adopted", node_id, time.monotonic() - gone.since, extra=dict(node=node_id))
-        now = time.monotonic()
+                                "adopted", node_id, fencing.clock() - gone.since, extra=dict(node=node_id))
+        now = fencing.clock()
+        if self.cfg.node_id not in registered:
+            self._registered_since = None
+        elif self._registered_since is None:
+            self._registered_since = now
         held: set[str] = set()
         for node_id, gens in wanted.items():
             a = self._absent.get(node_id)
@@ -579,7 +593,7 @@ class Coordinator:
                 a.gone_since = now
             verdict = fencing.replace_verdict(fencing.MemberEvidence(
                 now=now, ttl_s=self.cfg.lease_ttl_s, registered=node_id in registered, gone_since=a.gone_since,
-                running=a.running, wanted=frozenset(gens), refused=a.refused))
+                running=a.running, wanted=frozenset(gens), refused=a.refused, leader_known_since=self._registered_since))
             if a.verdict is None or verdict.rule is not a.verdict.rule:
                 what = ", ".join(f"{j} generation {g}" for j, g in gens)
                 if verdict.act:

@@ -40,7 +40,7 @@ class KeptLease:
         self.id = 0
         self.lost = asyncio.Event()
         self.unreachable = asyncio.Event()
-        #: Until when (monotonic, this process's clock) the lease surely holds in etcd: the request
+        #: Until when (fencing.clock(), this process's clock) the lease surely holds in etcd: the request
         #: time of the last grant or renewal etcd answered, plus the TTL less the clocks' drift.
         self.valid_until = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -49,7 +49,7 @@ class KeptLease:
         self.valid_until = sent + self.ttl_s * (1 - fencing.DRIFT)
 
     async def grant(self) -> int:
-        sent = time.monotonic()
+        sent = fencing.clock()
         self.id = await self.store.grant(self.ttl_s)
         self._held_from(sent)
         self.lost.clear()
@@ -61,7 +61,7 @@ class KeptLease:
         interval = self.ttl_s / 3
         while not self.lost.is_set():
             await asyncio.sleep(interval)
-            sent = time.monotonic()
+            sent = fencing.clock()
             try:
                 ttl = await asyncio.wait_for(self.store.refresh(self.id), timeout=interval)
             except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
