@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from mselastic.core.model import Member, Plan
+from mselastic.core.model import GenerationReport, Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from tests.cluster import Cluster
@@ -210,7 +210,12 @@ def test_a_record_that_makes_the_coordinator_raise_stays_on_its_job(procs: Proce
                 world_size=1, master_addr="127.0.0.1", master_port=23456, restart_count=0, reason="test")
     put = [os.path.join(VENV_BIN, "etcdctl"), f"--endpoints={etcd.endpoint}", "put"]
     k = etcd.keys
+    # (The ghost said in etcd that its generation ended: else the leader, which cannot know the
+    # ghost stopped, would hold the job for fenced_within before deciding anything.)
+    ended = GenerationReport(job="broken", generation=1, node_id="ghost", state=GenerationState.FAILED,
+                             reason="gone")
     for key, value in ((k.spec("broken"), bad.to_json()), (k.plan("broken"), plan.to_json()),
+                       (k.report("broken", 1, "ghost"), ended.to_json()),
                        (k.status("broken"), json.dumps({"state": "PENDING", "generation": 1}))):
         subprocess.run([*put, key, value], check=True, capture_output=True, timeout=20)
 
