@@ -148,7 +148,7 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     # elasticctl logs: elasticd reads the rank's log, which mselastic owns (CAP_DAC_READ_SEARCH).
     logs = c.run("elasticctl", "logs", "hardened", "--rank", "1").stdout
     assert "step 20/20" in logs, logs[-500:]
-    # The watchdog (3 s) saw a healthy elasticd through the whole run.
+    # The watchdog (5.9 s: fencing.watchdog_s of the TTL of 3 s) saw a healthy elasticd through the whole run.
     props = c.show(UNIT, "NRestarts", "ActiveState", "WatchdogUSec")
     watchdog = props.pop("WatchdogUSec")
     assert props == {"NRestarts": "0", "ActiveState": "active"}, props

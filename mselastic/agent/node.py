@@ -25,6 +25,7 @@ from mselastic.agent.standby import Standby, StandbyPool
 from mselastic.agent.supervisor import Generation, remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.users import WorkerUser
 from mselastic.core import fencing
+from mselastic.core.waits import first
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
@@ -238,7 +239,7 @@ class NodeAgent:
         two checks in a row first: the leader's own push is on its way."""
         seen: set[tuple[str, int]] = set()
         while not stop.is_set():
-            await _first(stop, timeout_s=self.cfg.lease_ttl_s)
+            await first(stop, timeout_s=self.cfg.lease_ttl_s)
             try:
                 seen = await self._fence_superseded(seen)
             except (TemporaryError, PermanentError, MalformedRecord) as e:  # etcd away: the lease decides
@@ -275,13 +276,10 @@ class NodeAgent:
         peers = asyncio.create_task(self._track_peers(stop), name="peers")
         try:
             while not stop.is_set() and not lease.lost.is_set():
-                await _first(lease.lost, lease.unreachable, stop)
+                await first(lease.lost, lease.unreachable, stop)
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
-                    try:
-                        await self._fence_round(lease)
-                    except Exception:  # a bug in a round must not end the hold (the next may fence)
-                        log.exception("fencing round failed", extra=self._ctx)
-                    await _first(lease.lost, stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
+                    await self._fence_round(lease)
+                    await first(lease.lost, stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
         finally:
             peers.cancel()
             await asyncio.gather(peers, return_exceptions=True)
@@ -290,13 +288,17 @@ class NodeAgent:
         """Rounds on an expired lease's terms, while this node registers again (etcd may be away
         for long: the outage grace is counted from that lease)."""
         while not stop.is_set():
-            try:
-                await self._fence_round(lease)
-            except Exception:  # a bug in a round must not end the rounds (the next may fence)
-                log.exception("fencing round failed", extra=self._ctx)
-            await _first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
+            await self._fence_round(lease)
+            await first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
 
     async def _fence_round(self, lease: KeptLease) -> None:
+        """:meth:`_decide_round`; a bug in one must not end the rounds (the next may fence)."""
+        try:
+            await self._decide_round(lease)
+        except Exception:
+            log.exception("fencing round failed", extra=self._ctx)
+
+    async def _decide_round(self, lease: KeptLease) -> None:
         """One round without etcd: ask every known peer whether it reaches etcd and read etcd once
         more ourselves (when an etcd member fails, every client misses renewals while it fails
         over, and a read may already go through), then stop the local workers if
@@ -311,9 +313,7 @@ class NodeAgent:
             now=fencing.clock(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
             peers=answers))
         if verdict.act:
-            log.error("self-fencing: %s (stopping all local workers)", verdict.reason, extra=self._ctx)
-            lease.abandon()  # registered again once etcd answers
-            await self._fence_now(f"self-fenced: {verdict.reason}")
+            await self._fence_now(lease, verdict.reason)
         elif verdict.rule is not self._rule and verdict.rule is not fencing.Rule.ETCD_ANSWERS:
             log.warning("etcd unreachable here; training goes on: %s", verdict.reason, extra=self._ctx)
         self._rule = verdict.rule
@@ -326,21 +326,22 @@ class NodeAgent:
         for long beside a generation that replaced them."""
         grace = fencing.outage_grace_s(self.cfg.lease_ttl_s)
         while not stop.is_set():
-            await _first(stop, timeout_s=0.25)
+            await first(stop, timeout_s=0.25)
             cover = self._cover
             if cover is None or not cover.valid_until or self._fenced:
                 continue
             over = fencing.clock() - cover.valid_until
             if over >= grace and any(not g.done.is_set() for g in self.generations.values()):
-                reason = f"{fencing.Rule.OUTAGE_TOO_LONG.value}: {over:.1f}s past the lease"
-                log.error("self-fencing: %s (stopping all local workers)", reason, extra=self._ctx)
-                cover.abandon()
-                await self._fence_now(f"self-fenced: {reason}")
+                await self._fence_now(cover, f"{fencing.Rule.OUTAGE_TOO_LONG.value}: {over:.1f}s past the lease")
 
-    async def _fence_now(self, reason: str) -> None:
-        """Kill every local generation at once, without the jobs' locks: a launch or a planned stop
-        may hold one while it waits on etcd, and the fence must end within fencing.KILL_S.
-        Nothing is launched here until the node is registered again."""
+    async def _fence_now(self, lease: KeptLease, why: str) -> None:
+        """Stop renewing ``lease`` (registered again once etcd answers) and kill every local
+        generation at once, without the jobs' locks: a launch or a planned stop may hold one while
+        it waits on etcd, and the fence must end within fencing.KILL_S. Nothing is launched here
+        until the node is registered again."""
+        log.error("self-fencing: %s (stopping all local workers)", why, extra=self._ctx)
+        lease.abandon()
+        reason = f"self-fenced: {why}"
         self._fenced = True
         gens = [g for g in self.generations.values() if not g.done.is_set()]
         await asyncio.gather(*(g.stop(0, reason=reason) for g in gens))
@@ -699,18 +700,3 @@ class NodeAgent:
 
     def status(self) -> list[Generation]:
         return list(self.generations.values())
-
-
-async def _first(*events: asyncio.Event, cleared: asyncio.Event | None = None, timeout_s: float | None = None) -> None:
-    """Wait until one of ``events`` is set, or ``cleared`` is no longer set (or ``timeout_s``)."""
-    async def unset(e: asyncio.Event) -> bool:
-        while e.is_set():
-            await asyncio.sleep(0.1)
-        return True
-
-    waits: list[asyncio.Task[bool]] = [asyncio.create_task(e.wait()) for e in events]
-    if cleared is not None:
-        waits.append(asyncio.create_task(unset(cleared)))
-    await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()

@@ -32,6 +32,7 @@ import grpc
 from mselastic import metrics
 from mselastic.wire import plan_to_pb
 from mselastic.core import contract, fencing
+from mselastic.core.waits import first
 from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
@@ -90,14 +91,6 @@ class Absence:
     #: The verdict of the last pass (logged when its rule changes).
     verdict: fencing.Verdict | None = None
     task: "asyncio.Task[None] | None" = None
-
-
-async def _first_of(*events: asyncio.Event, timeout_s: float) -> None:
-    """Until one of ``events`` is set, or ``timeout_s``."""
-    waits = [asyncio.create_task(e.wait()) for e in events]
-    await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
 
 
 async def _refused(address: str, timeout_s: float) -> bool:
@@ -419,7 +412,7 @@ class Coordinator:
                         log.warning("stepping down: etcd has not answered this leader's renewals for its whole "
                                     "lease (%ss)", term.lease.ttl_s, extra=dict(node=self.cfg.node_id))
                         break
-                    await _first_of(stop, term.lease.lost, timeout_s=min(left, 0.25))
+                    await first(stop, term.lease.lost, timeout_s=min(left, 0.25))
                     continue
                 if watcher.done():  # the informer died of a bug: its cache is frozen, so start it again
                     error = watcher.exception() if not watcher.cancelled() else None
@@ -461,8 +454,8 @@ class Coordinator:
         """Until a change wakes the loop (or ``reconcile_interval_s``), but first ``rest_s``: changes
         that come meanwhile make one pass, not one each (thousands of nodes report every second)."""
         if rest_s > 0:
-            await _first_of(stop, term.lease.lost, term.lease.unreachable, timeout_s=rest_s)
-        await _first_of(self._wake, stop, term.lease.lost, term.lease.unreachable,
+            await first(stop, term.lease.lost, term.lease.unreachable, timeout_s=rest_s)
+        await first(self._wake, stop, term.lease.lost, term.lease.unreachable,
                         timeout_s=self.cfg.reconcile_interval_s)
         self._wake.clear()
 
