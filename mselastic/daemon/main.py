@@ -16,10 +16,12 @@ A bad value is refused at start with one line naming the key and where it came f
 (exit 2).
 
 Under systemd (Type=notify): READY=1 once registered, WATCHDOG=1 every half
-WatchdogSec, STOPPING=1 on the way out. Metrics for Prometheus on --metrics-listen.
+watchdog timeout (a WatchdogSec longer than half of fenced_within(lease_ttl_s) is
+shortened to it with WATCHDOG_USEC=), STOPPING=1 on the way out. Metrics for
+Prometheus on --metrics-listen.
 
 SIGTERM or SIGINT: local workers are asked to checkpoint (SIGTERM, grace
-period), then killed; the node's registration is revoked; exit 0.
+period), then killed; once they are gone the node's registration is revoked; exit 0.
 """
 
 from __future__ import annotations
