@@ -68,13 +68,16 @@ class Sim:
     def __init__(self, names: list[str], job_node: str, leader: str, links: set[tuple[str, str]],
                  member_rule=node_verdict, leader_rule=replace_verdict,  # type: ignore[no-untyped-def]
                  changes: tuple[tuple[float, set[tuple[str, str]]], ...] = (), late: str = "",
-                 pauses: dict[str, tuple[float, float]] | None = None, rejects: bool = False) -> None:
+                 pauses: dict[str, tuple[float, float]] | None = None, rejects: bool = False,
+                 deaf: str = "") -> None:
         self.names = names
         self.links = links
         #: (from when, links): the partition changes (comes, heals, flaps).
         self.changes = sorted(changes, key=lambda c: c[0])
         #: Connections to a node that do not get through are refused (a firewall's REJECT), not dropped.
         self.rejects = rejects
+        #: Its reads of the registrations never go through (its renewals do): its peers are as of t=0.
+        self.deaf = deaf
         self.member_rule, self.leader_rule = member_rule, leader_rule
         self.nodes = {n: Node(n, lease_until=TTL * (1 - fencing.DRIFT)) for n in names}
         self.expiry = {n: TTL for n in names}  # etcd's view of each registration (real time)
@@ -132,7 +135,7 @@ class Sim:
             elif self.expiry[n] <= t and self.rpc(n, E):  # registers again (a new lease)
                 self.expiry[n], self.since[n] = t + TTL, t
                 node.lease_until, node.last_ack, node.abandoned = t + TTL * (1 - fencing.DRIFT), t, False
-            if self.rpc(n, E) and t - node.peers_read >= TTL:  # _track_peers: every TTL
+            if self.rpc(n, E) and t - node.peers_read >= TTL and n != self.deaf:  # _track_peers: every TTL
                 node.known |= {p for p in self.names if p != n and self.expiry[p] > t}
                 node.peers_read = t
         if self.leader_expiry <= t:  # a node that reaches etcd wins the election
@@ -175,7 +178,7 @@ class Sim:
         peers: dict[str, bool | None] = {p: (self.rpc(p, E) if self.rpc(node.name, p) else None)
                                          for p in sorted(node.known)}
         obs = NodeObservation(now=decided, ttl_s=TTL, lease_until=node.lease_until, etcd_ok=self.rpc(node.name, E),
-                              peers=peers)
+                              peers=peers, peers_read=node.peers_read)
         if self.member_rule(obs).act:
             node.dies_at = decided + 0.1  # the kill: well within fencing.KILL_S
             node.abandoned = True
@@ -314,19 +317,21 @@ NO_ETCD = {(a, b) for a, b in FULL if E not in (a, b)}
 
 def changing(rng: random.Random) -> dict:  # type: ignore[type-arg]
     """One run with a partition that changes: it comes while training, heals, flaps, or follows a
-    whole-cluster etcd outage; sometimes a node joins after the others read who is there, and
-    sometimes connections are refused instead of dropped."""
+    whole-cluster etcd outage; sometimes a node joins after the others read who is there, one
+    never gets a read of the registrations through (its renewals do), and sometimes connections
+    are refused instead of dropped."""
     pairs = sorted(FULL)
     cut = {p for p in pairs if rng.random() < rng.choice((0.2, 0.5, 0.8))}
     pattern = set(pairs) - cut
-    t1 = rng.uniform(0.3, 8.0)
+    t1 = rng.uniform(0.3, 14.0)
     t2 = t1 + rng.uniform(0.3, 5.0)
     kind = rng.choice(("comes", "heals", "flaps", "after an outage"))
     first, changes = {"comes": (FULL, ((t1, pattern),)), "heals": (pattern, ((t1, FULL),)),
                       "flaps": (pattern, ((t1, FULL), (t2, pattern))),
                       "after an outage": (NO_ETCD, ((t1, pattern),))}[kind]
     return dict(links=set(first), changes=changes, leader=rng.choice(("n0", "n1", "n2")),
-                late=rng.choice(("", "", "n1", "n2")), rejects=rng.random() < 0.25, kind=kind)
+                late=rng.choice(("", "", "n1", "n2")), rejects=rng.random() < 0.25,
+                deaf=rng.choice(("", "", "", "n0", "n1")), kind=kind)
 
 
 def test_partitions_that_come_heal_and_flap_keep_one_generation() -> None:
@@ -337,7 +342,7 @@ def test_partitions_that_come_heal_and_flap_keep_one_generation() -> None:
         kind = c.pop("kind")
         _, problems = run(["n0", "n1", "n2"], "n0", c.pop("leader"), c.pop("links"), **c)
         failures += [f"{kind} at {[round(t, 2) for t, _ in c['changes']]}, late {c['late'] or '-'}, "
-                     f"rejects {c['rejects']}: {p}" for p in problems[:1]]
+                     f"deaf {c['deaf'] or '-'}, rejects {c['rejects']}: {p}" for p in problems[:1]]
     print(f"fencing: 3000 changing partitions, {len(failures)} failures")
     assert not failures, "\n".join(failures[:20])
 
@@ -394,14 +399,55 @@ def test_a_watchdog_slower_than_fenced_within_runs_the_job_twice(monkeypatch: py
     assert any("both have live workers" in p for p in problems), problems
 
 
+def test_a_leader_that_trusts_a_refusal_before_the_member_can_know_it_runs_the_job_twice() -> None:
+    """The check can fail on what a member knows: n2 reaches etcd only from 10 s, after n0 last
+    read who is registered. At 12 s n0 and n1 lose etcd and n2 (whose firewall REJECTs them) and
+    still reach each other: to n0, which does not know n2, it looks like an outage. n2 leads once
+    n1's key expires and finds n0's address refusing. A leader that trusts the refusal however
+    new its own registration replaces n0 while it trains on; the real one trusts it only once
+    its node has been registered for fencing.known_s (n0 must have read it by then, or fenced)."""
+    cut = {(a, b) for a in ("n0", "n1") for b in (E, "n2")}
+    partition = FULL - cut - {(b, a) for a, b in cut}
+
+    def trusting(e: MemberEvidence) -> fencing.Verdict:
+        return replace_verdict(dataclasses.replace(e, leader_known_since=float("-inf")))
+
+    scenario = dict(late="n2", rejects=True, changes=((10.0, set(FULL)), (12.0, partition)))
+    start = FULL - {("n2", E), (E, "n2")}
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", start, leader_rule=trusting, **scenario)
+    assert any("both have live workers" in p for p in problems), problems
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", start, **scenario)
+    assert not problems, problems
+
+
+def test_a_member_that_trusts_an_old_list_of_peers_runs_the_job_twice() -> None:
+    """The check can fail on the member's side of it: n0's reads of the registrations never go
+    through (its renewals do), so it never learns of n2. At 12 s n0 and n1 lose etcd and n2
+    (REJECTs), and n2, registered for long, leads and trusts the refusal. A member that rides the
+    outage on its old list trains on beside the new generation; the real one fences once the list
+    is older than fencing.peers_fresh_s."""
+    cut = {(a, b) for a in ("n0", "n1") for b in (E, "n2")}
+    partition = FULL - cut - {(b, a) for a, b in cut}
+
+    def trusting(o: NodeObservation) -> fencing.Verdict:
+        return node_verdict(dataclasses.replace(o, peers_read=o.now))
+
+    scenario = dict(late="n2", deaf="n0", rejects=True, changes=((12.0, partition),))
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), member_rule=trusting, **scenario)
+    assert any("both have live workers" in p for p in problems), problems
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), **scenario)
+    assert not problems, problems
+
+
 # -- the verdict tables: one row per fault of the failure matrix --------------------------------
 
 NOW = 100.0
 
 
-def member(etcd_ok: bool = False, lease_left: float = -1.0, **peers: bool | None) -> fencing.Verdict:
+def member(etcd_ok: bool = False, lease_left: float = -1.0, read_ago: float = TTL,
+           **peers: bool | None) -> fencing.Verdict:
     return node_verdict(NodeObservation(now=NOW, ttl_s=TTL, lease_until=NOW + lease_left, etcd_ok=etcd_ok,
-                                        peers=dict(peers)))
+                                        peers=dict(peers), peers_read=NOW - read_ago))
 
 
 @pytest.mark.parametrize("fault, verdict, act, rule", [
@@ -414,6 +460,8 @@ def member(etcd_ok: bool = False, lease_left: float = -1.0, **peers: bool | None
     ("etcd down for everyone, for too long",
      lambda: member(lease_left=-fencing.outage_grace_s(TTL), n1=False), True, Rule.OUTAGE_TOO_LONG),
     ("a one-node cluster without etcd", lambda: member(), False, Rule.OUTAGE),
+    ("etcd down for everyone, but who is registered was read too long ago: a newer node may lead",
+     lambda: member(read_ago=fencing.peers_fresh_s(TTL) + 0.1, n1=False), True, Rule.PEERS_UNKNOWN),
     ("woken after a pause longer than the grace: etcd answers, the deadline decides",
      lambda: member(True, lease_left=-fencing.outage_grace_s(TTL) - 1), True, Rule.OUTAGE_TOO_LONG),
 ])
@@ -440,8 +488,8 @@ def leader(registered: bool = False, gone_for: float | None = 0.0, running: froz
      True, Rule.NO_ELASTICD),
     ("refused, just gone: it may be in its last round", lambda: leader(refused=True, gone_for=0.5), False,
      Rule.BEFORE_DEADLINE),
-    ("refused, but the leader's node is newer than the member's last look at the peers",
-     lambda: leader(refused=True, gone_for=fencing.refused_within(TTL), known_for=fencing.refused_within(TTL)), False,
+    ("refused, but the leader's node may be newer than the member's last look at the peers",
+     lambda: leader(refused=True, gone_for=fencing.refused_within(TTL), known_for=fencing.known_s(TTL) - 0.1), False,
      Rule.BEFORE_DEADLINE),
     ("a member that renews behind a firewall's REJECT", lambda: leader(registered=True, gone_for=None,
                                                                        refused=True), False, Rule.RENEWS),

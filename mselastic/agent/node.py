@@ -13,6 +13,7 @@ committed; the coordinator adopts them (see ``Coordinator._excused``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -93,6 +94,8 @@ class NodeAgent:
         #: When each peer was last seen registered (fencing.clock()): one gone for longer than the
         #: outage grace is forgotten (a dead node must not make every etcd outage fence).
         self._peer_seen: dict[str, float] = {}
+        #: When the latest read of the registrations that went through was sent (fencing.clock()).
+        self._peers_read = float("-inf")
         #: Fenced without etcd: nothing is launched here until this node is registered again (a
         #: launch that read the plan before the fence must not start it after).
         self._fenced = False
@@ -311,7 +314,7 @@ class NodeAgent:
         answers, etcd_ok = await asyncio.gather(self._ask_peers(), self.reaches_etcd(probe / 2))
         verdict = fencing.node_verdict(fencing.NodeObservation(
             now=fencing.clock(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
-            peers=answers))
+            peers=answers, peers_read=self._peers_read))
         if verdict.act:
             await self._fence_now(lease, verdict.reason)
         elif verdict.rule is not self._rule and verdict.rule is not fencing.Rule.ETCD_ANSWERS:
@@ -349,29 +352,35 @@ class NodeAgent:
             self._changed(g)
 
     async def _track_peers(self, stop: asyncio.Event) -> None:
-        """Keep the other nodes' Agent addresses, read from etcd whenever it answers."""
+        """Keep the other nodes' Agent addresses, read from etcd every TTL, and when the latest
+        read that went through was sent (an outage is ridden out only on a list read recently
+        enough: fencing.peers_fresh_s); a failed read is tried again after a round."""
         while not stop.is_set():
+            sent = fencing.clock()
             try:
-                _, kvs = await self.store.get_prefix(self.store.keys.nodes)
-                now = fencing.clock()
-                for kv in kvs:
-                    try:
-                        rec = NodeRecord.from_json(kv.value)
-                    except MalformedRecord:
-                        continue
-                    if rec.node_id != self.cfg.node_id:
-                        self._peers[rec.node_id] = rec.agent_address
-                        self._peer_seen[rec.node_id] = now
-                # Merged, not replaced by a read: right after an etcd stall the others may not have
-                # registered again yet, and a node that knows no peers cannot tell its own cut. A
-                # peer unseen for the outage grace is dead or gone: forgotten.
-                for node_id, seen in list(self._peer_seen.items()):
-                    if now - seen > fencing.outage_grace_s(self.cfg.lease_ttl_s):
-                        del self._peer_seen[node_id], self._peers[node_id]
+                _, kvs = await asyncio.wait_for(self.store.get_prefix(self.store.keys.nodes), self._probe_s)
+            except (TemporaryError, PermanentError, asyncio.TimeoutError):
+                await first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
+                continue
+            now = fencing.clock()
+            for kv in kvs:
+                try:
+                    rec = NodeRecord.from_json(kv.value)
+                except MalformedRecord:
+                    continue
+                if rec.node_id != self.cfg.node_id:
+                    self._peers[rec.node_id] = rec.agent_address
+                    self._peer_seen[rec.node_id] = now
+            # Merged, not replaced by a read: right after an etcd stall the others may not have
+            # registered again yet, and a node that knows no peers cannot tell its own cut. A
+            # peer unseen for the outage grace is dead or gone: forgotten.
+            for node_id, seen in list(self._peer_seen.items()):
+                if now - seen > fencing.outage_grace_s(self.cfg.lease_ttl_s):
+                    del self._peer_seen[node_id], self._peers[node_id]
+            self._peers_read = sent
+            with contextlib.suppress(TemporaryError, PermanentError):
                 await self._check_registered({kv.key for kv in kvs})
-            except (TemporaryError, PermanentError):
-                pass
-            await asyncio.sleep(self.cfg.lease_ttl_s)
+            await first(stop, timeout_s=self.cfg.lease_ttl_s)
 
     async def _check_registered(self, keys: set[str]) -> None:
         """Our key gone while our lease lives (deleted by hand, or by an elasticd that took our id):

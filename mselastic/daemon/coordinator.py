@@ -353,8 +353,9 @@ class Coordinator:
         self._queued: set[str] = set()
         #: Members of live plans seen unregistered, by node id (see :meth:`_excused`).
         self._absent: dict[str, Absence] = {}
-        #: Since when this leader's own node is registered, as far as it saw (fencing.clock()).
-        self._registered_since: float | None = None
+        #: This leader's own node's registration (its key's create revision) and since when it
+        #: saw it (fencing.clock()): a member counts the node among its peers only after a while.
+        self._registered_since: tuple[int, float] | None = None
         #: Members of live plans whose agent's connection dropped: unregistered until it answers.
         self.liveness = liveness.Liveness(self.agents.channel, self._wake.set)
         self._blind = False  # (logged once) the evidence is ignored: most connections dropped at once
@@ -397,6 +398,7 @@ class Coordinator:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
+        self._registered_since = None  # seen again in this term's first pass
         self._mine.clear()
         self._anchors.clear()
         self._relaunched.clear()
@@ -570,10 +572,13 @@ class Coordinator:
                     log.warning("node %s registered or answering again after %.1fs with its generation(s) intact: "
                                 "adopted", node_id, fencing.clock() - gone.since, extra=dict(node=node_id))
         now = fencing.clock()
-        if self.cfg.node_id not in registered:
+        mine = self.informer.nodes.get(self.store.keys.node(self.cfg.node_id)) \
+            if self.informer is not None and self.cfg.node_id in registered else None
+        if mine is None:
             self._registered_since = None
-        elif self._registered_since is None:
-            self._registered_since = now
+        elif self._registered_since is None or self._registered_since[0] != mine.create_revision:
+            self._registered_since = (mine.create_revision, now)
+        known_since = self._registered_since[1] if self._registered_since is not None else None
         held: set[str] = set()
         for node_id, gens in wanted.items():
             a = self._absent.get(node_id)
@@ -586,7 +591,7 @@ class Coordinator:
                 a.gone_since = now
             verdict = fencing.replace_verdict(fencing.MemberEvidence(
                 now=now, ttl_s=self.cfg.lease_ttl_s, registered=node_id in registered, gone_since=a.gone_since,
-                running=a.running, wanted=frozenset(gens), refused=a.refused, leader_known_since=self._registered_since))
+                running=a.running, wanted=frozenset(gens), refused=a.refused, leader_known_since=known_since))
             if a.verdict is None or verdict.rule is not a.verdict.rule:
                 what = ", ".join(f"{j} generation {g}" for j, g in gens)
                 if verdict.act:
