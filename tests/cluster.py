@@ -146,7 +146,8 @@ class Cluster:
                 return next(m for m in self.etcd_members if entry["Endpoint"].endswith(m.endpoint))
         raise AssertionError(f"no etcd leader in {out}")
 
-    def start_node(self, i: int, slots: int = 1) -> subprocess.Popen[bytes]:
+    def start_node(self, i: int, slots: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        """``extra``: more elasticd arguments (they override the tests' defaults)."""
         assert self.etcd_server is not None
         cmd = elasticd_cmd(self.node_id(i), self.etcd_endpoint, AGENT_PORT,
                            os.path.join(self.tmp, f"node{i}"), self.namespace, slots=slots,
@@ -154,14 +155,15 @@ class Cluster:
         # A namespace's address is not loopback: plaintext there must be asked for (the bridge is
         # this test's own).
         cmd[cmd.index("--listen") + 1:cmd.index("--listen") + 2] = [self.endpoint(i), "--insecure", "true"]
+        cmd += extra
         p = self.procs.start(f"elasticd-n{i}", ["ip", "netns", "exec", self.nodes[i], *cmd])
         self.daemons[i] = p
         return p
 
-    def start_nodes(self, *indexes: int, slots: int = 1) -> None:
+    def start_nodes(self, *indexes: int, slots: int = 1, extra: tuple[str, ...] = ()) -> None:
         """Start nodes one after the other, so registration (and so rank) order is index order."""
         for i in indexes:
-            self.start_node(i, slots=slots)
+            self.start_node(i, slots=slots, extra=extra)
             self.wait_registered(i)
 
     def wait_registered(self, *indexes: int, timeout_s: float = 30) -> None:

@@ -400,7 +400,19 @@ def still_running(etcd: Etcd, job: str, before: str) -> bool:
     return True
 
 
-def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, snapshots: bool = False) -> list[Plan]:
+def trained_steps(out_dir: str, generation: int) -> int:
+    """The highest step the ranks of a generation trained, from their own records
+    (``samples_g<G>_r<R>.jsonl`` in the example's --out folder)."""
+    top = 0
+    for name in os.listdir(out_dir):
+        if name.startswith(f"samples_g{generation}_r") and name.endswith(".jsonl"):
+            with open(os.path.join(out_dir, name)) as f:
+                top = max([top] + [json.loads(line)["step"] for line in f if line.strip()])
+    return top
+
+
+def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, snapshots: bool = False,
+                  trained: dict[int, int] | None = None) -> list[Plan]:
     """The invariants every elastic or faulted job must keep, read back from etcd after it succeeded:
 
     generations numbered 1, 2, ... with a new master port each; surviving nodes keep
@@ -410,7 +422,9 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, sn
     (or one taken on a SIGTERM earlier; with ``snapshots``, a snapshot of any step), every rank from
     the same, at or after the previous resume and no later than the step the previous one reached; the final generation reached exactly ``total_steps``; the event log has
     each relaunch with its reason, and after faults the job status has the last
-    failure's detection time.
+    failure's detection time. ``trained``: the highest step some generations' ranks trained, as
+    their own records say (:func:`trained_steps`), where the reports in etcd may be behind (a node
+    cut off before its last reports got through, its ranks stopped and checkpointed there).
     """
     plans = [Plan.from_json(v) for _, v in sorted(etcd.prefix(etcd.keys.plans(job)).items())]
     assert [p.generation for p in plans] == list(range(1, len(plans) + 1)), "generations must count up"
@@ -443,9 +457,11 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, sn
                     f"{previous_reached})"
             assert after.restart_count == before.restart_count + (0 if after.planned else 1)
             previous_resume = step
-        previous_reached = max((r.step for r in reports), default=0)
+        previous_reached = max([r.step for r in reports] + [(trained or {}).get(after.generation, 0)])
         previous_exits = {r.exit_step for r in reports}
         checkpointed |= previous_exits - {-1}
+        if trained and after.generation in trained:  # (its SIGTERM's checkpoint, which no report says)
+            checkpointed.add(trained[after.generation])
     assert previous_reached == total_steps, f"final step {previous_reached} != {total_steps}"
     status = etcd.status(job)
     assert status is not None and status.generation == plans[-1].generation

@@ -96,11 +96,14 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
 def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     cluster.up(2)
     cluster.start_nodes(0, 1)
+    up = time.monotonic()
     pace = Pace(cluster.tmp, 0.3)  # until the relaunch is planned
-    submit(cluster, total_steps=30, pace=pace, scale_up_settle_s=600)  # n1's return below does not scale up
+    submit(cluster, total_steps=60, pace=pace, scale_up_settle_s=600)  # n1's return below does not scale up
     etcd = cluster.etcd
     assert etcd is not None
-    wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15, 180, 0.2)
+    # (A refusal is trusted once the leader's node has been registered for known_s: n1 knows it.)
+    wait_for("step 15", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 15
+             and time.monotonic() - up > fencing.known_s(cluster.lease_ttl_s), 180, 0.2)
     still_running(etcd, JOB, "the node's loss")
     cluster.inject(ClusterFault.KILL_NODE, 1)  # elasticd and, through the parent-death chain, its workers
     killed = time.monotonic()
@@ -124,9 +127,9 @@ def test_node_loss_relaunches_without_the_node(cluster: Cluster) -> None:
     assert [n.get("running_jobs", []) for n in nodes if n["node_id"] == "n1"] == [[]], nodes
     status = finished(cluster)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 30)
+    check_history(etcd, JOB, 60)
     rep = etcd.report(JOB, status.generation, "n0")
-    assert rep is not None and rep.step == 30 and rep.resumed_step >= 10
+    assert rep is not None and rep.step == 60 and rep.resumed_step >= 10
 
 
 def test_leader_loss_does_not_restart_a_healthy_generation(cluster: Cluster) -> None:

@@ -7,6 +7,7 @@ when the new generation took its first step, counted from the cut (docs/DESIGN.m
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
@@ -17,10 +18,12 @@ from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import Event
 from mselastic.core.states import JobState
 from tests.cluster import Cluster, ClusterFault
-from tests.harness import DATA_DIR, TEST_MARK, Pace, Sampler, check_history, elasticctl, lenet_spec, still_running, wait_for
+from tests.harness import (DATA_DIR, LENET, REPO, TEST_MARK, Pace, Sampler, check_history, elasticctl, lenet_spec,
+                           still_running, trained_steps, wait_for)
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
+LINGER = os.path.join(REPO, "tests", "linger.py")
 
 
 def live_generations(mark: str) -> dict[int, int]:
@@ -44,16 +47,21 @@ def first(sampler: Sampler, since: float, fn) -> float:  # type: ignore[no-untyp
     return next((t - since for t, s in sampler.samples if t >= since and fn(s)), float("nan"))
 
 
-def submit(cluster: Cluster, pace: Pace) -> None:
+def submit(cluster: Cluster, pace: Pace, deaf_to_term: bool = False) -> None:
+    """``deaf_to_term``: rank 0 ignores SIGTERM (tests/linger.py), so a planned stop leaves it
+    training until the grace is over."""
     out = os.path.join(cluster.tmp, "out")
+    args = ["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", *pace.args]
+    extra: dict[str, object] = dict(script=LINGER, args=[LENET, *args], env={"MSELASTIC_TEST_DEAF_TO_TERM": "0"}) \
+        if deaf_to_term else {}
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), 60,
-                      workers=2, min_nodes=1, max_nodes=1, args=["--data", DATA_DIR, "--out", out, "--lr", "0.05",
-                                                                *pace.args])
+                      workers=2, min_nodes=1, max_nodes=1, **{"args": args, **extra})
     r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
     assert r.returncode == 0, r.stderr
 
 
-def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule) -> None:  # type: ignore[no-untyped-def]
+def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule,  # type: ignore[no-untyped-def]
+                deaf_to_term: bool = False) -> None:
     """The job on ``job_node``, ``cut()`` made after step 10: never two generations with live
     workers; the job's workers gone and a new generation's first step elsewhere within the
     documented bound, its event naming the ``rule`` that let the leader replace ``job_node``;
@@ -61,7 +69,7 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule) 
     etcd = cluster.etcd
     assert etcd is not None
     pace = Pace(cluster.tmp, 0.3)
-    submit(cluster, pace)
+    submit(cluster, pace, deaf_to_term)
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     assert [m.node_id for m in plan1.members] == [job_node]
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, job_node)) and r.step >= 10, 180, 0.2)
@@ -89,7 +97,8 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule) 
     assert job_node not in [m.node_id for m in p2.members]
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
-    check_history(etcd, JOB, 60)
+    # (A member cut off may have trained past what its reports in etcd say.)
+    check_history(etcd, JOB, 60, trained={1: trained_steps(os.path.join(cluster.tmp, "out"), 1)})
     events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
     relaunch = next(e.message for e in events if e.kind == "generation" and e.generation == p2.generation)
     assert f"{job_node}: {rule.value}" in relaunch, relaunch
@@ -121,16 +130,21 @@ def test_the_leaders_rack_cut_from_etcd_and_the_third_node_trains_on_one_side_on
         assert "self-fencing: the lease ran out and a peer does not answer: n1" in f.read()
 
 
-def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node(cluster: Cluster) -> None:
-    """The mirror case: n1 runs the job and loses etcd and the leader n0, but reaches n2, which
-    reaches etcd: n1 is the one cut off and fences at once; n0 cannot hear that from n1, so it
-    waits for n1's fencing deadline, then relaunches on n2."""
+def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node_while_it_shuts_down(
+        cluster: Cluster) -> None:
+    """The mirror case, while n1's elasticd is being stopped: n1 runs the job, gets a SIGTERM
+    (a minute's shutdown grace, and its rank 0 deaf to SIGTERM), and loses etcd and the leader n0,
+    but reaches n2, which reaches etcd. A shutdown is no reason to stop fencing: n1 is the one cut
+    off and kills its workers at once, not at the end of their grace; n0 cannot hear that from
+    n1, so it waits for n1's fencing deadline, then relaunches on n2."""
     cluster.up(3)
     cluster.start_node(0, slots=0)
     cluster.wait_registered(0)
-    cluster.start_nodes(1, 2, slots=2)
+    cluster.start_nodes(1, 2, slots=2, extra=("--shutdown-grace-s", "60"))
 
     def cut() -> None:
+        os.kill(cluster.daemons[1].pid, signal.SIGTERM)
+        time.sleep(0.5)  # the ranks asked to stop; rank 0 trains on (then waits for rank 1) until killed
         cluster.inject(ClusterFault.CUT_FROM_ETCD, 1)
         cluster.cut(0, 1)
 
@@ -138,9 +152,10 @@ def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node(clu
         cluster.inject(ClusterFault.RECONNECT_ETCD, 1)
         cluster.cut(0, 1, heal=True)
 
-    partitioned(cluster, "n1", cut, heal, fencing.Rule.FENCE_DEADLINE)
+    partitioned(cluster, "n1", cut, heal, fencing.Rule.FENCE_DEADLINE, deaf_to_term=True)
     with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
         assert "self-fencing: etcd is reachable from a peer but not from here: reachable from n2" in f.read()
+    assert cluster.daemons[1].wait(timeout=30) == 0  # and it went on to exit
 
 
 def test_a_job_node_that_can_send_to_etcd_but_not_hear_from_it(cluster: Cluster) -> None:

@@ -13,6 +13,7 @@ committed; the coordinator adopts them (see ``Coordinator._excused``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -60,11 +61,17 @@ class AgentConfig:
     batch_scheduling: bool = True
     #: This node's folder in memory for the jobs' snapshots ("": none; see Generation).
     snapshot_root: str = ""
+    #: The workers' grace on shutdown (elasticd's shutdown_grace_s): the registration is revoked
+    #: once they are gone; SHUTDOWN_MARGIN_S past it, they are killed.
+    shutdown_grace_s: float = 10.0
 
 
 #: A job's standbys are stopped this long after its last generation here ended (at once when it
 #: succeeded): a relaunch comes within seconds, a job that went elsewhere or ended does not need them.
 STANDBY_KEEP_S = 60.0
+#: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
+#: before the registration is revoked.
+SHUTDOWN_MARGIN_S = 60.0
 
 
 class NodeIdTaken(Exception):
@@ -96,12 +103,20 @@ class NodeAgent:
         self._peer_seen: dict[str, float] = {}
         #: When the latest read of the registrations that went through was sent (fencing.clock()).
         self._peers_read = float("-inf")
-        #: Fenced without etcd: nothing is launched here until this node is registered again (a
-        #: launch that read the plan before the fence must not start it after).
+        #: Fenced without etcd: nothing is launched here until this node is registered again.
         self._fenced = False
-        #: Launches under way, (job, generation): Status counts them as running, so that a leader
-        #: asking does not take a generation about to start here for stopped.
-        self.launching: set[tuple[str, int]] = set()
+        #: How many times this agent fenced: a launch begun before a fence (it may have read a plan
+        #: replaced since) is refused, even once the node is registered again.
+        self._fences = 0
+        #: The kills of fences under way: shielded from the cancellation of the round that decided,
+        #: and waited for before the node counts as registered again.
+        self._kills: set[asyncio.Task[None]] = set()
+        #: Set once run() is over: the local workers are gone (or could not be killed). The
+        #: deadline check runs until then, through a shutdown's grace too.
+        self._closed = asyncio.Event()
+        #: Launches under way, (job, generation) -> how many: Status counts them as running, so
+        #: that a leader asking does not take a generation about to start here for stopped.
+        self.launching: collections.Counter[tuple[str, int]] = collections.Counter()
         #: The lease the local workers run on: the registered one, or while registering again, the
         #: one before (the outage grace counts from it).
         self._cover: KeptLease | None = None
@@ -117,7 +132,7 @@ class NodeAgent:
     async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
         reporter = asyncio.create_task(self._report_loop(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
-        deadline = asyncio.create_task(self._deadline_loop(stop), name="fence-deadline")
+        deadline = asyncio.create_task(self._deadline_loop(), name="fence-deadline")
         try:
             await self._close_stale_reports(stop)
             while not stop.is_set():
@@ -126,6 +141,7 @@ class NodeAgent:
                 await self._register(self._lease, stop, fencing_by=previous)
                 if stop.is_set():
                     break
+                await self._killed()  # a fence decided before the registration went through ends first
                 self._cover, self._fenced = self._lease, False
                 on_registered()
                 keeper = None
@@ -153,26 +169,57 @@ class NodeAgent:
                                 extra=self._ctx)
                     self._recheck = True
         finally:
-            if self._lease is not None:
-                await self._release_after_workers(self._lease)
-            for t in (reporter, fencer, deadline):
-                t.cancel()
-            await asyncio.gather(reporter, fencer, deadline, return_exceptions=True)
+            cover = self._cover or self._lease
+            guard = asyncio.create_task(self._guard_shutdown(cover), name="fence-shutdown") \
+                if cover is not None else None
+            try:
+                if self._lease is not None:
+                    await self._release_after_workers(self._lease)
+            finally:
+                if guard is not None:
+                    guard.cancel()
+                    await asyncio.gather(guard, return_exceptions=True)
+                self._closed.set()
+                for t in (reporter, fencer, deadline):
+                    t.cancel()
+                await asyncio.gather(reporter, fencer, deadline, *self._kills, return_exceptions=True)
 
     async def _release_after_workers(self, lease: KeptLease) -> None:
         """On shutdown, revoke the registration only once the local workers are gone (elasticd
-        stops them with their grace meanwhile): a leader that saw it gone early could replace
-        workers still checkpointing. Not gone within a minute: the lease is left to expire
-        (the workers die with elasticd)."""
-        running = [g.done.wait() for g in self.generations.values() if not g.done.is_set()]
-        if running:
-            try:
-                await asyncio.wait_for(asyncio.gather(*running), timeout=60)
-            except asyncio.TimeoutError:
-                log.warning("workers still running on shutdown; the registration is left to expire", extra=self._ctx)
+        stops them with their grace meanwhile; the deadline check goes on until then): a leader
+        that saw it gone early could replace workers still checkpointing. Not gone within their
+        grace and ``SHUTDOWN_MARGIN_S``: they are killed first; what cannot be killed leaves the
+        lease to expire, never revoked."""
+        wait = self.cfg.shutdown_grace_s + SHUTDOWN_MARGIN_S
+        if not await self._workers_gone(wait):
+            log.error("workers still running %.0fs into the shutdown; killing them", wait, extra=self._ctx)
+            await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True)
+                                   for g in self.generations.values() if not g.done.is_set()))
+            if not await self._workers_gone(fencing.KILL_S * 5):
+                log.error("workers could not be killed; the registration is left to expire", extra=self._ctx)
                 lease.abandon()
                 return
         await lease.release()
+
+    async def _guard_shutdown(self, lease: KeptLease) -> None:
+        """While the workers take their grace on shutdown, fencing rounds go on whenever etcd
+        stops answering (the deadline check goes on anyway): a partition during a shutdown is a
+        partition like any other."""
+        while True:
+            if lease.unreachable.is_set() or lease.lost.is_set() or lease is not self._lease:
+                await self._fence_round(lease)
+                await asyncio.sleep(fencing.round_s(self.cfg.lease_ttl_s))
+            else:
+                await first(lease.unreachable, lease.lost)
+
+    async def _workers_gone(self, within_s: float) -> bool:
+        running = [g.done.wait() for g in self.generations.values() if not g.done.is_set()]
+        if running:
+            try:
+                await asyncio.wait_for(asyncio.gather(*running), timeout=within_s)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     async def _close_stale_reports(self, stop: asyncio.Event) -> None:
         """Close what a previous elasticd of this node left open in etcd, before registering.
@@ -321,17 +368,18 @@ class NodeAgent:
             log.warning("etcd unreachable here; training goes on: %s", verdict.reason, extra=self._ctx)
         self._rule = verdict.rule
 
-    async def _deadline_loop(self, stop: asyncio.Event) -> None:
-        """The member rule's first clause, checked four times a second rather than once a round:
-        past the outage grace after the lease the workers run on, they stop, whatever else is
-        seen. After a suspend or a pause of this process the rounds and the lease keeper wake
-        late; this loop wakes within a quarter second and kills before the workers train on
-        for long beside a generation that replaced them."""
+    async def _deadline_loop(self) -> None:
+        """The member rule's first clause, checked four times a second rather than once a round,
+        until run() is over (a shutdown's grace too): past the outage grace after the lease the
+        workers run on, they stop, whatever else is seen. After a suspend or a pause of this
+        process the rounds and the lease keeper wake late; this loop wakes within a quarter
+        second and kills before the workers train on for long beside a generation that replaced
+        them. After a fence, whatever still runs (a launch that slipped through) is killed too."""
         grace = fencing.outage_grace_s(self.cfg.lease_ttl_s)
-        while not stop.is_set():
-            await first(stop, timeout_s=0.25)
+        while not self._closed.is_set():
+            await first(self._closed, timeout_s=0.25)
             cover = self._cover
-            if cover is None or not cover.valid_until or self._fenced:
+            if cover is None or not cover.valid_until or any(not k.done() for k in self._kills):
                 continue
             over = fencing.clock() - cover.valid_until
             if over >= grace and any(not g.done.is_set() for g in self.generations.values()):
@@ -344,12 +392,22 @@ class NodeAgent:
         until the node is registered again."""
         log.error("self-fencing: %s (stopping all local workers)", why, extra=self._ctx)
         lease.abandon()
-        reason = f"self-fenced: {why}"
         self._fenced = True
+        self._fences += 1
+        kill = asyncio.create_task(self._kill_all(f"self-fenced: {why}"), name="fence-kill")
+        self._kills.add(kill)
+        kill.add_done_callback(self._kills.discard)
+        await asyncio.shield(kill)  # cancelled (the node registered meanwhile): the kill goes on
+
+    async def _kill_all(self, reason: str) -> None:
         gens = [g for g in self.generations.values() if not g.done.is_set()]
-        await asyncio.gather(*(g.stop(0, reason=reason) for g in gens))
+        await asyncio.gather(*(g.stop(0, reason=reason, now=True) for g in gens))
         for g in gens:
             self._changed(g)
+
+    async def _killed(self) -> None:
+        """Wait for the fences' kills under way."""
+        await asyncio.gather(*self._kills, return_exceptions=True)
 
     async def _track_peers(self, stop: asyncio.Event) -> None:
         """Keep the other nodes' Agent addresses, read from etcd every TTL, and when the latest
@@ -500,13 +558,16 @@ class NodeAgent:
         if plan.member(self.cfg.node_id) is None:
             raise LaunchRefused(f"node {self.cfg.node_id} is not a member of generation {plan.generation}")
         key = (plan.job, plan.generation)
-        self.launching.add(key)
+        self.launching[key] += 1
         try:
-            return await self._launch(plan)
+            return await self._launch(plan, self._fences)
         finally:
-            self.launching.discard(key)
+            self.launching[key] -= 1
+            if not self.launching[key]:
+                del self.launching[key]
 
-    async def _launch(self, plan: Plan) -> str:
+    async def _launch(self, plan: Plan, fences: int) -> str:
+        """``fences``: how many times this agent had fenced when the launch began."""
         async with self._lock(plan.job):
             current = self.generations.get(plan.job)
             if current is not None and current.plan.generation >= plan.generation:
@@ -528,9 +589,9 @@ class NodeAgent:
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
-            if self._fenced:  # fenced while this launch read etcd: the plan may be replaced already
-                raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd; it launches again once "
-                                    f"registered")
+            if self._fenced or self._fences != fences:  # fenced meanwhile: the plan may be replaced already
+                raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd since this launch began; "
+                                    f"it launches the plans committed once it is registered again")
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling)
@@ -571,10 +632,9 @@ class NodeAgent:
         return plan.stop_previous_at_step if plan is not None and plan.generation == generation + 1 else 0
 
     async def stop_all(self, grace_s: float, reason: str = "") -> list[int]:
-        left: list[int] = []
-        for job in list(self.generations):
-            left += await self.stop(job, 0, grace_s, reason=reason)
-        return left
+        """Stop every job's generation, side by side: each gets the whole grace."""
+        lefts = await asyncio.gather(*(self.stop(job, 0, grace_s, reason=reason) for job in list(self.generations)))
+        return [pid for left in lefts for pid in left]
 
     def _tell_peers_joined(self, gen: Generation) -> None:
         """A local rank of ``gen`` got through init(): the other members' agents may nudge their

@@ -67,7 +67,7 @@ class AgentService(pb_grpc.AgentServicer):
         # A launch under way is a generation about to run here: a leader asking whether this node
         # stopped must not be told it did.
         gens += [pb.LocalGeneration(job=job, generation=generation, state=pb.GENERATION_STATE_STARTING)
-                 for job, generation in sorted(self.agent.launching - shown)]
+                 for job, generation in sorted(set(self.agent.launching) - shown)]
         standbys = [pb.StandbyStatus(job=job, pid=s["pid"], ready=s["ready"])
                     for job, pool in sorted(self.agent.standbys.items()) for s in pool.describe()]
         check = request.check_etcd_s

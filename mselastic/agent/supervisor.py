@@ -796,9 +796,10 @@ class Generation:
         refused = forbidden_env(dict(self.spec.env), self.allow_env)
         return {k: v for k, v in self.spec.env.items() if k not in refused}
 
-    async def stop(self, grace_s: float, stop_at: int = 0, reason: str = "") -> list[int]:
+    async def stop(self, grace_s: float, stop_at: int = 0, reason: str = "", now: bool = False) -> list[int]:
         """Stop every process of this generation. Returns leftovers. ``reason``: why, for the
-        report (else what the ranks' exits say).
+        report (else what the ranks' exits say). ``now``: kill at once, even ranks already
+        leaving and beside a planned stop under way (a fence must end within fencing.KILL_S).
 
         With ``grace_s`` > 0 (a planned stop) the ranks alone get SIGTERM first, after the step
         they stop at is in the stop file: ``stop_at``, which the coordinator chose for every
@@ -809,6 +810,8 @@ class Generation:
         the backstop step the ranks can next agree at (at the measured step rate).
         """
         self._stopping = True
+        if now:
+            grace_s = 0
         if grace_s > 0 and not self.state.terminal:
             if not self.stop_at:  # told once: a Stop sent again must not move it
                 if stop_at <= 0 and len(self.plan.members) == 1:
@@ -819,7 +822,7 @@ class Generation:
             if not self.stop_at and rate > 0:
                 grace_s += self.spec.stop_check_interval_steps / rate
             await self._ask_ranks_to_stop(grace_s)
-        elif not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
+        elif not now and not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
             await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
         left = await procs.stop_generation(self._markers(), self._live_launched(), grace_s=0)
         for proc in self._launched():

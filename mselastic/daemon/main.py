@@ -578,7 +578,7 @@ async def serve(s: Settings) -> None:
                                          slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                          worker_user=worker, allow_env=s.allowed_env, pass_env=_names(s.pass_env),
                                          warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
-                                         snapshot_root=snapshot_root(s)))
+                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s))
     coordinator = Coordinator(store, CoordinatorConfig(
         node_id=s.node_id, control_address=address, lease_ttl_s=s.lease_ttl_s,
         reconcile_interval_s=s.reconcile_interval_s, ports=PortRange(s.master_port_start, s.master_port_span),

@@ -26,12 +26,13 @@ def _notify(*fields: str) -> None:
     for f in fields:
         key, _, value = f.partition("=")
         try:
+            # (return_exceptions=False: cysystemd would otherwise log and return a failure.)
             if key == "STATUS":
-                notify(kinds[key], value)
+                notify(kinds[key], value, return_exceptions=False)
             elif key == "WATCHDOG_USEC":
-                notify(kinds[key], int(value))
+                notify(kinds[key], int(value), return_exceptions=False)
             else:
-                notify(kinds[key])
+                notify(kinds[key], return_exceptions=False)
         except Exception as e:  # noqa: BLE001 - a notify failure must never stop the daemon
             log.warning("sd_notify %s failed: %s", key, e)
 
@@ -68,8 +69,9 @@ async def watchdog(stop: asyncio.Event, within_s: float = 0.0) -> None:
     if within_s and within_s < 2 * interval:
         usec = int(within_s * 1e6)
         _notify(f"WATCHDOG_USEC={usec}")
-        log.info("watchdog timeout %.1fs (the unit's %.0fs is longer than a hung elasticd may keep its workers)",
-                 within_s, 2 * interval)
+        log.info("watchdog timeout %.1fs (the unit's %.0fs is longer than a hung elasticd may keep its workers; "
+                 "systemd older than 236 ignores this: there, set WatchdogSec=%d or less in a drop-in)",
+                 within_s, 2 * interval, int(within_s))
         interval = within_s / 2
     while not stop.is_set():
         _notify("WATCHDOG=1")
