@@ -36,7 +36,7 @@ import grpc
 
 from mselastic import tls
 from mselastic.daemon import liveness
-from mselastic.daemon.coordinator import Agents
+from mselastic.daemon.agents import Agents
 
 MODES = ("connected", "watched")
 

@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from mselastic.daemon import liveness
-from mselastic.daemon.coordinator import Agents, _refused
+from mselastic.daemon.agents import Agents
+from mselastic.daemon.presence import refused as _refused
 from mselastic.store.embedded import free_port
 
 

@@ -27,26 +27,22 @@ import random
 import time
 from typing import Awaitable
 
-import grpc
-
 from mselastic import metrics
-from mselastic.wire import plan_to_pb
-from mselastic.core import contract, fencing
+from mselastic.core import fencing
 from mselastic.core.waits import first
-from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Member, Plan
+from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
 from mselastic.core.planner import MAX_QUARANTINE_S, Action, Decision, PortRange, decide
 from mselastic.core.states import FailureCause, JobState
 from mselastic.core.status import next_status
-from mselastic.store.etcd import CHANNEL_OPTIONS, PermanentError, Store, TemporaryError
+from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
-from mselastic.store.lease import Election, Term, probe_s
+from mselastic.store.lease import Election, Term
 from mselastic.store.views import ClusterView, JobView, read_cluster
-from mselastic.daemon import liveness
+from mselastic.daemon.agents import Agents
+from mselastic.daemon.presence import Presence
 from mselastic.tls import TlsFiles
-from mselastic.v1 import elastic_pb2 as pb
-from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -67,47 +63,6 @@ PASS_REST = 2.0
 MAX_REST_S = 1.0
 
 
-#: A planned stop's step is ahead of the highest step the members' agents report by the steps the
-#: ranks make in twice the time the question took plus this: the plan's commit in etcd, and the
-#: Launch's or Stop's way to every agent (its lock, its checks of the plan in etcd).
-STOP_MARGIN_S = 1.0
-
-
-@dataclasses.dataclass
-class Absence:
-    """A plan member this leader cannot count on (unregistered, or its connection dropped), and
-    what its agent says."""
-
-    #: When this leader first saw it so (its own clock: fencing.clock()).
-    since: float
-    member: Member
-    #: When this leader first saw it unregistered (None: registered, as far as it saw).
-    gone_since: float | None = None
-    #: (job, generation) the agent runs (starting or running), as of its last answer; None: not
-    #: asked yet, or no answer lately.
-    running: frozenset[tuple[str, int]] | None = None
-    #: Its address refused a connection: no elasticd listens there.
-    refused: bool = False
-    #: The verdict of the last pass (logged when its rule changes).
-    verdict: fencing.Verdict | None = None
-    task: "asyncio.Task[None] | None" = None
-
-
-async def _refused(address: str, timeout_s: float) -> bool:
-    """Whether ``host:port`` refuses a TCP connection: the host answers, and nothing listens
-    there (the node's elasticd is not running, so its workers died with it: parent-death
-    signals). A partition, a dead host or a filter that drops packets times out instead."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return False
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return False
 
 
 class Fenced(Exception):
@@ -177,150 +132,6 @@ class CoordinatorConfig:
     peer_evidence: bool = True
 
 
-#: Refusals a push will meet again until someone changes a configuration or a record.
-_LASTING = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
-
-#: What to do when another node's agent refuses this leader's push, without TLS and with it.
-_DENIED_HINT = ("; the nodes reach each other without node certificates: give them TLS (elasticctl certs issue "
-                "... --role node; tls_cert, tls_key, tls_cacert), or set insecure = true on a network you trust")
-_DENIED_HINT_TLS = ("; this node's certificate must have the node role (O=node), its node id as CN, and be signed "
-                    "by the CA the other node trusts (elasticctl certs issue DIR NODE_ID --role node)")
-
-
-#: A leader's channel to an agent that is not watched (see :meth:`Coordinator._suspected`) is
-#: closed once its last call ended (or ran out of time) this long ago.
-IDLE_CHANNEL_S = 60.0
-
-
-class Agents:
-    """gRPC channels to the node agents, one per address. This node's own agent is reached
-    through its local socket (``local``: its address -> ``unix:PATH``), where the node role is
-    granted without a certificate."""
-
-    def __init__(self, timeout_s: float, tls: TlsFiles = TlsFiles(), local: dict[str, str] | None = None,
-                 keepalive: bool = True) -> None:
-        self.timeout_s = timeout_s
-        self.keepalive = keepalive  # (peer evidence: see mselastic.daemon.liveness)
-        self.tls = tls
-        self.local = local or {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._used: dict[str, float] = {}  # address -> when its channel's latest call ends at most (monotonic)
-        self._closing: set[asyncio.Task[None]] = set()
-        #: The registered nodes, as the leader last saw them: a new channel's keepalive interval
-        #: is sized for them (``liveness.client_options``).
-        self.cluster_size = 0
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            options = {**CHANNEL_OPTIONS, **liveness.client_options(max(self.cluster_size, len(self._channels) + 1),
-                                                                    pings=self.keepalive)}
-            self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
-                                                           options=list(options.items()))
-        self._used[address] = max(self._used.get(address, 0.0), time.monotonic())
-        return self._channels[address]
-
-    def prune(self, keep: set[str], idle_s: float = IDLE_CHANNEL_S) -> None:
-        """Close the channels to agents not in ``keep`` that no call used for ``idle_s``: a node
-        that left every plan would otherwise be pinged (``liveness.KEEPALIVE_MS``) for as long as
-        this elasticd leads, and, once gone, redialled every couple of seconds for ever."""
-        now = time.monotonic()
-        for address in [a for a, used in self._used.items() if a not in keep and now - used > idle_s]:
-            del self._used[address]
-            task = asyncio.create_task(self._channels.pop(address).close(), name=f"close-{address}")
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-
-    def stub(self, address: str, timeout_s: float) -> pb_grpc.AgentStub:
-        """A stub for one call that gives up after ``timeout_s`` (its channel is kept that long)."""
-        channel = self.channel(address)
-        self._used[address] = max(self._used[address], time.monotonic() + timeout_s)
-        return pb_grpc.AgentStub(channel)
-
-    async def launch(self, plan: Plan, only: set[str] | None = None, extra_timeout_s: float = 0.0) -> dict[str, str]:
-        """Push ``plan`` to its members (or to the ``only`` ones); failures are logged, not raised.
-        ``extra_timeout_s``: the agents first stop what runs there, with that grace period.
-        Returns, by node id, a lasting refusal (see ``_LASTING``) with what to do about it, or
-        ``""`` for any other answer (accepted, refused for now, unreachable): only an unbroken
-        run of lasting refusals fails a job."""
-        msg = pb.LaunchRequest(plan=plan_to_pb(plan))
-
-        async def one(address: str, node_id: str) -> tuple[str, str]:
-            try:
-                res = await self.stub(address, self.timeout_s + extra_timeout_s).Launch(
-                    msg, timeout=self.timeout_s + extra_timeout_s)
-                if not res.accepted:
-                    log.warning("launch refused by %s: %s", node_id, res.message,
-                                extra=dict(job=plan.job, generation=plan.generation, node=node_id))
-                return node_id, ""
-            except grpc.aio.AioRpcError as e:
-                metrics.GRPC_ERRORS.labels("Launch").inc()
-                if e.code() not in _LASTING:
-                    log.warning("launch push to %s failed: %s", node_id, e.details(),
-                                extra=dict(job=plan.job, generation=plan.generation, node=node_id))
-                    return node_id, ""
-                hint = "" if e.code() == grpc.StatusCode.FAILED_PRECONDITION else \
-                    _DENIED_HINT_TLS if self.tls.cert else _DENIED_HINT
-                why = f"{e.code().name}: {e.details()}{hint}"
-                log.error("launch push to %s failed: %s", node_id, why,
-                          extra=dict(job=plan.job, generation=plan.generation, node=node_id))
-                return node_id, why
-
-        return dict(await asyncio.gather(*(one(m.agent_address, m.node_id) for m in plan.members
-                                           if only is None or m.node_id in only)))
-
-    async def stop_step(self, job: str, generation: int, addresses: dict[str, str]) -> int:
-        """The step every rank of ``generation`` stops at in a planned stop, chosen ahead of them
-        all: the highest step the members' agents report, one more (a rank may be inside it), one
-        for a rank a step ahead, and the steps made until every agent has it (see STOP_MARGIN_S).
-        0 when a member's ranks have not said where they resumed, or none answers: each agent then
-        chooses for ranks that are all its own, and across nodes the ranks agree at their backstop."""
-        t0 = time.monotonic()
-
-        async def one(address: str) -> pb.AgentStatusResponse | None:
-            try:
-                return await self.stub(address, min(self.timeout_s, 2.0)).Status(
-                    pb.AgentStatusRequest(), timeout=min(self.timeout_s, 2.0))
-            except grpc.aio.AioRpcError:
-                metrics.GRPC_ERRORS.labels("Status").inc()
-                return None
-
-        answers = await asyncio.gather(*(one(a) for a in addresses.values()))
-        took = time.monotonic() - t0
-        steps, rate = [], 0.0
-        for res in answers:
-            for g in res.generations if res is not None else ():
-                if g.job == job and g.generation == generation:
-                    steps += [r.step for r in g.ranks]
-                    rate = max(rate, g.steps_per_s)
-        return contract.stop_step_ahead(steps, rate, 2 * took + STOP_MARGIN_S)
-
-    async def stop(self, job: str, generation: int, grace_s: float, addresses: dict[str, str],
-                   stop_at: int | None = None) -> dict[str, list[int]]:
-        """Stop ``generation`` on these members; with ``grace_s`` > 0 the ranks first checkpoint at
-        ``stop_at`` (by default :meth:`stop_step` of these members)."""
-        if grace_s > 0 and stop_at is None:
-            stop_at = await self.stop_step(job, generation, addresses)
-        msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s, stop_at_step=stop_at or 0)
-
-        async def one(node_id: str, address: str) -> tuple[str, list[int]]:
-            try:
-                res = await self.stub(address, grace_s + self.timeout_s).Stop(msg, timeout=grace_s + self.timeout_s)
-                return node_id, list(res.leftover_pids)
-            except grpc.aio.AioRpcError as e:
-                metrics.GRPC_ERRORS.labels("Stop").inc()
-                log.warning("stop on %s failed: %s", node_id, e.details(), extra=dict(job=job, node=node_id))
-                return node_id, []
-
-        return dict(await asyncio.gather(*(one(n, a) for n, a in addresses.items())))
-
-    async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
-        self._used.clear()
-        await asyncio.gather(*self._closing, return_exceptions=True)
-
-
 class Coordinator:
     def __init__(self, store: Store, cfg: CoordinatorConfig) -> None:
         self.store = store
@@ -351,14 +162,8 @@ class Coordinator:
         self._inflight: dict[str, Plan] = {}
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
         self._queued: set[str] = set()
-        #: Members of live plans seen unregistered, by node id (see :meth:`_excused`).
-        self._absent: dict[str, Absence] = {}
-        #: This leader's own node's registration (its key's create revision) and since when it
-        #: saw it (fencing.clock()): a member counts the node among its peers only after a while.
-        self._registered_since: tuple[int, float] | None = None
-        #: Members of live plans whose agent's connection dropped: unregistered until it answers.
-        self.liveness = liveness.Liveness(self.agents.channel, self._wake.set)
-        self._blind = False  # (logged once) the evidence is ignored: most connections dropped at once
+        #: The members this leader cannot count on, and the jobs held for them.
+        self.presence = Presence(cfg.node_id, cfg.lease_ttl_s, self.agents, self._wake.set, cfg.peer_evidence)
         #: One clock per decision (see :meth:`_on_my_clock`): the times this leader wrote in statuses
         #: during its term, and another writer's times mapped to this leader's clock when first seen.
         self._mine: set[float] = set()
@@ -398,7 +203,6 @@ class Coordinator:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
-        self._registered_since = None  # seen again in this term's first pass
         self._mine.clear()
         self._anchors.clear()
         self._relaunched.clear()
@@ -441,15 +245,14 @@ class Coordinator:
                 log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
         finally:
             watcher.cancel()
-            tasks = list(self._tasks.values()) + [a.task for a in self._absent.values() if a.task]
-            self._absent.clear()
+            tasks = list(self._tasks.values())
             for t in tasks:
                 t.cancel()
             await asyncio.gather(watcher, *tasks, return_exceptions=True)
             self._tasks.clear()
             self._inflight.clear()
             self.informer = None
-            await self.liveness.close()
+            await self.presence.end_term()
             self.agents.prune(set())  # (no longer leading: each closes once its last call is over)
 
     async def _sleep(self, stop: asyncio.Event, term: Term, rest_s: float = 0.0) -> None:
@@ -470,8 +273,9 @@ class Coordinator:
         if informer is not None and not informer.synced.is_set():
             return  # the first list is under way; it wakes the loop when done
         seen = informer.view() if informer is not None else await read_cluster(self.store)
-        cluster = self._suspected(seen)
-        excused = self._excused(cluster, {n.node_id for n in seen.nodes})
+        cluster = self.presence.suspected(seen)
+        own = informer.nodes.get(self.store.keys.node(self.cfg.node_id)) if informer is not None else None
+        excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes}, own)
         self.passes += 1
         now, mono = time.time(), time.monotonic()
         self._settle_inflight(cluster)
@@ -506,103 +310,6 @@ class Coordinator:
             self._start(view.name, self._apply(term, view, decision, slot_wait=for_slots))
         self._queued = queued
         await self._finish_drains(term, cluster, held)
-
-    def _suspected(self, cluster: ClusterView) -> ClusterView:
-        """Watch the connections to the agents of live plans' members (and of the suspects, until
-        they answer or their registration goes), and pass the cluster on with the suspects taken
-        out of its registered nodes: to the planner and to :meth:`_excused` they look unregistered
-        (peer evidence, ahead of the lease; see :mod:`mselastic.daemon.liveness`)."""
-        registered = {n.node_id: n.agent_address for n in cluster.nodes}
-        watch: dict[str, str] = {}
-        for view in cluster.jobs.values():
-            if view.plan is not None and not view.status.state.terminal:
-                for m in view.plan.members:
-                    if registered.get(m.node_id) == m.agent_address:
-                        watch[m.node_id] = m.agent_address
-        watch.update((n, registered[n]) for n in self.liveness.suspects if n in registered)
-        self.agents.cluster_size = len(registered)
-        self.liveness.watch(watch if self.cfg.peer_evidence else {})
-        self.agents.prune(set(watch.values()) if self.cfg.peer_evidence else set())
-        if not self.liveness.suspects:
-            self._blind = False
-            return cluster
-        remote = len(set(watch) - {self.cfg.node_id})
-        if len(self.liveness.suspects) >= 2 and 2 * len(self.liveness.suspects) > remote:
-            if not self._blind:  # most of them at once: this leader's network, more likely than theirs
-                log.warning("the connections to %d of %d nodes dropped at once: ignored, their leases decide",
-                            len(self.liveness.suspects), remote, extra=dict(node=self.cfg.node_id))
-            self._blind = True
-            return cluster
-        self._blind = False
-        return dataclasses.replace(cluster, nodes=[n for n in cluster.nodes if n.node_id not in self.liveness.suspects])
-
-    def _excused(self, cluster: ClusterView, registered: set[str]) -> set[str]:
-        """Jobs to leave alone in this pass: a member of their plan may still be training, and
-        nothing may be committed without it until it is known to have stopped
-        (:func:`mselastic.core.fencing.replace_verdict`).
-
-        A member found unregistered (its lease expired: a dead node, a partition, or an etcd stall
-        that expires every lease at once with every node healthy) or whose connection dropped (a
-        suspect, see :meth:`_suspected`: it comes here as if unregistered; ``registered`` is what
-        etcd says) is asked (``Agent.Status``) what it runs. It is replaced at once when its agent
-        says it runs none of the generation (it fenced itself) or nothing listens at its address
-        (elasticd died: its workers died with it). While its agent says it runs the generation,
-        its jobs wait for it to register again (it is adopted then) or to fence itself. One that
-        does not answer is replaced only once its registration has been gone for
-        :func:`~mselastic.core.fencing.fenced_within` on this leader's clock; while it still
-        renews its lease, never."""
-        present = {n.node_id for n in cluster.nodes}
-        wanted: dict[str, list[tuple[str, int]]] = {}
-        members: dict[str, Member] = {}
-        for view in cluster.jobs.values():
-            if view.plan is None or view.status.state.terminal:
-                continue
-            reports = view.current_reports()
-            for m in view.plan.members:
-                # (A member that reported the generation ended, in etcd, has stopped it.)
-                if m.node_id not in present and not (m.node_id in reports and reports[m.node_id].state.terminal):
-                    wanted.setdefault(m.node_id, []).append((view.name, view.plan.generation))
-                    members.setdefault(m.node_id, m)
-        for node_id in list(self._absent):
-            if node_id not in wanted:
-                gone = self._absent.pop(node_id)
-                if gone.task is not None:
-                    gone.task.cancel()
-                if gone.verdict is not None and not gone.verdict.act and node_id in present:
-                    log.warning("node %s registered or answering again after %.1fs with its generation(s) intact: "
-                                "adopted", node_id, fencing.clock() - gone.since, extra=dict(node=node_id))
-        now = fencing.clock()
-        mine = self.informer.nodes.get(self.store.keys.node(self.cfg.node_id)) \
-            if self.informer is not None and self.cfg.node_id in registered else None
-        if mine is None:
-            self._registered_since = None
-        elif self._registered_since is None or self._registered_since[0] != mine.create_revision:
-            self._registered_since = (mine.create_revision, now)
-        known_since = self._registered_since[1] if self._registered_since is not None else None
-        held: set[str] = set()
-        for node_id, gens in wanted.items():
-            a = self._absent.get(node_id)
-            if a is None:
-                a = self._absent[node_id] = Absence(now, members[node_id])
-                a.task = asyncio.create_task(self._ask_absent(a), name=f"absent-{node_id}")
-            if node_id in registered:
-                a.gone_since = None
-            elif a.gone_since is None:
-                a.gone_since = now
-            verdict = fencing.replace_verdict(fencing.MemberEvidence(
-                now=now, ttl_s=self.cfg.lease_ttl_s, registered=node_id in registered, gone_since=a.gone_since,
-                running=a.running, wanted=frozenset(gens), refused=a.refused, leader_known_since=known_since))
-            if a.verdict is None or verdict.rule is not a.verdict.rule:
-                what = ", ".join(f"{j} generation {g}" for j, g in gens)
-                if verdict.act:
-                    log.warning("node %s lost (%s): %s", node_id, what, verdict.reason, extra=dict(node=node_id))
-                else:
-                    log.warning("node %s does not answer or is unregistered; holding %s: %s", node_id, what,
-                                verdict.reason, extra=dict(node=node_id))
-            a.verdict = verdict
-            if not verdict.act:
-                held.update(job for job, _ in gens)
-        return held
 
     def _note_first_step(self, view: JobView, mono: float) -> None:
         key = (view.name, view.plan.generation) if view.plan else None
@@ -646,32 +353,6 @@ class Coordinator:
         """Remember the times of a status this leader composed (they are on its clock)."""
         self._mine.update(t for t in (status.waiting_since, status.scale_up_since, *status.quarantined_until.values())
                           if t)
-
-    async def _ask_absent(self, a: Absence) -> None:
-        """Ask an absent member's agent what it runs, every TTL/3 (after a failed call, at once
-        again), until it is forgotten. Two failed calls in a row: no answer lately. A connection
-        refused at its address: no elasticd there."""
-        failed = 0
-        while True:
-            probe = probe_s(self.cfg.lease_ttl_s)
-            try:
-                # (Waiting for a connection up to the deadline: a channel that is reconnecting would
-                # fail the call at once, and two of those 0.1 s apart would lose a healthy node.)
-                res = await self.agents.stub(a.member.agent_address, probe).Status(
-                    pb.AgentStatusRequest(), timeout=probe, wait_for_ready=True)
-                running = frozenset((g.job, g.generation) for g in res.generations
-                                    if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING))
-                # Another elasticd at that address (a node id moved) runs nothing of this member's.
-                a.running, a.refused, failed = (running if res.node_id == a.member.node_id else frozenset()), False, 0
-                if res.node_id == a.member.node_id:
-                    self.liveness.clear(res.node_id)
-            except grpc.aio.AioRpcError:
-                failed += 1
-                a.refused = await _refused(a.member.agent_address, probe)
-                if failed >= 2:
-                    a.running = None
-            self._wake.set()
-            await asyncio.sleep(self.cfg.lease_ttl_s / 3 if not failed else 0.1)
 
     async def _finish_drains(self, term: Term, cluster: ClusterView, held: dict[str, dict[str, int]]) -> None:
         """A draining node that no job holds any more is drained: it stays cordoned (no new
@@ -948,8 +629,8 @@ class Coordinator:
         status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
         self._wrote(status)
         # Why each lost member may be replaced (the fencing rule that let this leader go on without it).
-        fenced = "".join(f"; {n}: {a.verdict.reason}" for n in d.lost_nodes
-                         if (a := self._absent.get(n)) is not None and a.verdict is not None and a.verdict.act)
+        fenced = "".join(f"; {n}: {v.reason}" for n in d.lost_nodes
+                         if (v := self.presence.verdict(n)) is not None and v.act)
         event = Event(at=time.time(), kind=EventKind.PLANNED if d.plan.planned else EventKind.GENERATION, generation=d.plan.generation,
                       message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
                               f" (world size {d.plan.world_size}, master port {d.plan.master_port}): {d.reason}{fenced}",
