@@ -42,12 +42,12 @@ from mselastic import metrics
 from mselastic.agent import procs
 from mselastic.agent import verdict
 from mselastic.agent.standby import Proc, Standby
-from mselastic.agent.users import WorkerUser, batch_prefix, forbidden_env, inherited_env, setpriv
+from mselastic.agent.users import WorkerUser, batch_prefix, inherited_env, setpriv
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.pdeathsig import with_parent_death
 from mselastic.core.model import GenerationReport, Plan
-from mselastic.core.spec import JobSpec
+from mselastic.core.spec import JobSpec, forbidden_env
 from mselastic.core.states import FailureCause, GenerationState, check_generation_transition
 
 log = logging.getLogger(__name__)

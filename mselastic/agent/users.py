@@ -30,23 +30,6 @@ INHERITED = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "PYTH
                        "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
                        "OMP_NUM_THREADS"})
 INHERITED_PREFIXES = ("LC_", "MS_", "GLOG_", "ASCEND_", "HCCL_")
-#: Names a job's env may not set unless the admin allows them: the dynamic loader's, the
-#: interpreters' (PYTHONWARNINGS and PYTHONSTARTUP import modules, PYTHONPATH picks them), the
-#: search path, and the shells' start-up files.
-FORBIDDEN_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY")
-FORBIDDEN = frozenset({"PATH", "BASH_ENV", "ENV", "IFS", "GCONV_PATH", "HOSTALIASES", "NODE_OPTIONS", "MALLOC_CONF",
-                       "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "TZDIR", "RES_OPTIONS", "LOCALDOMAIN", "MALLOC_TRACE",
-                       "GETCONF_DIR"})
-#: Harmless interpreter variables a job may always set.
-HARMLESS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE"})
-
-
-def forbidden_env(env: dict[str, str], allowed: frozenset[str] = frozenset()) -> list[str]:
-    """The names in a job's ``env`` it may not set (sorted)."""
-    return sorted(name for name in env if name not in allowed and name not in HARMLESS
-                  and (name in FORBIDDEN or name.startswith(FORBIDDEN_PREFIXES)))
-
-
 def inherited_env(environ: dict[str, str] | os._Environ[str], extra: frozenset[str] = frozenset()) -> dict[str, str]:
     """The daemon's variables a worker gets; ``extra`` (the admin's ``pass_env``): more names, or
     prefixes written ``NAME*``."""

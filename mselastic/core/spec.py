@@ -254,3 +254,20 @@ def _coerce(key: str, field: dataclasses.Field[Any], value: Any) -> Any:
             _fail(key, "must be a table of string values")
         return dict(value)
     raise AssertionError(f"unhandled field type {kind} for {key}")
+
+
+#: Names a job's env may not set unless the admin allows them: the dynamic loader's, the
+#: interpreters' (PYTHONWARNINGS and PYTHONSTARTUP import modules, PYTHONPATH picks them), the
+#: search path, and the shells' start-up files.
+FORBIDDEN_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY")
+FORBIDDEN = frozenset({"PATH", "BASH_ENV", "ENV", "IFS", "GCONV_PATH", "HOSTALIASES", "NODE_OPTIONS", "MALLOC_CONF",
+                       "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "TZDIR", "RES_OPTIONS", "LOCALDOMAIN", "MALLOC_TRACE",
+                       "GETCONF_DIR"})
+#: Harmless interpreter variables a job may always set.
+HARMLESS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE"})
+
+
+def forbidden_env(env: dict[str, str], allowed: frozenset[str] = frozenset()) -> list[str]:
+    """The names in a job's ``env`` it may not set (sorted)."""
+    return sorted(name for name in env if name not in allowed and name not in HARMLESS
+                  and (name in FORBIDDEN or name.startswith(FORBIDDEN_PREFIXES)))

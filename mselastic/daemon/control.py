@@ -23,9 +23,8 @@ import tenacity
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.kinds import EventKind
-from mselastic.agent.users import forbidden_env
 from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
-from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError
+from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError, forbidden_env
 from mselastic.core.states import JobState
 from mselastic.core.status import next_status
 from mselastic.daemon.coordinator import Coordinator, Fenced, slots_held
