@@ -10,8 +10,6 @@ import pytest
 
 from mselastic.daemon import liveness
 from mselastic.daemon.agents import Agents
-from mselastic.daemon.presence import refused as _refused
-from mselastic.store.embedded import free_port
 
 
 def test_an_agents_channel_is_closed_once_unwatched_and_its_last_call_is_over() -> None:
@@ -58,21 +56,3 @@ def test_the_leader_pings_each_agent_less_often_past_500_nodes() -> None:
     assert liveness.client_options(3)["grpc.keepalive_timeout_ms"] == liveness.KEEPALIVE_TIMEOUT_MS
     quiet = liveness.client_options(4000, pings=False)  # peer_evidence = false: no pings, same connections
     assert quiet == {"grpc.client_idle_timeout_ms": 2 ** 31 - 1, "grpc.min_reconnect_backoff_ms": 2000}
-
-
-def test_an_address_that_refuses_connections_is_told_from_one_that_listens() -> None:
-    """The leader's evidence that no elasticd runs at a member's address (so its workers died with
-    it): a refused connection, and only that. A port nobody listens on refuses; a listening one
-    does not; an address with no port is no evidence."""
-    async def run() -> None:
-        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-        listening = server.sockets[0].getsockname()[1]
-        try:
-            assert await _refused(f"127.0.0.1:{free_port()}", 1.0)
-            assert not await _refused(f"127.0.0.1:{listening}", 1.0)
-            assert not await _refused("unix:/nonexistent", 1.0)
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    asyncio.run(run())

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 import tomllib
 
 import grpc
@@ -170,6 +171,23 @@ def test_the_worker_environment_is_built_and_a_job_may_not_set_loader_variables(
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "API_TOKEN": "t"}
     assert forbidden_env(job) == ["BASH_ENV", "LD_PRELOAD", "PATH", "PYTHONPATH", "PYTHONWARNINGS"]
     assert forbidden_env(job, frozenset({"PYTHONPATH"})) == ["BASH_ENV", "LD_PRELOAD", "PATH", "PYTHONWARNINGS"]
+
+
+def test_a_stalled_event_loop_during_a_shutdown_kills_elasticd_with_sigkill() -> None:
+    """systemd stops watching a unit that is stopping, so while the workers take their shutdown
+    grace a thread does: once the event loop has not run the deadline check for the limit, it
+    SIGKILLs its own process (the workers die with it). Here a process whose loop beat is old
+    holds the guard: it dies of SIGKILL within the limit, and says why on stderr."""
+    code = ("import time, types\n"
+            "from mselastic.agent.node import _StallGuard\n"
+            "agent = types.SimpleNamespace(beat=time.monotonic())\n"
+            "with _StallGuard(agent, 1.0):\n"
+            "    time.sleep(30)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([os.path.join(VENV_BIN, "python"), "-c", code], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-500:])
+    assert "the event loop stopped for" in r.stderr and took < 20, (took, r.stderr[-500:])
 
 
 def test_notify_ready_after_registration_then_watchdog_then_stopping(procs: Processes, etcd: Etcd, namespace: str,

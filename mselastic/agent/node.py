@@ -17,6 +17,9 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Coroutine
 
@@ -70,8 +73,34 @@ class AgentConfig:
 #: succeeded): a relaunch comes within seconds, a job that went elsewhere or ended does not need them.
 STANDBY_KEEP_S = 60.0
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
-#: before the registration is revoked.
-SHUTDOWN_MARGIN_S = 60.0
+#: before the registration is revoked (well within the unit's TimeoutStopSec at the default grace).
+SHUTDOWN_MARGIN_S = 20.0
+
+
+class _StallGuard:
+    """While elasticd shuts down with workers still running: a thread that kills elasticd (and so
+    its workers, through their parent-death signals) once the event loop has not run the
+    deadline check for ``limit_s`` (a hung loop cannot fence). A context manager."""
+
+    def __init__(self, agent: "NodeAgent", limit_s: float) -> None:
+        self.agent, self.limit_s = agent, limit_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-guard", daemon=True)
+
+    def __enter__(self) -> "_StallGuard":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.25):
+            stalled = time.monotonic() - self.agent.beat
+            if stalled > self.limit_s:
+                os.write(2, f"elasticd: the event loop stopped for {stalled:.1f}s while the workers take their "
+                            f"shutdown grace; killing elasticd and its workers\n".encode())
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NodeIdTaken(Exception):
@@ -101,8 +130,6 @@ class NodeAgent:
         #: When each peer was last seen registered (fencing.clock()): one gone for longer than the
         #: outage grace is forgotten (a dead node must not make every etcd outage fence).
         self._peer_seen: dict[str, float] = {}
-        #: When the latest read of the registrations that went through was sent (fencing.clock()).
-        self._peers_read = float("-inf")
         #: Fenced without etcd: nothing is launched here until this node is registered again.
         self._fenced = False
         #: How many times this agent fenced: a launch begun before a fence (it may have read a plan
@@ -114,6 +141,8 @@ class NodeAgent:
         #: Set once run() is over: the local workers are gone (or could not be killed). The
         #: deadline check runs until then, through a shutdown's grace too.
         self._closed = asyncio.Event()
+        #: When the deadline check last ran (time.monotonic()): the event loop is alive.
+        self.beat = time.monotonic()
         #: Launches under way, (job, generation) -> how many: Status counts them as running, so
         #: that a leader asking does not take a generation about to start here for stopped.
         self.launching: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -188,17 +217,16 @@ class NodeAgent:
         """On shutdown, revoke the registration only once the local workers are gone (elasticd
         stops them with their grace meanwhile; the deadline check goes on until then): a leader
         that saw it gone early could replace workers still checkpointing. Not gone within their
-        grace and ``SHUTDOWN_MARGIN_S``: they are killed first; what cannot be killed leaves the
-        lease to expire, never revoked."""
+        grace and ``SHUTDOWN_MARGIN_S``: they are killed first (a process that outlives SIGKILL
+        is in the kernel and runs no more of its code). Meanwhile a thread kills elasticd, and its
+        workers with it, if the event loop stops (:class:`_StallGuard`): systemd's watchdog no
+        longer watches a service that is stopping."""
         wait = self.cfg.shutdown_grace_s + SHUTDOWN_MARGIN_S
-        if not await self._workers_gone(wait):
-            log.error("workers still running %.0fs into the shutdown; killing them", wait, extra=self._ctx)
-            await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True)
-                                   for g in self.generations.values() if not g.done.is_set()))
-            if not await self._workers_gone(fencing.KILL_S * 5):
-                log.error("workers could not be killed; the registration is left to expire", extra=self._ctx)
-                lease.abandon()
-                return
+        with _StallGuard(self, fencing.watchdog_s(self.cfg.lease_ttl_s)):
+            if not await self._workers_gone(wait):
+                log.error("workers still running %.0fs into the shutdown; killing them", wait, extra=self._ctx)
+                await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True)
+                                       for g in self.generations.values() if not g.done.is_set()))
         await lease.release()
 
     async def _guard_shutdown(self, lease: KeptLease) -> None:
@@ -361,7 +389,7 @@ class NodeAgent:
         answers, etcd_ok = await asyncio.gather(self._ask_peers(), self.reaches_etcd(probe / 2))
         verdict = fencing.node_verdict(fencing.NodeObservation(
             now=fencing.clock(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
-            peers=answers, peers_read=self._peers_read))
+            peers=answers))
         if verdict.act:
             await self._fence_now(lease, verdict.reason)
         elif verdict.rule is not self._rule and verdict.rule is not fencing.Rule.ETCD_ANSWERS:
@@ -378,12 +406,16 @@ class NodeAgent:
         grace = fencing.outage_grace_s(self.cfg.lease_ttl_s)
         while not self._closed.is_set():
             await first(self._closed, timeout_s=0.25)
+            self.beat = time.monotonic()
             cover = self._cover
             if cover is None or not cover.valid_until or any(not k.done() for k in self._kills):
                 continue
             over = fencing.clock() - cover.valid_until
             if over >= grace and any(not g.done.is_set() for g in self.generations.values()):
-                await self._fence_now(cover, f"{fencing.Rule.OUTAGE_TOO_LONG.value}: {over:.1f}s past the lease")
+                try:
+                    await self._fence_now(cover, f"{fencing.Rule.OUTAGE_TOO_LONG.value}: {over:.1f}s past the lease")
+                except Exception:  # a bug in one kill must not end the checks (the next tries again)
+                    log.exception("fencing at the deadline failed", extra=self._ctx)
 
     async def _fence_now(self, lease: KeptLease, why: str) -> None:
         """Stop renewing ``lease`` (registered again once etcd answers) and kill every local
@@ -410,11 +442,9 @@ class NodeAgent:
         await asyncio.gather(*self._kills, return_exceptions=True)
 
     async def _track_peers(self, stop: asyncio.Event) -> None:
-        """Keep the other nodes' Agent addresses, read from etcd every TTL, and when the latest
-        read that went through was sent (an outage is ridden out only on a list read recently
-        enough: fencing.peers_fresh_s); a failed read is tried again after a round."""
+        """Keep the other nodes' Agent addresses, read from etcd every TTL (a failed read is tried
+        again after a round)."""
         while not stop.is_set():
-            sent = fencing.clock()
             try:
                 _, kvs = await asyncio.wait_for(self.store.get_prefix(self.store.keys.nodes), self._probe_s)
             except (TemporaryError, PermanentError, asyncio.TimeoutError):
@@ -435,7 +465,6 @@ class NodeAgent:
             for node_id, seen in list(self._peer_seen.items()):
                 if now - seen > fencing.outage_grace_s(self.cfg.lease_ttl_s):
                     del self._peer_seen[node_id], self._peers[node_id]
-            self._peers_read = sent
             with contextlib.suppress(TemporaryError, PermanentError):
                 await self._check_registered({kv.key for kv in kvs})
             await first(stop, timeout_s=self.cfg.lease_ttl_s)

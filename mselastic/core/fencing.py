@@ -16,16 +16,15 @@ The rule (the proof is in docs/DESIGN.md, "Fencing: one rule for both sides"):
 - **Member** (:func:`node_verdict`, asked every ``ttl/3`` while etcd does not answer it):
   stops its workers once its lease has been gone for ``outage_grace_s``, whatever else it sees;
   before that, trains on while etcd answers it or its own lease holds; past that, only while every peer it knows answered in
-  this round that etcd is unreachable for it too, on a list of peers read within
-  ``peers_fresh_s``, and for at most ``outage_grace_s`` past the lease (a whole-cluster etcd
-  outage). It stops its workers at once when a peer reaches etcd
-  (this node alone is cut off) or when no peer answers.
+  this round that etcd is unreachable for it too, and for at most ``outage_grace_s`` past the
+  lease (a whole-cluster etcd outage). It stops its workers at once when a peer reaches etcd
+  (this node alone is cut off) or when no peer answers. Only the first clause is needed for
+  the invariant; the others stop a cut-off member early.
 - **Leader** (:func:`replace_verdict`): a member of a running generation that does not answer
   it is replaced only when it is known to have stopped: its agent says it runs none of the
-  generation, or no elasticd listens at its address (its workers die with it: parent-death
-  signals; trusted once the leader's node has been registered for :func:`known_s`, so that the
-  member asks it), or its registration has been gone for :func:`fenced_within` on the leader's
-  clock.
+  generation, or its registration has been gone for :func:`fenced_within` on the leader's
+  clock. Nothing else counts: not a refused connection (a firewall's REJECT looks the same),
+  not what other nodes say.
   A member that still renews its lease is never replaced while it does not answer: it trains
   on, or fences itself, and reports either in etcd.
 
@@ -76,28 +75,6 @@ def outage_grace_s(ttl_s: float) -> float:
     return OUTAGE_GRACE_TTLS * ttl_s
 
 
-def refused_within(ttl_s: float) -> float:
-    """How long after a leader first sees a member's registration gone a refused connection at
-    its address is taken as "no elasticd there": by then a member whose lease ended and that
-    hears from a peer reaching etcd (the leader, which it asks too), or misses one, has fenced."""
-    return (round_s(ttl_s) + probe_s(ttl_s) + KILL_S) * (1 + DRIFT) / (1 - DRIFT)
-
-
-def peers_fresh_s(ttl_s: float) -> float:
-    """How old a member's list of its peers (the registrations it last read) may be while it rides
-    out an etcd outage: it reads them every TTL while etcd answers it (a failed read is tried again
-    within a round), its own view of its lease ends a TTL after its last renewal went through,
-    and it rides for the outage grace past that; a read takes at most a probe."""
-    return outage_grace_s(ttl_s) + 2 * ttl_s + probe_s(ttl_s)
-
-
-def known_s(ttl_s: float) -> float:
-    """How long a leader's node must have been registered (under the registration it holds now)
-    before a member it cannot reach is sure to count it among its peers: a member rides out an
-    outage only on a list read within :func:`peers_fresh_s`, and decides again every round."""
-    return (peers_fresh_s(ttl_s) + round_s(ttl_s) + probe_s(ttl_s) + KILL_S) * (1 + DRIFT) / (1 - DRIFT)
-
-
 def watchdog_s(ttl_s: float) -> float:
     """The systemd watchdog timeout elasticd asks for (``WATCHDOG_USEC``): a hung elasticd (its
     event loop stopped, a SIGSTOP) cannot fence its workers, so systemd must kill it, and its
@@ -123,11 +100,9 @@ class Rule(enum.Enum):
     PEER_SILENT = "the lease ran out and a peer does not answer"
     OUTAGE_TOO_LONG = "its lease ran out longer ago than a node may train without one"
     OUTAGE = "etcd is unreachable from every peer too"
-    PEERS_UNKNOWN = "it has not read who is registered for too long"
     # The leader's side.
     SAYS_STOPPED = "its agent says it runs none of the generation"
     SAYS_RUNNING = "its agent says it still runs the generation"
-    NO_ELASTICD = "no elasticd listens at its address"
     RENEWS = "it still renews its lease"
     FENCE_DEADLINE = "its lease has been gone longer than it may train without etcd"
     BEFORE_DEADLINE = "its lease is gone, but it may still be training"
@@ -160,8 +135,6 @@ class NodeObservation:
     #: Every peer it knows, and what it answered in this round: True (reaches etcd), False
     #: (does not), None (no answer).
     peers: dict[str, bool | None]
-    #: When it sent its latest read of the registrations that went through (its peers as of then).
-    peers_read: float = float("-inf")
 
 
 def node_verdict(o: NodeObservation) -> Verdict:
@@ -185,9 +158,6 @@ def node_verdict(o: NodeObservation) -> Verdict:
         return Verdict(False, Rule.LEASE_HOLDS, f"{o.lease_until - o.now:.1f}s more")
     if silent:
         return Verdict(True, Rule.PEER_SILENT, ", ".join(silent) + " may lead with etcd")
-    if (stale := o.now - o.peers_read) > peers_fresh_s(o.ttl_s):
-        # A node registered since may lead, unknown to it and so not asked.
-        return Verdict(True, Rule.PEERS_UNKNOWN, f"last read {stale:.1f}s ago")
     answered = sorted(o.peers)
     return Verdict(False, Rule.OUTAGE, f"{', '.join(answered) or 'no other node'}; training goes on for "
                                        f"{outage_grace_s(o.ttl_s) - over:.1f}s more at most")
@@ -208,31 +178,23 @@ class MemberEvidence:
     running: frozenset[tuple[str, int]] | None
     #: The generations of the plans it is a member of.
     wanted: frozenset[tuple[str, int]]
-    #: Its address refused the connection: no elasticd listens there, or a firewall REJECTs.
-    refused: bool = False
-    #: Since when this leader's own node is registered under its current registration, as far
-    #: as it saw (None: it is not).
-    leader_known_since: float | None = None
 
 
 def replace_verdict(e: MemberEvidence) -> Verdict:
     """Whether a leader may commit a generation without this member (``act``), or hold its jobs.
 
-    Its agent's answer decides first (it counts a launch under way as running). A member that
-    still renews its lease is never replaced on anything else: a refused connection may be a
-    firewall's REJECT. Once its registration has been gone for :func:`refused_within`, a refused
-    connection means no elasticd listens there, so its workers died with it, provided the member
-    counts this leader's node among its peers (registered for :func:`known_s`): else a REJECT
-    between the two could hide a member training on through what looks to it like an etcd outage."""
+    Its agent's answer decides first (it counts a launch under way as running). Else only its
+    deadline: a member that still renews its lease is never replaced, and one whose
+    registration is gone only once it has been gone for :func:`fenced_within`. A refused
+    connection is not evidence: a firewall's REJECT in front of a live member looks the same,
+    and a member whose peers' answers or its own reads of etcd kept it training (an etcd slow
+    for one read, a registration that fails while reads go through) may not have fenced."""
     if e.running is not None:
         if not (e.wanted & e.running):
             return Verdict(True, Rule.SAYS_STOPPED)
         return Verdict(False, Rule.SAYS_RUNNING, ", ".join(f"{j} generation {g}" for j, g in sorted(e.wanted & e.running)))
     if e.registered or e.gone_since is None:
         return Verdict(False, Rule.RENEWS, "it trains on or fences itself, and says so in etcd")
-    known = e.leader_known_since is not None and e.leader_known_since <= e.now - known_s(e.ttl_s)
-    if e.refused and known and e.now - e.gone_since >= refused_within(e.ttl_s):
-        return Verdict(True, Rule.NO_ELASTICD, "its workers died with it")
     until = e.gone_since + fenced_within(e.ttl_s)
     if e.now >= until:
         return Verdict(True, Rule.FENCE_DEADLINE, f"gone {e.now - e.gone_since:.1f}s")

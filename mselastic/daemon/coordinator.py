@@ -274,8 +274,7 @@ class Coordinator:
             return  # the first list is under way; it wakes the loop when done
         seen = informer.view() if informer is not None else await read_cluster(self.store)
         cluster = self.presence.suspected(seen)
-        own = informer.nodes.get(self.store.keys.node(self.cfg.node_id)) if informer is not None else None
-        excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes}, own)
+        excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes})
         self.passes += 1
         now, mono = time.time(), time.monotonic()
         self._settle_inflight(cluster)

@@ -16,7 +16,6 @@ from mselastic.core import fencing
 from mselastic.core.model import Member
 from mselastic.daemon import liveness
 from mselastic.daemon.agents import Agents
-from mselastic.store.etcd import KV
 from mselastic.store.lease import probe_s
 from mselastic.store.views import ClusterView
 from mselastic.v1 import elastic_pb2 as pb
@@ -37,28 +36,9 @@ class Absence:
     #: (job, generation) the agent runs (starting or running), as of its last answer; None: not
     #: asked yet, or no answer lately.
     running: frozenset[tuple[str, int]] | None = None
-    #: Its address refused a connection: no elasticd listens there.
-    refused: bool = False
     #: The verdict of the last pass (logged when its rule changes).
     verdict: fencing.Verdict | None = None
     task: "asyncio.Task[None] | None" = None
-
-
-async def refused(address: str, timeout_s: float) -> bool:
-    """Whether ``host:port`` refuses a TCP connection: the host answers, and nothing listens
-    there (the node's elasticd is not running, so its workers died with it: parent-death
-    signals). A partition, a dead host or a filter that drops packets times out instead."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return False
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return False
 
 
 class Presence:
@@ -73,9 +53,6 @@ class Presence:
         self._wake = wake
         #: Members of live plans seen unregistered, by node id (see :meth:`excused`).
         self._absent: dict[str, Absence] = {}
-        #: This leader's own node's registration (its key's create revision) and since when it
-        #: saw it (fencing.clock()): a member counts the node among its peers only after a while.
-        self._registered_since: tuple[int, float] | None = None
         #: Members of live plans whose agent's connection dropped: unregistered until it answers.
         self.liveness = liveness.Liveness(agents.channel, wake)
         self._blind = False  # (logged once) the evidence is ignored: most connections dropped at once
@@ -86,10 +63,9 @@ class Presence:
         return a.verdict if a is not None else None
 
     async def end_term(self) -> None:
-        """Forget everything (a new term sees its own node's registration anew)."""
+        """Forget everything (the term is over)."""
         tasks = [a.task for a in self._absent.values() if a.task]
         self._absent.clear()
-        self._registered_since = None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -124,11 +100,10 @@ class Presence:
         self._blind = False
         return dataclasses.replace(cluster, nodes=[n for n in cluster.nodes if n.node_id not in self.liveness.suspects])
 
-    def excused(self, cluster: ClusterView, registered: set[str], mine: KV | None) -> set[str]:
+    def excused(self, cluster: ClusterView, registered: set[str]) -> set[str]:
         """Jobs to leave alone in this pass: a member of their plan may still be training, and
         nothing may be committed without it until it is known to have stopped
         (:func:`mselastic.core.fencing.replace_verdict`).
-        ``mine``: this leader's own node's registration, as the cache has it.
 
         A member found unregistered (its lease expired: a dead node, a partition, or an etcd stall
         that expires every lease at once with every node healthy) or whose connection dropped (a
@@ -161,11 +136,6 @@ class Presence:
                     log.warning("node %s registered or answering again after %.1fs with its generation(s) intact: "
                                 "adopted", node_id, fencing.clock() - gone.since, extra=dict(node=node_id))
         now = fencing.clock()
-        if mine is None or self.node_id not in registered:
-            self._registered_since = None
-        elif self._registered_since is None or self._registered_since[0] != mine.create_revision:
-            self._registered_since = (mine.create_revision, now)
-        known_since = self._registered_since[1] if self._registered_since is not None else None
         held: set[str] = set()
         for node_id, gens in wanted.items():
             a = self._absent.get(node_id)
@@ -178,7 +148,7 @@ class Presence:
                 a.gone_since = now
             verdict = fencing.replace_verdict(fencing.MemberEvidence(
                 now=now, ttl_s=self.ttl_s, registered=node_id in registered, gone_since=a.gone_since,
-                running=a.running, wanted=frozenset(gens), refused=a.refused, leader_known_since=known_since))
+                running=a.running, wanted=frozenset(gens)))
             if a.verdict is None or verdict.rule is not a.verdict.rule:
                 what = ", ".join(f"{j} generation {g}" for j, g in gens)
                 if verdict.act:
@@ -194,8 +164,7 @@ class Presence:
 
     async def _ask(self, a: Absence) -> None:
         """Ask an absent member's agent what it runs, every TTL/3 (after a failed call, at once
-        again), until it is forgotten. Two failed calls in a row: no answer lately. A connection
-        refused at its address: no elasticd there."""
+        again), until it is forgotten. Two failed calls in a row: no answer lately."""
         failed = 0
         while True:
             probe = probe_s(self.ttl_s)
@@ -207,12 +176,11 @@ class Presence:
                 running = frozenset((g.job, g.generation) for g in res.generations
                                     if g.state in (pb.GENERATION_STATE_STARTING, pb.GENERATION_STATE_RUNNING))
                 # Another elasticd at that address (a node id moved) runs nothing of this member's.
-                a.running, a.refused, failed = (running if res.node_id == a.member.node_id else frozenset()), False, 0
+                a.running, failed = (running if res.node_id == a.member.node_id else frozenset()), 0
                 if res.node_id == a.member.node_id:
                     self.liveness.clear(res.node_id)
             except grpc.aio.AioRpcError:
                 failed += 1
-                a.refused = await refused(a.member.agent_address, probe)
                 if failed >= 2:
                     a.running = None
             self._wake()
