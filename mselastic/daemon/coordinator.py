@@ -132,6 +132,40 @@ class CoordinatorConfig:
     peer_evidence: bool = True
 
 
+@dataclasses.dataclass
+class JobMemo:
+    """What this leader keeps about one job between passes: forgetting a job is one delete.
+    Times are this leader's monotonic clock; (generation, node id) keys name a member."""
+
+    #: (time, step) of the last progress event written, and the one the step rate is measured from.
+    progress: tuple[float, int] = (0.0, -1)
+    rate: tuple[float, int] = (0.0, -1)
+    #: Progress events written by this leader (events are pruned every 100).
+    progress_events: int = 0
+    #: When its events were last pruned.
+    pruned_at: float = -PRUNE_EVERY_S
+    #: The work queue's rate limiting: consecutive failed passes, and when the job may be handled again.
+    failures: int = 0
+    retry_at: float = 0.0
+    #: When the plan was last pushed to a member, and a Stop sent again (see Coordinator._restop).
+    pushed: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
+    restopped: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
+    #: Members whose agent refuses the pushes for good: since when, and why.
+    denied: dict[tuple[int, str], tuple[float, str]] = dataclasses.field(default_factory=dict)
+    # For one term (see Coordinator._on_my_clock and _note_recovery):
+    #: Another writer's times in its status, (what, stamp) -> the same on this leader's clock.
+    anchors: dict[tuple[str, float], float] = dataclasses.field(default_factory=dict)
+    #: generation -> when this leader committed it to recover from a fault, and when a pass first
+    #: saw a first step of it (a job's task may be busy then).
+    relaunched: dict[int, float] = dataclasses.field(default_factory=dict)
+    first_step: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def new_term(self) -> None:
+        self.anchors.clear()
+        self.relaunched.clear()
+        self.first_step.clear()
+
+
 class Coordinator:
     def __init__(self, store: Store, cfg: CoordinatorConfig) -> None:
         self.store = store
@@ -139,16 +173,10 @@ class Coordinator:
         self.agents = Agents(cfg.push_timeout_s, cfg.tls,
                              {cfg.control_address: cfg.local_socket} if cfg.local_socket else None,
                              keepalive=cfg.peer_evidence)
-        self._progress: dict[str, tuple[float, int]] = {}  # job -> (time, step) of the last progress event
-        self._rate: dict[str, tuple[float, int]] = {}  # job -> (time, step) the step rate is measured from
-        self._progress_events: dict[str, int] = {}  # job -> progress events written by this leader
-        self._pruned_at: dict[str, float] = {}  # job -> when (monotonic) its events were last pruned
+        #: Per job, what this leader keeps about it between passes.
+        self._memos: dict[str, JobMemo] = {}
         self.term: Term | None = None
         self.leading = asyncio.Event()
-        self._pushed: dict[tuple[str, int, str], float] = {}
-        self._restopped: dict[tuple[str, int, str], float] = {}  # Stops sent again (see _restop)
-        #: Members whose agent refuses the pushes for good: since when (monotonic), and why.
-        self._denied: dict[tuple[str, int, str], tuple[float, str]] = {}
         self._wake = asyncio.Event()
         self._fenced = asyncio.Event()
         #: The leader's cache of the cluster (None: passes read etcd directly, as a bench may).
@@ -156,8 +184,6 @@ class Coordinator:
         self.passes = 0
         #: The work queue: at most one task per job; a job whose pass raised waits until its retry time.
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._failures: dict[str, int] = {}
-        self._retry_at: dict[str, float] = {}  # monotonic
         #: Plans being committed by a job's task: their slots are held until the view shows them.
         self._inflight: dict[str, Plan] = {}
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
@@ -165,14 +191,8 @@ class Coordinator:
         #: The members this leader cannot count on, and the jobs held for them.
         self.presence = Presence(cfg.node_id, cfg.lease_ttl_s, self.agents, self._wake.set, cfg.peer_evidence)
         #: One clock per decision (see :meth:`_on_my_clock`): the times this leader wrote in statuses
-        #: during its term, and another writer's times mapped to this leader's clock when first seen.
+        #: during its term (another writer's: JobMemo.anchors).
         self._mine: set[float] = set()
-        self._anchors: dict[tuple[str, str, float], float] = {}
-        #: (job, generation) -> when (this leader's monotonic clock) it committed that generation
-        #: to recover from a fault: the recovery figure is measured from there.
-        self._relaunched: dict[tuple[str, int], float] = {}
-        #: ... and when a pass first saw a first step of that generation (a job's task may be busy then).
-        self._first_step: dict[tuple[str, int], float] = {}
 
     # -- leadership ----------------------------------------------------------
 
@@ -204,9 +224,8 @@ class Coordinator:
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
         self._mine.clear()
-        self._anchors.clear()
-        self._relaunched.clear()
-        self._first_step.clear()
+        for memo in self._memos.values():
+            memo.new_term()
         try:
             while not stop.is_set() and not term.lease.lost.is_set() and not self._fenced.is_set():
                 if term.lease.unreachable.is_set():
@@ -287,7 +306,7 @@ class Coordinator:
             self._note_first_step(view, mono)
             if view.name in excused:
                 continue
-            if view.name in self._tasks or self._retry_at.get(view.name, 0.0) > mono:
+            if view.name in self._tasks or self._memo(view.name).retry_at > mono:
                 if view.name in self._queued and view.plan is None:
                     queued.add(view.name)
                     queue_head = queue_head or view.name
@@ -310,11 +329,14 @@ class Coordinator:
         self._queued = queued
         await self._finish_drains(term, cluster, held)
 
+    def _memo(self, job: str) -> JobMemo:
+        return self._memos.setdefault(job, JobMemo())
+
     def _note_first_step(self, view: JobView, mono: float) -> None:
-        key = (view.name, view.plan.generation) if view.plan else None
-        if key in self._relaunched and key not in self._first_step and any(
+        memo, g = self._memo(view.name), view.plan.generation if view.plan else -1
+        if g in memo.relaunched and g not in memo.first_step and any(
                 r.first_step_at for r in view.current_reports().values()):
-            self._first_step[key] = mono
+            memo.first_step[g] = mono
 
     def _on_my_clock(self, view: JobView, now: float) -> JobView:
         """The job with the times its status holds on this leader's clock.
@@ -326,12 +348,12 @@ class Coordinator:
         taken to start when it first sees it (a wait restarts, a quarantine lasts its whole cooldown
         again: at most one more wait, never a shorter one), and is written back on its clock with
         the next status write."""
-        st = view.status
+        st, anchors = view.status, self._memo(view.name).anchors
 
         def since(what: str, stamp: float) -> float:
             if not stamp or stamp in self._mine:
                 return stamp
-            return self._anchors.setdefault((view.name, what, stamp), now)
+            return anchors.setdefault((what, stamp), now)
 
         def until(node_id: str, stamp: float) -> float:
             # Over by this clock: over (a skew can end it early by the skew, never bring it back).
@@ -339,7 +361,7 @@ class Coordinator:
                 return stamp
             over = st.node_failures.get(node_id, 0) - view.spec.quarantine_after_failures
             cooldown = min(MAX_QUARANTINE_S, view.spec.quarantine_cooldown_s * 2 ** max(0, over))
-            return self._anchors.setdefault((view.name, f"quarantine:{node_id}", stamp), now + cooldown)
+            return anchors.setdefault((f"quarantine:{node_id}", stamp), now + cooldown)
 
         waiting, scale_up = since("waiting", st.waiting_since), since("scale_up", st.scale_up_since)
         quarantine = {n: until(n, t) for n, t in st.quarantined_until.items()}
@@ -429,7 +451,7 @@ class Coordinator:
         async def run() -> None:
             try:
                 await work
-                self._failures.pop(job, None)
+                self._memo(job).failures = 0
             except Fenced:
                 self._fenced.set()
                 self._wake.set()
@@ -453,9 +475,10 @@ class Coordinator:
 
     async def _job_failed(self, job: str, error: Exception) -> None:
         """A job's pass raised: log it with its traceback, show it on the job, retry it later."""
-        n = self._failures[job] = self._failures.get(job, 0) + 1
+        memo = self._memo(job)
+        memo.failures = n = memo.failures + 1
         delay = requeue_delay_s(n)
-        self._retry_at[job] = time.monotonic() + delay
+        memo.retry_at = time.monotonic() + delay
         text = f"{type(error).__name__}: {error}"
         log.error("job pass failed (%d in a row; retried in %.1fs): %s", n, delay, text, exc_info=error,
                   extra=dict(job=job))
@@ -501,8 +524,9 @@ class Coordinator:
         try:
             await self._apply_decision(term, view, d, slot_wait)
         finally:  # after the decision: housekeeping never holds a job's decision back
-            if time.monotonic() - self._pruned_at.get(view.name, -PRUNE_EVERY_S) >= PRUNE_EVERY_S:
-                self._pruned_at[view.name] = time.monotonic()
+            memo = self._memo(view.name)
+            if time.monotonic() - memo.pruned_at >= PRUNE_EVERY_S:
+                memo.pruned_at = time.monotonic()
                 try:
                     await self.prune_events(term, view.name)
                 except (TemporaryError, PermanentError) as e:
@@ -563,22 +587,23 @@ class Coordinator:
         metrics.STEP.labels(view.name).set(step)
         metrics.WORLD_SIZE.labels(view.name).set(plan.world_size)
         metrics.GENERATION.labels(view.name).set(plan.generation)
-        since, from_step = self._rate.get(view.name, (0.0, -1))
+        memo = self._memo(view.name)
+        since, from_step = memo.rate
         if step < from_step or now - since > 30:
-            self._rate[view.name] = (now, step)
+            memo.rate = (now, step)
         elif now - since >= 3 and step > from_step:
             metrics.STEP_RATE.labels(view.name).set((step - from_step) / (now - since))
-            self._rate[view.name] = (now, step)
-        last_at, last_step = self._progress.get(view.name, (0.0, -1))
+            memo.rate = (now, step)
+        last_at, last_step = memo.progress
         if self.cfg.progress_interval_s and step != last_step and now - last_at >= self.cfg.progress_interval_s:
-            self._progress[view.name] = (now, step)
+            memo.progress = (now, step)
             k, tx = self.store.keys, self.store.tx
             event = Event(at=time.time(), kind=EventKind.PROGRESS, generation=plan.generation, message=f"step {step}", step=step,
                           world_size=plan.world_size, loss=view.loss)
             if not await self.store.txn([term.guard(self.store)],
                                         [tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())]):
                 raise Fenced()
-            self._progress_events[view.name] = n = self._progress_events.get(view.name, 0) + 1
+            memo.progress_events = n = memo.progress_events + 1
             if n % 100 == 1:
                 await self.prune_events(term, view.name)
 
@@ -658,7 +683,7 @@ class Coordinator:
         log.info("committed generation %d: %s", d.plan.generation, d.reason,
                  extra=dict(job=view.name, generation=d.plan.generation))
         if failure is not None and (d.fault or d.lost_nodes):
-            self._relaunched[(view.name, d.plan.generation)] = time.monotonic()
+            self._memo(view.name).relaunched[d.plan.generation] = time.monotonic()
         metrics.GENERATIONS.labels(view.name).inc()
         if view.plan is not None:
             metrics.RESTARTS.labels(view.name, (d.kind or RelaunchReason.INITIAL).value).inc()
@@ -683,8 +708,9 @@ class Coordinator:
             return
         reports = view.current_reports()
         now = time.monotonic()
+        memo = self._memo(view.name)
         for m in plan.members:
-            since, why = self._denied.get((plan.job, plan.generation, m.node_id), (now, ""))
+            since, why = memo.denied.get((plan.generation, m.node_id), (now, ""))
             if why and m.node_id not in reports and now - since >= self.cfg.denied_push_fail_s:
                 message = (f"node {m.node_id} refused generation {plan.generation} for {now - since:.0f} s "
                            f"({why}); resubmit once its configuration is fixed")
@@ -693,21 +719,21 @@ class Coordinator:
                                            {m.node_id: m.agent_address for m in plan.members})
                 return
         missing = [m for m in plan.members if m.node_id not in reports
-                   and now - self._pushed.get((plan.job, plan.generation, m.node_id), 0) > self.cfg.repush_after_s]
+                   and now - memo.pushed.get((plan.generation, m.node_id), 0) > self.cfg.repush_after_s]
         if missing:
             self._mark_pushed(plan, {m.node_id for m in missing})
             self._note_denials(plan, await self.agents.launch(plan, only={m.node_id for m in missing}))
 
     def _note_denials(self, plan: Plan, answers: dict[str, str]) -> None:
         """Remember since when each member's agent refuses the pushes for good (see ``_repush``)."""
-        now = time.monotonic()
-        self._denied = {k: v for k, v in self._denied.items() if k[0] != plan.job or k[1] == plan.generation}
+        now, memo = time.monotonic(), self._memo(plan.job)
+        memo.denied = {k: v for k, v in memo.denied.items() if k[0] == plan.generation}
         for node_id, why in answers.items():
-            key = (plan.job, plan.generation, node_id)
+            key = (plan.generation, node_id)
             if not why:
-                self._denied.pop(key, None)
-            elif key not in self._denied:
-                self._denied[key] = (now, why)
+                memo.denied.pop(key, None)
+            elif key not in memo.denied:
+                memo.denied[key] = (now, why)
 
     async def _note_stopped_at(self, term: Term, view: JobView) -> None:
         """Once the ranks of a stopped job have left, say at which step they checkpointed (the step
@@ -727,15 +753,15 @@ class Coordinator:
         """A job that is over but whose generation still starts, runs or stops somewhere (by the
         reports): its Stop was lost (an agent was unreachable for a moment). Send it again, to those
         nodes only, at most every ``repush_after_s``."""
-        now = time.monotonic()
+        now, restopped = time.monotonic(), self._memo(view.name).restopped
         for generation, reps in view.reports.items():
             nodes = {}
             for node_id, rep in reps.items():
                 member = view.plan.member(node_id) if view.plan else None
-                key = (view.name, generation, node_id)
-                if rep.state.terminal or member is None or now - self._restopped.get(key, 0.0) < self.cfg.repush_after_s:
+                key = (generation, node_id)
+                if rep.state.terminal or member is None or now - restopped.get(key, 0.0) < self.cfg.repush_after_s:
                     continue
-                self._restopped[key] = now
+                restopped[key] = now
                 nodes[node_id] = member.agent_address
             if nodes:
                 log.warning("stopping generation %d again on %s: the job is %s", generation, ", ".join(sorted(nodes)),
@@ -744,23 +770,15 @@ class Coordinator:
 
     def forget(self, job: str) -> None:
         """A deleted job: drop what this leader keeps about it, and its metrics."""
-        self._progress.pop(job, None)
-        self._rate.pop(job, None)
-        self._progress_events.pop(job, None)
-        self._pruned_at.pop(job, None)
-        self._failures.pop(job, None)
-        self._retry_at.pop(job, None)
+        self._memos.pop(job, None)
         self._queued.discard(job)
-        self._pushed = {k: v for k, v in self._pushed.items() if k[0] != job}
-        self._restopped = {k: v for k, v in self._restopped.items() if k[0] != job}
-        self._denied = {k: v for k, v in self._denied.items() if k[0] != job}
         metrics.forget_job(job)
 
     def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:
-        now = time.monotonic()
+        now, pushed = time.monotonic(), self._memo(plan.job).pushed
         for m in plan.members:
             if only is None or m.node_id in only:
-                self._pushed[(plan.job, plan.generation, m.node_id)] = now
+                pushed[(plan.generation, m.node_id)] = now
 
     async def _note_recovery(self, term: Term, view: JobView) -> None:
         """Once the new generation's first step is reported, record the recovery time
@@ -772,12 +790,12 @@ class Coordinator:
         if f is None or plan is None or f.recover_s or f.generation >= plan.generation:
             return
         reports = view.current_reports().values()
-        key = (view.name, plan.generation)
-        if key not in self._relaunched or key not in self._first_step:
+        memo, g = self._memo(view.name), plan.generation
+        if g not in memo.relaunched or g not in memo.first_step:
             return  # (committed by another leader: its clock is not ours to subtract from)
         # One clock: from this leader's commit of the relaunch to its first sight of a first step
         # (the agents' detection and teardown before it are the detection metric's).
-        recovered = dataclasses.replace(f, recover_s=max(0.001, round(self._first_step.pop(key) - self._relaunched.pop(key), 3)))
+        recovered = dataclasses.replace(f, recover_s=max(0.001, round(memo.first_step.pop(g) - memo.relaunched.pop(g), 3)))
         metrics.RECOVERY.labels(view.name).observe(recovered.recover_s)
         resumed = max((r.resumed_step for r in reports), default=-1)
         notes = sorted({r.resume_note for r in reports if r.resume_note})
