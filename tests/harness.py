@@ -175,7 +175,7 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
     (``tests/test_faults.py``, ``tests/test_elastic.py``), whose relaunches are then warm as in
     production. A job's standbys are forked from one server per node that imports MindSpore
     once (~3 CPU-s, when the job starts training there): that is all they cost a test, and a
-    test with a relaunch saves msrun's cold start (docs/DESIGN.md, "eighth part"). Before the
+    test with a relaunch saves msrun's cold start (docs/journal/2026-12.md, "Forked standbys"). Before the
     fork server every standby imported MindSpore itself, and the whole suite with standbys
     everywhere took 2131 s, without 2018-2093 s.
     Snapshots in the test's own folder (removed with it), not in the machine's /dev/shm."""

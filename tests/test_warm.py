@@ -537,7 +537,7 @@ def test_a_killed_rank_is_replaced_by_standbys_and_the_job_finishes(
         for r in (0, 1):
             with open(os.path.join(logs, g, f"worker_{r}.log"), errors="replace") as f:
                 refused += [line for line in f if REFUSED in line]
-    # Rare, not impossible (docs/DESIGN.md, ninth part): at most one in these eight connections
+    # Rare, not impossible (docs/journal/2026-12.md, "... SCHED_BATCH"): at most one in these eight connections
     # (two warm generations, two ranks, two connections each; 4-5 under the default policy).
     assert len(refused) <= 1, refused
 

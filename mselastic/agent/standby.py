@@ -10,7 +10,7 @@ The standbys are forked, not started: once the job trains here the pool starts o
 (as the worker user with the job's environment, in the script's folder, dying with elasticd),
 which imports MindSpore once and forks a standby per request in milliseconds. Replacing the
 standbys a relaunch used therefore costs no import on the cores the new generation trains on
-(it cost about 3 CPU-seconds per standby: docs/DESIGN.md, "eighth part"). A forked standby dies
+(it cost about 3 CPU-seconds per standby: docs/journal/2026-12.md, "Forked standbys"). A forked standby dies
 with its server, so the server is stopped only once no standby it forked runs as a rank.
 
 A pool belongs to one *launch key*: everything a standby was started with that a generation

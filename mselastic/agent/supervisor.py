@@ -271,7 +271,7 @@ def _write_and_close(fd: int, data: bytes) -> None:
 # 2.10's TCP client marks a connection "connecting" after handing it to its event loop, whose
 # thread, woken at once on loopback, otherwise preempts it and has its "connected" overwritten (a
 # registration failed and retried 0.5 s later; the trainer library also runs init() on one core:
-# mselastic.trainer.context._unraced). The measurements: docs/DESIGN.md, ninth part.
+# mselastic.trainer.context._unraced). The measurements: docs/journal/2026-12.md, "... SCHED_BATCH".
 async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str, str], user: WorkerUser | None,
                           cwd: str, *, batch: bool = True, **io: Any) -> asyncio.subprocess.Process:
     """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a

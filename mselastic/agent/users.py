@@ -113,7 +113,7 @@ def cannot_run_python(user: WorkerUser) -> str:
 
 def batch_prefix() -> list[str]:
     """What starts a command under the SCHED_BATCH policy (util-linux's chrt), for the jobs'
-    processes (elasticd's ``batch_scheduling``; why: docs/DESIGN.md, ninth part)."""
+    processes (elasticd's ``batch_scheduling``; why: docs/journal/2026-12.md, "... SCHED_BATCH")."""
     chrt = shutil.which("chrt")
     if chrt is None:
         raise RuntimeError("chrt (util-linux) not found: install util-linux, or set batch_scheduling = false")

@@ -166,7 +166,7 @@ class Settings:
     #: Start the jobs' processes (msrun, its scheduler and workers, the standbys) under SCHED_BATCH,
     #: where MindSpore's registration seldom loses a race with its own event loop; the trainer
     #: library runs init() on one core and then puts a rank back on all its cores under the
-    #: default policy (docs/DESIGN.md, ninth part). false: they inherit elasticd's own policy.
+    #: default policy (docs/journal/2026-12.md, "... SCHED_BATCH"). false: they inherit elasticd's own policy.
     batch_scheduling: bool = True
     #: While leading, keep a watched connection (keepalive pings) to the agent of every member of
     #: a live plan: a dead node is replaced in about a second instead of at its lease's expiry.

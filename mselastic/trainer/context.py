@@ -76,7 +76,7 @@ def _unraced() -> Iterator[None]:
     (``contract.ENV_BATCH_START``): on one core, so that MindSpore's TCP client, which hands a
     connection to its event loop's thread before it has finished setting it up, finishes first
     (SCHED_BATCH keeps the woken thread from preempting it, one core keeps it from running
-    beside it: docs/DESIGN.md, ninth part). The threads ``init()`` starts inherit the core. Then
+    beside it: docs/journal/2026-12.md, "... SCHED_BATCH"). The threads ``init()`` starts inherit the core. Then
     every thread goes back to the process's cores and to SCHED_OTHER (threads started later
     inherit their starter's): training is scheduled as under plain msrun. Not msrun's scheduler: it
     connects to nobody, and serves inside ``init()`` until the job ends. Best effort."""

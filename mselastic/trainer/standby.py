@@ -37,7 +37,7 @@ right after a relaunch import MindSpore on the cores the new generation trains o
 more than the relaunch itself (``make bench-goodput``). Handed a generation, every thread of it
 goes back to the nice value it was started with. Nice weighs threads within one scheduling group:
 where the kernel's autogroups apply (every session its own group) it does not hold a standby back
-against the ranks (docs/DESIGN.md, "fourth part").
+against the ranks (docs/journal/2026-12.md, "... (fourth part)").
 
 The kernel's view of its environment (``/proc/<pid>/environ``, what the agent, operators' tools
 and the tests read to tell which generation a process is of) is the one it was started with. The
