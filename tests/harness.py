@@ -424,7 +424,9 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, sn
     each relaunch with its reason, and after faults the job status has the last
     failure's detection time. ``trained``: the highest step some generations' ranks trained, as
     their own records say (:func:`trained_steps`), where the reports in etcd may be behind (a node
-    cut off before its last reports got through, its ranks stopped and checkpointed there).
+    cut off before its last reports got through): the next generation may resume exactly there
+    (the ranks stopped at that step and checkpointed, which no report says), or from an earlier
+    checkpoint.
     """
     plans = [Plan.from_json(v) for _, v in sorted(etcd.prefix(etcd.keys.plans(job)).items())]
     assert [p.generation for p in plans] == list(range(1, len(plans) + 1)), "generations must count up"
@@ -451,7 +453,8 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, sn
                 assert after.planned or after.restart_count == before.restart_count + 1
             else:
                 assert relaunches[after.generation]["detected_at"] > 0, "the relaunch event lacks the detection time"
-                assert (step % interval == 0 or step in checkpointed or snapshots) \
+                assert (step % interval == 0 or step in checkpointed or snapshots
+                        or step == (trained or {}).get(before.generation, -1)) \
                     and previous_resume <= step <= previous_reached, \
                     f"generation {after.generation} resumed at {step} (previous: from {previous_resume} to " \
                     f"{previous_reached})"
@@ -460,8 +463,6 @@ def check_history(etcd: Etcd, job: str, total_steps: int, interval: int = 10, sn
         previous_reached = max([r.step for r in reports] + [(trained or {}).get(after.generation, 0)])
         previous_exits = {r.exit_step for r in reports}
         checkpointed |= previous_exits - {-1}
-        if trained and after.generation in trained:  # (its SIGTERM's checkpoint, which no report says)
-            checkpointed.add(trained[after.generation])
     assert previous_reached == total_steps, f"final step {previous_reached} != {total_steps}"
     status = etcd.status(job)
     assert status is not None and status.generation == plans[-1].generation

@@ -363,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
         "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
         "batch_scheduling": "start the jobs' processes under SCHED_BATCH (MindSpore's registration then seldom "
                             "loses a race with its own event loop); ranks go back to the default policy after init()",
-        "peer_evidence": "while leading, ping the agents of running jobs' nodes: a dead node is replaced before its "
-                         "lease expires",
+        "peer_evidence": "while leading, ping the agents of running jobs' nodes: one whose connection drops is asked "
+                         "at once what it runs, and replaced as soon as it says nothing",
         "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none)",
     }
     for key, f in FIELDS.items():
