@@ -66,6 +66,19 @@ def test_sample_config_documents_every_key_with_its_default() -> None:
     assert documented == defaults, set(documented.items()) ^ set(defaults.items())
 
 
+def test_the_readme_lists_every_setting_with_its_default() -> None:
+    """README's settings table (key, default, meaning) says what the code does: every key of
+    Settings once, with its default (as TOML), and nothing else."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        rows = [line for line in f if line.startswith("| `") and line.count("|") == 4]
+    table = {}
+    for row in rows:
+        key, default = (cell.strip().strip("`") for cell in row.split("|")[1:3])
+        if key in FIELDS:
+            table[key] = tomllib.loads(f"v = {default}")["v"]
+    assert table == dataclasses.asdict(Settings()), set(table.items()) ^ set(dataclasses.asdict(Settings()).items())
+
+
 def test_settings_precedence_defaults_file_environment_flags(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(str(tmp_path), "elasticd.toml")
     with open(path, "w") as f:
