@@ -19,12 +19,12 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"core"},
     "agent": {"core", "store", "tls", "wire", "v1", "metrics", "__init__"},
     "daemon": {"core", "store", "agent", "tls", "wire", "v1", "metrics", "__init__"},
-    "ctl": {"core", "tls", "wire", "v1", "service", "__init__"},
+    "ctl": {"core", "tls", "wire", "v1", "systemd", "__init__"},
     "trainer": {"core"},
     "wire": {"core", "v1"},
     "tls": set(),
     "metrics": {"core"},
-    "service": set(),  # the unit and its installer: files and systemctl, nothing of the daemon
+    "systemd": set(),  # the unit and its installer: files and systemctl, nothing of the daemon
 }
 
 

@@ -22,8 +22,8 @@ from mselastic.daemon.main import FIELDS, Settings, SettingsError, parse_args
 from mselastic.store.embedded import free_port
 from tests.harness import REPO, VENV_BIN, Etcd, Processes, elasticd_cmd, lenet_spec, wait_for
 
-UNIT = os.path.join(REPO, "mselastic", "service", "elasticd.service")
-SAMPLE = os.path.join(REPO, "mselastic", "service", "elasticd.toml")
+UNIT = os.path.join(REPO, "mselastic", "systemd", "elasticd.service")
+SAMPLE = os.path.join(REPO, "mselastic", "systemd", "elasticd.toml")
 
 
 def _verify(unit_text: str, root: str) -> subprocess.CompletedProcess[str]:

@@ -47,7 +47,7 @@ from mselastic.wire import plan_from_pb
 from mselastic.core.contract import default_sockets
 from mselastic.core.kinds import EventKind
 from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
-from mselastic import service
+from mselastic import systemd
 from mselastic.ctl import render
 from mselastic.tls import ROLES, TlsError, TlsFiles, issue, make_ca
 from mselastic.v1 import elastic_pb2 as pb
@@ -481,9 +481,9 @@ def cmd_report(c: Client, a: argparse.Namespace, out: Any) -> int:
 
 def cmd_install_unit(c: Client, a: argparse.Namespace, out: Any) -> int:
     try:
-        for line in service.install(a.root):
+        for line in systemd.install(a.root):
             out.write(line + "\n")
-    except service.InstallError as e:
+    except systemd.InstallError as e:
         raise CtlError(str(e), EXIT_REFUSED) from None
     if os.path.realpath(a.root) == "/":
         out.write("next: edit /etc/mselastic/elasticd.toml (node_id, etcd_endpoint, ...), then systemctl enable "

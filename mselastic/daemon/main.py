@@ -11,7 +11,7 @@ Example (a node of a cluster with an existing etcd)::
 
 Settings come from, in rising order of precedence: defaults, the config file
 (/etc/mselastic/elasticd.toml, or --config / $ELASTICD_CONFIG; keys as the flags with
-'_' for '-', see mselastic/service/elasticd.toml), ELASTICD_<KEY> environment variables, flags.
+'_' for '-', see mselastic/systemd/elasticd.toml), ELASTICD_<KEY> environment variables, flags.
 A bad value is refused at start with one line naming the key and where it came from
 (exit 2).
 
@@ -53,7 +53,7 @@ from mselastic.core.contract import default_sockets
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
 from mselastic import metrics
-from mselastic.daemon import liveness, logs, systemd
+from mselastic.daemon import liveness, logs, notify
 from mselastic.daemon.auth import Authorizer
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
@@ -609,7 +609,7 @@ async def serve(s: Settings) -> None:
 
     def registered() -> None:
         log.info("registered; ready")
-        systemd.ready(f"registered as {s.node_id}, serving on {address}")
+        notify.ready(f"registered as {s.node_id}, serving on {address}")
         checks.add(task := asyncio.create_task(recheck_versions(), name="etcd-versions"))
         task.add_done_callback(checks.discard)
 
@@ -617,7 +617,7 @@ async def serve(s: Settings) -> None:
 
     tasks = [asyncio.create_task(agent.run(stop, registered), name="agent"),
              asyncio.create_task(coordinator.run(stop), name="coordinator"),
-             asyncio.create_task(systemd.watchdog(stop, fencing.watchdog_s(s.lease_ttl_s)), name="watchdog")]
+             asyncio.create_task(notify.watchdog(stop, fencing.watchdog_s(s.lease_ttl_s)), name="watchdog")]
     try:
         done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -625,7 +625,7 @@ async def serve(s: Settings) -> None:
                 raise t.exception()  # type: ignore[misc]
     finally:
         stop.set()
-        systemd.stopping()
+        notify.stopping()
         log.info("shutting down: stopping local workers (grace %.0fs)", s.shutdown_grace_s)
         await agent.stop_all(s.shutdown_grace_s)
         await agent.close_standbys()
