@@ -342,8 +342,10 @@ def test_below_min_nodes_too_long_fails_cleanly(cluster: Cluster) -> None:
     assert etcd is not None
     wait_for("step 5", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 5, 180, 0.2)
     cluster.inject(ClusterFault.KILL_NODE, 1)
+    # (n1 is replaced once its lease has been gone for its fencing deadline: it may be training.)
     waiting = wait_for("the job to wait for nodes", lambda: (s := etcd.status(JOB))
-                       and s.state is JobState.RESTARTING and s, 15, 0.2)
+                       and s.state is JobState.RESTARTING and s,
+                       cluster.lease_ttl_s + fencing.fenced_within(cluster.lease_ttl_s) + 10, 0.2)
     assert "min_nodes=2" in waiting.message and waiting.waiting_since > 0
     status = finished(cluster, timeout_s=30)
     assert status.state is JobState.FAILED and "min_nodes_timeout_s=6" in status.message
