@@ -446,8 +446,8 @@ class NodeAgent:
         again after a round)."""
         while not stop.is_set():
             try:
-                _, kvs = await asyncio.wait_for(self.store.get_prefix(self.store.keys.nodes), self._probe_s)
-            except (TemporaryError, PermanentError, asyncio.TimeoutError):
+                _, kvs = await self.store.get_prefix(self.store.keys.nodes)
+            except (TemporaryError, PermanentError):
                 await first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
                 continue
             now = fencing.clock()
