@@ -21,7 +21,9 @@ shortened to it with WATCHDOG_USEC=), STOPPING=1 on the way out. Metrics for
 Prometheus on --metrics-listen.
 
 SIGTERM or SIGINT: local workers are asked to checkpoint (SIGTERM, grace
-period), then killed; once they are gone the node's registration is revoked; exit 0.
+period), then killed; fencing goes on meanwhile (and an event loop that stops for
+the watchdog timeout kills elasticd, its workers with it); once they are gone the
+node's registration is revoked; exit 0.
 """
 
 from __future__ import annotations
