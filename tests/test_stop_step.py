@@ -143,8 +143,8 @@ def test_the_agent_names_a_step_ahead_of_its_ranks_and_writes_it_for_the_worker_
     monkeypatch.setattr(supervisor.time, "monotonic", lambda: clock[0])
     for s in range(10, 21):  # 10 steps a second, through the agent's own beat handling
         clock[0] = 100.0 + (s - 10) * 0.1
-        gen._on_beat(Beat(kind=BeatKind.STEP, rank=0, pid=1, generation=3, step=s))
-        gen._on_beat(Beat(kind=BeatKind.STEP, rank=1, pid=2, generation=3, step=s - 1))
+        gen.on_beat(Beat(kind=BeatKind.STEP, rank=0, pid=1, generation=3, step=s))
+        gen.on_beat(Beat(kind=BeatKind.STEP, rank=1, pid=2, generation=3, step=s - 1))
     assert gen.steps_per_s() == pytest.approx(10.0)
     assert gen.next_stop_step() == 20 + 2 + 3  # 0.25 s of steps at 10 a second
     assert contract.stop_step_ahead([20, 19], gen.steps_per_s(), 1.0) == 32  # the leader's, with its latency
@@ -160,7 +160,7 @@ def test_the_agent_names_a_step_ahead_of_its_ranks_and_writes_it_for_the_worker_
         assert contract.decode_stop_step(f.read()) == 25
     assert stat.S_IMODE(os.stat(gen.stop_file).st_mode) == 0o644  # readable by the worker user
     assert os.listdir(os.path.dirname(gen.stop_file)) == ["g000003.stop"]  # no temporary file left
-    assert gen._env()[contract.ENV_STOP_FILE] == gen.stop_file
+    assert gen.launch_env.env()[contract.ENV_STOP_FILE] == gen.stop_file
     gen.plan_stop(40)  # a Stop sent again: never moves a step some ranks may have read
     with open(gen.stop_file, "rb") as f:
         assert contract.decode_stop_step(f.read()) == 25 == gen.stop_at
@@ -181,7 +181,7 @@ def test_a_multi_node_generation_leaves_the_step_to_the_leader(tmp_path: os.Path
     tmp = str(tmp_path)
     gen = generation(tmp, members=2)
     gen.ranks[0].step = gen.ranks[1].step = 7
-    gen._stop_requested(Beat(kind=BeatKind.STOP_REQUESTED, rank=1, pid=1, generation=3, step=7))
+    gen.on_beat(Beat(kind=BeatKind.STOP_REQUESTED, rank=1, pid=1, generation=3, step=7))
     assert gen.stop_at == 0 and not os.path.exists(gen.stop_file)
 
 

@@ -15,8 +15,10 @@ import time
 import psutil
 import pytest
 
-from mselastic.agent import procs, supervisor
-from mselastic.agent.supervisor import Generation, LaunchError, preflight
+from mselastic.agent import observe, procs
+from mselastic.agent.launch import open_own, reachable, spawn_as_worker
+from mselastic.agent.preflight import LaunchError, preflight
+from mselastic.agent.supervisor import Generation
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState
@@ -45,7 +47,7 @@ def test_busy_master_port_fails_the_generation_without_starting_msrun(tmp_path: 
         gen = asyncio.run(run())
     assert gen.state is GenerationState.FAILED and changes[-1] is GenerationState.FAILED
     assert f"master port {port} is in use" in gen.reason and gen.cause is FailureCause.LAUNCH_NODE
-    assert gen._msrun is None  # msrun was never started
+    assert gen.launch.msrun is None  # msrun was never started
     assert gen.report().stopped_at > 0
 
 
@@ -120,7 +122,7 @@ def test_mindspore_heartbeats_every_second_unless_the_job_or_the_admin_says_othe
                     world_size=world, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
         spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
                        workers_per_node=2, env=job_env)
-        return Generation(plan, spec, "n0", tmp, lambda g, urgent: None)._env()
+        return Generation(plan, spec, "n0", tmp, lambda g, urgent: None).launch_env.env()
 
     fast = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
     assert fast.items() <= env(2, {}).items()
@@ -202,29 +204,29 @@ def test_a_worker_death_only_msruns_log_tells_is_blamed_on_its_rank(tmp_path: os
     os.makedirs(gen.log_dir)
     log = os.path.join(gen.log_dir, "msrun.log")
     open(log, "w").close()
-    gen._log = supervisor._open_own(log)  # (as start() opens it for msrun's output)
-    gen._msrun = subprocess.Popen(["true"])  # type: ignore[assignment]  # (only its pid is read)
-    gen._msrun.wait()
-    dead = gen._msrun.pid  # (a worker that exited: reaped, gone)
+    gen.launch.log = open_own(log)  # (as start() opens it for msrun's output)
+    gen.launch.msrun = subprocess.Popen(["true"])  # type: ignore[assignment]  # (only its pid is read)
+    gen.launch.msrun.wait()
+    dead = gen.launch.msrun.pid  # (a worker that exited: reaped, gone)
     line = ("[ERROR] ME(7756:140084068449152,MainProcess):2026-12-02-19:56:22.100.000 "
             "[mindspore/parallel/cluster/process_entity/_api.py:365] Worker process {pid} exit with exception. "
             "Error code: {code}.\n")
-    gen._log.write(line.format(pid=dead, code=-9).encode())
-    gen._log.flush()
-    assert gen._worker_msrun_saw_die() is None  # two ranks whose pids are unknown: which one is not known
+    gen.launch.log.write(line.format(pid=dead, code=-9).encode())
+    gen.launch.log.flush()
+    assert gen.worker_msrun_saw_die() is None  # two ranks whose pids are unknown: which one is not known
     gen.ranks[2].pid = os.getpid()
-    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
+    assert gen.worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
     gen.ranks[1].pid = dead
-    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL") and gen.ranks[1].exit_code == -9
-    gen._log.write(line.format(pid=os.getpid(), code=1).encode())  # (a forged line: that pid runs)
-    gen._log.flush()
+    assert gen.worker_msrun_saw_die() == (1, dead, "killed by SIGKILL") and gen.ranks[1].exit_code == -9
+    gen.launch.log.write(line.format(pid=os.getpid(), code=1).encode())  # (a forged line: that pid runs)
+    gen.launch.log.flush()
     gen.ranks[1].pid = 0
-    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
+    assert gen.worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
     # The path replaced by the worker user (a FIFO would block a read): the file root opened is read.
     os.rename(log, log + ".old")
     os.mkfifo(log)
-    assert gen._worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
-    gen._log.close()
+    assert gen.worker_msrun_saw_die() == (1, dead, "killed by SIGKILL")
+    gen.launch.log.close()
 
 
 def test_the_scheduler_port_counts_as_connected_while_a_peer_holds_a_connection_to_it() -> None:
@@ -235,13 +237,13 @@ def test_the_scheduler_port_counts_as_connected_while_a_peer_holds_a_connection_
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        assert supervisor._listens(port) and not supervisor._connected(port)
+        assert observe.listens(port) and not observe.connected(port)
         client = socket.create_connection(("127.0.0.1", port))
         accepted, _ = server.accept()
         try:
-            assert supervisor._connected(port)
+            assert observe.connected(port)
             client.close()
-            wait_for("the peer's close seen", lambda: not supervisor._connected(port), 5, 0.01)
+            wait_for("the peer's close seen", lambda: not observe.connected(port), 5, 0.01)
         finally:
             client.close()
             accepted.close()
@@ -258,17 +260,17 @@ def test_the_other_nodes_wait_for_node_0s_scheduler_until_it_listens_or_they_are
             loop = asyncio.get_running_loop()
             loop.call_later(0.4, server.listen)
             t0 = time.monotonic()
-            assert await supervisor._reachable("127.0.0.1", port, 10.0, lambda: False)
+            assert await reachable("127.0.0.1", port, 10.0, lambda: False)
             assert time.monotonic() - t0 >= 0.4  # (not before it listened)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bound:  # (bound, never listening)
             bound.bind(("127.0.0.1", 0))
             port = bound.getsockname()[1]
             t0 = time.monotonic()
-            assert not await supervisor._reachable("127.0.0.1", port, 0.5, lambda: False)
+            assert not await reachable("127.0.0.1", port, 0.5, lambda: False)
             assert 0.5 <= time.monotonic() - t0 < 5.0  # (its limit, give or take one attempt)
             stopped = loop.time() + 0.3
             t0 = time.monotonic()
-            assert not await supervisor._reachable("127.0.0.1", port, 30.0, lambda: loop.time() > stopped)
+            assert not await reachable("127.0.0.1", port, 30.0, lambda: loop.time() > stopped)
             assert time.monotonic() - t0 < 5.0  # (the stop, not the 30 s limit)
 
     asyncio.run(run())
@@ -303,7 +305,7 @@ def test_a_rank_killed_from_outside_is_seen_at_once_not_at_the_watchs_next_look(
         gen = Generation(plan, spec, "n0", tmp, lambda g, urgent: None, poll_interval_s=60.0)
         os.makedirs(gen.log_dir)
         open(os.path.join(gen.log_dir, "msrun.log"), "w").close()  # (as preflight makes it)
-        gen._log = supervisor._open_own(os.path.join(gen.log_dir, "msrun.log"))
+        gen.launch.log = open_own(os.path.join(gen.log_dir, "msrun.log"))
         # msrun's stand-in: the rank is its child, which it reaps only when it looks (msrun: once a second).
         launch = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
@@ -311,12 +313,12 @@ def test_a_rank_killed_from_outside_is_seen_at_once_not_at_the_watchs_next_look(
         try:
             assert launch.stdout is not None
             pid = int(await asyncio.wait_for(launch.stdout.readline(), 30))
-            gen._msrun, gen.started_mono = launch, time.monotonic()  # (as start() sets them)
+            gen.launch.msrun, gen.started_mono = launch, time.monotonic()  # (as start() sets them)
             gen.ranks[0].pid, gen.ranks[0].create_time = pid, psutil.Process(pid).create_time()
-            watch = asyncio.create_task(gen._watch())
+            watch = asyncio.create_task(gen.watch())
 
             async def looked() -> None:  # (its first look opened the rank's pidfd; the next is 60 s away)
-                while pid not in gen._exit_fds:
+                while pid not in gen.exits.fds:
                     await asyncio.sleep(0.01)
 
             await asyncio.wait_for(looked(), 10)
@@ -352,7 +354,7 @@ def test_a_jobs_processes_run_under_sched_batch_unless_the_admin_says_otherwise(
             "print(os.sched_getscheduler(0), seen[0], child)\n")
 
     async def run() -> str:
-        proc = await supervisor.spawn_as_worker([sys.executable, "-c", code], dict(os.environ), {}, None, os.getcwd(),
+        proc = await spawn_as_worker([sys.executable, "-c", code], dict(os.environ), {}, None, os.getcwd(),
                                                 batch=batch, stdout=asyncio.subprocess.PIPE)
         out, _ = await proc.communicate()
         assert proc.returncode == 0

@@ -8,6 +8,7 @@ rank SIGKILLed under elasticd whose relaunch is handed to the standbys it report
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -21,7 +22,9 @@ import psutil
 import pytest
 
 from mselastic.agent.standby import ForkServer, Standby, StandbyPool
-from mselastic.agent.supervisor import PER_GENERATION_ENV, Generation
+from mselastic.agent.launch import spawn_standby
+from mselastic.agent.launch_env import PER_GENERATION_ENV
+from mselastic.agent.supervisor import Generation
 from mselastic.core import contract
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
@@ -80,14 +83,15 @@ def test_standby_environment_and_launch_key(tmp_path: os.PathLike[str]) -> None:
     spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
                    args=("--lr", "0.1"), workers_per_node=2, env={"GLOG_v": "2"})
     g1, g2 = (Generation(plan(g, 20001 + g), spec, "n0", tmp, lambda g, u: None) for g in (1, 2))
-    env = g1.standby_env("standby.j.n0.0001")
+    env = g1.launch_env.standby_env("standby.j.n0.0001")
     assert list(env)[-2:] == [contract.ENV_RUN_ID, contract.ENV_STANDBY_SLOT]
     assert env[contract.ENV_RUN_ID] == "standby.j.n0.0001"
     assert not (PER_GENERATION_ENV - {"HOME"}) & set(env) - {contract.ENV_RUN_ID}
     assert env[contract.ENV_JOB] == "j" and env["GLOG_v"] == "2" and env[contract.ENV_TOTAL_STEPS]
-    assert g1.launch_key() == g2.launch_key()
+    assert g1.launch_env.launch_key() == g2.launch_env.launch_key()
     other = JobSpec(**{**spec.__dict__, "args": ("--lr", "0.2")})
-    assert Generation(plan(3, 20004), other, "n0", tmp, lambda g, u: None).launch_key() != g1.launch_key()
+    g3 = Generation(plan(3, 20004), other, "n0", tmp, lambda g, u: None)
+    assert g3.launch_env.launch_key() != g1.launch_env.launch_key()
 
 
 def test_a_standby_that_cannot_start_leaves_relaunches_cold() -> None:
@@ -159,12 +163,12 @@ def test_a_warm_rank_starts_as_msrun_would_have_started_it(tmp_path: os.PathLike
         gen = Generation(plan(generation, port), dump_spec(tmp, out), "n0", tmp, lambda g, u: None)
         pool = None
         if warm:
-            pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
+            pool = StandbyPool("j", "n0", gen.launch_env.launch_key(), functools.partial(spawn_standby, gen.launch_env))
             pool.fill(3)
             await wait_async(lambda: len(pool.ready()) == 3, 120)
-            gen.standbys = pool.take(3)
-            assert pool.server is not None and len(gen.standbys) == 3
-            assert all(psutil.Process(sb.pid).ppid() == pool.server.pid for sb in gen.standbys)
+            gen.take_standbys(pool.take(3))
+            assert pool.server is not None and len(gen.launch.standbys) == 3
+            assert all(psutil.Process(sb.pid).ppid() == pool.server.pid for sb in gen.launch.standbys)
         await gen.start()
         await asyncio.wait_for(gen.done.wait(), 60)
         if pool is not None:
@@ -218,13 +222,13 @@ def test_a_standby_killed_before_its_handover_sends_the_generation_cold(tmp_path
 
     async def run() -> tuple[Generation, int, list[int]]:
         gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
-        pool = StandbyPool("j", "n0", gen.launch_key(), gen.spawn_standby)
+        pool = StandbyPool("j", "n0", gen.launch_env.launch_key(), functools.partial(spawn_standby, gen.launch_env))
         pool.fill(3)
         await wait_async(lambda: len(pool.ready()) == 3, 120)
-        gen.standbys = pool.take(3)
-        victim = gen.standbys[1].pid
+        gen.take_standbys(pool.take(3))
+        victim = gen.launch.standbys[1].pid
         os.kill(victim, signal.SIGKILL)
-        await wait_async(lambda: not gen.standbys[1].alive, 10)  # (its fork server reaped it and said so)
+        await wait_async(lambda: not gen.launch.standbys[1].alive, 10)  # (its fork server reaped it and said so)
         await gen.start()
         await asyncio.wait_for(gen.done.wait(), 60)
         broken = pool.broken
@@ -248,7 +252,7 @@ def test_a_standby_killed_before_its_handover_sends_the_generation_cold(tmp_path
         return gen, victim, orphans
 
     gen, victim, orphans = asyncio.run(run())
-    assert not gen.report().warm and gen._msrun is not None
+    assert not gen.report().warm and gen.launch.msrun is not None
     # (The dump script's ranks exit without a "finished" heartbeat: blamed on a rank, not the launch.)
     assert gen.state is GenerationState.FAILED and gen.failed_rank in (0, 1), gen.reason
     for name in ("scheduler", "worker-0", "worker-1"):
@@ -283,16 +287,16 @@ def test_a_standby_taken_before_it_was_ready_that_dies_sends_the_generation_cold
 
     async def run() -> tuple[Generation, int]:
         gen = Generation(plan(1, free_port()), spec, "n0", tmp, lambda g, u: None)
-        gen.standbys = [await Standby.start(sleeper, f"standby.j.n0.{i}") for i in range(3)]
-        victim = gen.standbys[1].pid
+        gen.take_standbys([await Standby.start(sleeper, f"standby.j.n0.{i}") for i in range(3)])
+        victim = gen.launch.standbys[1].pid
         await gen.start()  # (all alive when taken: it waits for them to be ready, warm)
-        assert gen._msrun is None
+        assert gen.launch.msrun is None
         os.kill(victim, signal.SIGKILL)
         await asyncio.wait_for(gen.done.wait(), 60)
         return gen, victim
 
     gen, victim = asyncio.run(run())
-    assert not gen.report().warm and gen._msrun is not None
+    assert not gen.report().warm and gen.launch.msrun is not None
     assert gen.state is GenerationState.FAILED and gen.failed_rank in (0, 1), gen.reason
     for name in ("scheduler", "worker-0", "worker-1"):
         with open(os.path.join(out, name + ".json")) as f:

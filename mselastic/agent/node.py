@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -27,7 +28,9 @@ import grpc
 
 from mselastic import __version__
 from mselastic.agent.standby import Standby, StandbyPool
-from mselastic.agent.supervisor import Generation, remove_snapshot_folder, sweep_snapshot_folders
+from mselastic.agent.launch import spawn_standby
+from mselastic.agent.snapshots import remove_snapshot_folder, sweep_snapshot_folders
+from mselastic.agent.supervisor import Generation
 from mselastic.agent.users import WorkerUser
 from mselastic.core import fencing
 from mselastic.core.waits import first
@@ -60,7 +63,7 @@ class AgentConfig:
     pass_env: frozenset[str] = frozenset()
     #: Keep standby workers for the jobs running here (see mselastic.agent.standby).
     warm_standbys: bool = True
-    #: The jobs' processes start under SCHED_BATCH (see mselastic.agent.supervisor.spawn_as_worker).
+    #: The jobs' processes start under SCHED_BATCH (see mselastic.agent.launch.spawn_as_worker).
     batch_scheduling: bool = True
     #: This node's folder in memory for the jobs' snapshots ("": none; see Generation).
     snapshot_root: str = ""
@@ -625,7 +628,7 @@ class NodeAgent:
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling)
             gen.prepare_snapshots()
-            gen.standbys = self._take_standbys(gen)
+            gen.take_standbys(self._take_standbys(gen))
             if self.cfg.snapshot_root and plan.job not in self._swept:
                 self._swept.add(plan.job)  # once per job and elasticd: the folders of jobs long gone
                 self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root, self.cfg.worker_user,
@@ -688,7 +691,7 @@ class NodeAgent:
         this job's pool has them alive (ready, or still importing: the handover waits for those)
         and was started for the same launch; else none (cold)."""
         pool = self.standbys.get(gen.plan.job)
-        if pool is None or pool.key != gen.launch_key():
+        if pool is None or pool.key != gen.launch_env.launch_key():
             return []
         return pool.take(gen.member.local_workers + (1 if gen.member.node_rank == 0 else 0))
 
@@ -697,13 +700,14 @@ class NodeAgent:
         for a scheduler (this node may be node_rank 0 next time), started one after the other."""
         if not self.cfg.warm_standbys:
             return
-        job, key = gen.plan.job, gen.launch_key()
+        job, key = gen.plan.job, gen.launch_env.launch_key()
         pool = self.standbys.get(job)
         if pool is not None and pool.key != key:
             asyncio.create_task(pool.close(), name=f"standbys-close-{job}")
             pool = None
         if pool is None:
-            pool = self.standbys[job] = StandbyPool(job, self.cfg.node_id, key, gen.spawn_standby)
+            pool = self.standbys[job] = StandbyPool(job, self.cfg.node_id, key,
+                                                    functools.partial(spawn_standby, gen.launch_env))
         pool.fill(gen.member.local_workers + 1)
 
     def _retire_standbys(self, gen: Generation) -> None:

@@ -1,0 +1,175 @@
+"""What the agent reads of this node to look at a generation, and nothing else: the TCP sockets'
+states, msrun's children, msrun's log, and the wake-ups when a process of the generation ends.
+What a look means is decided by :func:`mselastic.agent.verdict.judge`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import re
+from typing import Any, Iterable
+
+import psutil
+
+from mselastic.agent import procs
+from mselastic.agent.ranks import RankState
+
+log = logging.getLogger(__name__)
+
+
+def tcp_states(port: int) -> list[str] | None:
+    """The states of this network namespace's TCP sockets whose local port is ``port``, from the
+    kernel's tables (``/proc/net/tcp``, ``tcp6``; 0A: listening, 01: established); None when
+    neither table could be read. Not psutil's net_connections, which also maps every socket to its
+    process by reading every process's file descriptors (which the hardened unit may not)."""
+    suffix = f":{port:04X}"
+    states: list[str] = []
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                states += [fields[3] for line in f if len(fields := line.split()) > 3 and fields[1].endswith(suffix)]
+            read = True
+        except OSError:
+            continue
+    return states if read else None
+
+
+def listens(port: int) -> bool:
+    """Whether a TCP socket of this network namespace listens on ``port``."""
+    return "0A" in (tcp_states(port) or [])
+
+
+def connected(port: int) -> bool:
+    """Whether anything is still connected to what listens on ``port`` here (an established TCP
+    connection: a peer that exited has closed its end). Unknown (the tables unreadable) counts as
+    connected: the generation then ends when msrun does."""
+    states = tcp_states(port)
+    return states is None or "01" in states
+
+
+#: msrun's line when one of its workers exits with an error (``process_entity/_api.py``).
+MSRUN_WORKER_DIED = re.compile(rb"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+
+
+def msrun_exits(log_file: Any) -> dict[int, int]:
+    """pid -> exit code of the workers msrun's log says exited with an error (it reaps its workers
+    once a second, often before this agent reads their status), for pids no longer running.
+    Read through the file root opened for msrun (:func:`mselastic.agent.launch.open_own`), never
+    by its path: the folder is the worker user's, who could put a FIFO (a read that blocks the
+    event loop), a link to /dev/zero or a text of their own there. Its last 64 KiB: msrun writes
+    that line last."""
+    try:
+        fd = os.open(f"/proc/self/fd/{log_file.fileno()}", os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return {}
+    try:
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, 1 << 16, max(0, size - (1 << 16)))
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    return {int(m.group(1)): int(m.group(2)) for m in MSRUN_WORKER_DIED.finditer(tail)
+            if not os.path.exists(f"/proc/{int(m.group(1))}")}
+
+
+def discover(msrun_pid: int, ranks: dict[int, RankState], seen: set[int], script: str) -> None:
+    """Learn each local rank's pid from msrun's direct children.
+
+    A child is classified only once it has exec'd the training script: between
+    fork and exec its environment is still msrun's own (no ``MS_ROLE``), so it is
+    looked at again on the next poll. Descendants of the workers (data loaders)
+    carry the same variables and are never taken for a rank. ``seen``: the children
+    classified already.
+    """
+    if all(rs.pid for rs in ranks.values()):
+        return  # (listing msrun's children reads every process's /proc/<pid>/stat: most of a poll)
+    try:
+        children = psutil.Process(msrun_pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for p in children:
+        if p.pid in seen:
+            continue
+        d = procs.describe(p)
+        if d is None or not d.role:
+            continue
+        try:
+            is_script = script in p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        seen.add(p.pid)
+        if d.role == "MS_WORKER" and is_script and d.rank in ranks and not ranks[d.rank].pid:
+            ranks[d.rank].pid, ranks[d.rank].create_time = d.pid, d.create_time
+
+
+class ExitWatch:
+    """Wakes a generation's watch at once when one of its processes ends, instead of at its next
+    look (up to ``poll_interval_s`` later); the look still decides what happened. The processes
+    elasticd has a handle on (msrun, warm ranks and scheduler): when their exit code is known
+    (asyncio's for msrun, the fork server's word for a standby), so that the look finds it.
+    msrun's ranks, whose code their parent reaps: a pidfd, readable once the rank has exited (a
+    zombie still shows its status). Each once, as its pid becomes known."""
+
+    def __init__(self, ctx: dict[str, Any]) -> None:
+        self.wake = asyncio.Event()
+        #: msrun's ranks by pid -> pidfd (-1: none could be opened); handles by pid -> their wait().
+        self.fds: dict[int, int] = {}
+        self._waits: dict[int, asyncio.Future[int]] = {}
+        self._ctx = ctx
+
+    def watch(self, handles: Iterable[Any], ranks: Iterable[RankState]) -> None:
+        """Watch ``handles`` (asyncio processes) and ``ranks`` (msrun's, by pidfd) not watched yet."""
+        for proc in handles:
+            if proc is not None and proc.pid not in self._waits:
+                waiting = asyncio.ensure_future(proc.wait())
+                waiting.add_done_callback(lambda _: self.wake.set())
+                self._waits[proc.pid] = waiting
+        loop = asyncio.get_running_loop()
+        for rs in ranks:
+            if not rs.pid or rs.pid in self.fds:
+                continue
+            try:
+                fd = os.pidfd_open(rs.pid)
+            except OSError as e:
+                self.fds[rs.pid] = -1
+                if e.errno != errno.ESRCH:  # (gone already: the look sees it)
+                    log.warning("no pidfd for rank %d (pid %d): %s; its exit is seen at the next look",
+                                rs.rank, rs.pid, e, extra={**self._ctx, "rank": rs.rank})
+                continue
+            if not procs.alive(rs.pid, rs.create_time):  # (gone, or another process's pid now: the look sees it)
+                os.close(fd)
+                self.fds[rs.pid] = -1
+                continue
+            self.fds[rs.pid] = fd
+            loop.add_reader(fd, self._exited, fd)
+
+    def _exited(self, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)  # (readable for good: once is enough)
+        self.wake.set()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            if fd >= 0:
+                asyncio.get_running_loop().remove_reader(fd)
+                os.close(fd)
+        for waiting in self._waits.values():
+            waiting.cancel()
+        self.fds, self._waits = {}, {}
+
+
+def learn_pid(msrun_pid: int, rs: RankState, pid: int, seen: set[int]) -> None:
+    """``rs``'s pid from its own heartbeat (the kernel names the sender) when it is one of msrun's
+    own children: :func:`discover` may not have classified it yet, and a rank whose pid is unknown
+    could not be seen to die."""
+    with contextlib.suppress(psutil.Error):
+        p = psutil.Process(pid)
+        d = procs.describe(p) if p.ppid() == msrun_pid else None
+        if d is not None and d.role == "MS_WORKER" and d.rank == rs.rank:  # (as discover checks)
+            rs.pid, rs.create_time = pid, d.create_time
+            seen.add(pid)

@@ -1,0 +1,135 @@
+"""Each local rank's life as the agent knows it (:class:`RankState`), and the pure rules that
+update it from a beat and sum the ranks up (the step they exited at, their exit codes, the step rate)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+from mselastic.core import contract
+from mselastic.core.contract import Beat, BeatKind
+
+#: The start-up phase a rank is in once it got through ``init()``.
+JOINED = Beat.PHASES.index("joined")
+
+
+@dataclasses.dataclass
+class RankState:
+    rank: int
+    pid: int = 0
+    create_time: float = 0.0
+    last_beat: float = 0.0  # monotonic
+    step: int = -1
+    loss: float = 0.0
+    finished: bool = False
+    #: Step this rank checkpointed at before exiting on SIGTERM (-1: it did not).
+    exit_step: int = -1
+    #: Exit code seen before msrun reaped it (None: not seen).
+    exit_code: int | None = None
+    #: Since when (monotonic) the rank is seen stopped (state T); 0 while it is not.
+    stopped_since: float = 0.0
+    #: Start-up phases reached (index into Beat.PHASES; a first step counts as past them all), and when.
+    phase: int = -1
+    phase_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: Step it resumed from (its ``start`` beat), -1 until then.
+    resumed_step: int = -1
+    #: Why it cannot go on (its ``fatal`` beat), "" if it did not say.
+    fatal: str = ""
+    #: Sent ``NUDGE_SIGNAL`` (once: still inside init() after a local peer got through).
+    nudged: bool = False
+
+
+def reach(rs: RankState, phase: int, now: float) -> None:
+    """``rs`` got to start-up ``phase`` (and past every one before it) at ``now``."""
+    for p in range(rs.phase + 1, phase + 1):
+        rs.phase_at.setdefault(p, now)
+    rs.phase = max(rs.phase, phase)
+
+
+def note_beat(rs: RankState, beat: Beat, now: float) -> None:
+    """What one of its beats, received at ``now``, says of ``rs``. A phase beat is start-up
+    progress, not a heartbeat (``init()`` may wait long for other nodes); any other beat comes
+    after the start-up phases."""
+    if beat.kind == BeatKind.PHASE:
+        if beat.note in Beat.PHASES:
+            reach(rs, Beat.PHASES.index(beat.note), now)
+        return
+    reach(rs, len(Beat.PHASES), now)
+    rs.last_beat = now
+    rs.step = max(rs.step, beat.step)
+    rs.loss = beat.loss
+    if beat.kind == BeatKind.START:
+        rs.resumed_step = beat.resumed_step
+    elif beat.kind == BeatKind.FATAL:
+        rs.fatal = beat.note or "no reason given"
+    elif beat.kind == BeatKind.FINISHED:
+        rs.finished = True
+    elif beat.kind == BeatKind.PLANNED_EXIT:
+        rs.exit_step = beat.step
+
+
+def joined(ranks: Iterable[RankState]) -> list[float]:
+    """When each rank that got through ``init()`` did."""
+    return [rs.phase_at[JOINED] for rs in ranks if JOINED in rs.phase_at]
+
+
+def exit_step(ranks: Iterable[RankState]) -> int:
+    """The step every rank checkpointed at before its planned exit; -1 if they did not all."""
+    steps = {rs.exit_step for rs in ranks}
+    return steps.pop() if len(steps) == 1 and -1 not in steps else -1
+
+
+def exited_on_sigterm(ranks: Iterable[RankState]) -> bool:
+    """Every rank checkpointed on a SIGTERM and has exited (or is exiting)."""
+    ranks = list(ranks)
+    return all(rs.exit_step >= 0 or rs.finished for rs in ranks) and exit_step(ranks) >= 0
+
+
+def exit_codes(ranks: Iterable[RankState]) -> str:
+    """The ranks' exit codes as seen, for a report's reason."""
+    codes = sorted({rs.exit_code for rs in ranks if rs.exit_code is not None})
+    if codes:
+        return f"exited with code {', '.join(map(str, codes))}"
+    return f"exited (announced code {contract.PLANNED_EXIT_CODE}; reaped by msrun before the agent saw it)"
+
+
+def steps_per_s(progress: list[tuple[float, int]]) -> float:
+    """The step rate over (time, highest step) samples, oldest first (0.0 before two)."""
+    if len(progress) < 2:
+        return 0.0
+    (t0, s0), (t1, s1) = progress[0], progress[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def to_nudge(ranks: Iterable[RankState], remote_joined_at: float, now: float, after_s: float) -> list[RankState]:
+    """The ranks still in MindSpore's CPU collective address exchange ``after_s`` after a peer got
+    through ``init()`` (a local one, or one on another node at ``remote_joined_at``; 0: none), not
+    nudged yet; their pids are known."""
+    ranks = list(ranks)
+    through = joined(ranks) + ([remote_joined_at] if remote_joined_at else [])
+    if not through or now - min(through) < after_s:
+        return []
+    return [rs for rs in ranks if rs.phase == JOINED - 1 and not rs.nudged and rs.pid]
+
+
+def blame_from_msrun(ranks: Iterable[RankState], exits: dict[int, int]) -> tuple[RankState, int, int] | None:
+    """(rank, pid, exit code) of the worker msrun's log says exited with an error (``exits``: pid ->
+    code): the rank with that pid, else the only one whose pid was never learned; None when the
+    log names none of them (msrun failed by itself)."""
+    ranks = list(ranks)
+    unknown = [rs for rs in ranks if not rs.pid and not rs.finished]
+    for pid, code in exits.items():
+        rs = next((r for r in ranks if r.pid == pid), None) or (unknown[0] if len(unknown) == 1 else None)
+        if rs is not None:
+            return rs, pid, code
+    return None
+
+
+def seen(ranks: Iterable[RankState], alive: Callable[[RankState], bool]) -> str:
+    """Each rank as last seen (for a log line when msrun tells first)."""
+    def state(rs: RankState) -> str:
+        if rs.finished:
+            return "finished"
+        return "alive" if rs.pid and alive(rs) else "gone"
+
+    return "; ".join(f"rank {rs.rank}: pid {rs.pid or '?'}, {state(rs)}, step {rs.step}" for rs in ranks)
