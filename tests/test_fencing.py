@@ -148,7 +148,7 @@ class Sim:
             elif self.expiry[n] <= t and self.rpc(n, E):  # registers again (a new lease)
                 self.expiry[n], self.since[n] = t + TTL, t
                 node.lease_until, node.last_ack, node.abandoned = t + TTL * (1 - fencing.DRIFT), t, False
-            if self.rpc(n, E) and t - node.peers_read >= TTL and n != self.deaf:  # _track_peers: every TTL
+            if self.rpc(n, E) and t - node.peers_read >= TTL and n != self.deaf:  # Peers.track: every TTL
                 node.known |= {p for p in self.names if p != n and self.expiry[p] > t}
                 node.peers_read = t
         if self.leader_expiry <= t:  # a node that reaches etcd wins the election

@@ -15,7 +15,7 @@ from mselastic.agent import supervisor
 from mselastic.agent.supervisor import Generation
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
-from mselastic.core.elastic import batch_layout
+from mselastic.core.batching import batch_layout
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.trainer.context import ElasticContext

@@ -146,7 +146,7 @@ def model_train_session(monkeypatch: pytest.MonkeyPatch, checkpoint_interval_ste
     """This process's elastic session as rank 0 of 2 in generation 2 (total_steps 25), agreed on
     a fresh start, with no MindSpore cluster: the callbacks' accounting alone. Returns it and the
     steps the agent is told the job finished at."""
-    from mselastic.core.elastic import batch_layout
+    from mselastic.core.batching import batch_layout
     from mselastic.trainer import elastic
     from mselastic.trainer.context import ElasticContext
 

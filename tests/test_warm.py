@@ -21,7 +21,8 @@ from typing import Any
 import psutil
 import pytest
 
-from mselastic.agent.standby import ForkServer, Standby, StandbyPool
+from mselastic.agent.forkserver import ForkServer, Standby
+from mselastic.agent.pools import StandbyPool
 from mselastic.agent.launch import spawn_standby
 from mselastic.agent.launch_env import PER_GENERATION_ENV
 from mselastic.agent.supervisor import Generation

@@ -25,7 +25,7 @@ from mselastic.agent import observe, procs
 from mselastic.agent.launch_env import LaunchEnv
 from mselastic.agent.preflight import LaunchError
 from mselastic.agent.ranks import RankState
-from mselastic.agent.standby import Proc, Standby
+from mselastic.agent.forkserver import Proc, Standby
 from mselastic.agent.users import WorkerUser, batch_prefix
 from mselastic.core.model import Member
 from mselastic.core.pdeathsig import with_parent_death

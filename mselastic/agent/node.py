@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -27,18 +26,20 @@ from typing import Any, Callable, Coroutine
 import grpc
 
 from mselastic import __version__
-from mselastic.agent.standby import Standby, StandbyPool
+from mselastic.agent import committed
+from mselastic.agent.peers import Peers, reaches_etcd
+from mselastic.agent.pools import WarmPools
 from mselastic.agent.launch import spawn_standby
 from mselastic.agent.snapshots import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.supervisor import Generation
 from mselastic.agent.users import WorkerUser
 from mselastic.core import fencing
 from mselastic.core.waits import first
-from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import FailureCause, GenerationState, JobState
+from mselastic.core.states import GenerationState
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
-from mselastic.store.lease import KeptLease, probe_s
+from mselastic.store.lease import KeptLease
 from mselastic.tls import TlsFiles
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -61,7 +62,7 @@ class AgentConfig:
     allow_env: frozenset[str] = frozenset()
     #: elasticd's own variables the workers inherit besides the usual ones (names, or NAME* prefixes).
     pass_env: frozenset[str] = frozenset()
-    #: Keep standby workers for the jobs running here (see mselastic.agent.standby).
+    #: Keep standby workers for the jobs running here (see mselastic.agent.pools).
     warm_standbys: bool = True
     #: The jobs' processes start under SCHED_BATCH (see mselastic.agent.launch.spawn_as_worker).
     batch_scheduling: bool = True
@@ -72,9 +73,6 @@ class AgentConfig:
     shutdown_grace_s: float = 10.0
 
 
-#: A job's standbys are stopped this long after its last generation here ended (at once when it
-#: succeeded): a relaunch comes within seconds, a job that went elsewhere or ended does not need them.
-STANDBY_KEEP_S = 60.0
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
 #: before the registration is revoked (well within the unit's TimeoutStopSec at the default grace).
 SHUTDOWN_MARGIN_S = 20.0
@@ -119,9 +117,8 @@ class NodeAgent:
         self.store = store
         self.cfg = cfg
         self.generations: dict[str, Generation] = {}
-        #: Standby workers per job (see mselastic.agent.standby).
-        self.standbys: dict[str, StandbyPool] = {}
-        self._retiring: dict[str, asyncio.Task[None]] = {}
+        #: Standby workers per job (see mselastic.agent.pools).
+        self.standbys = WarmPools(cfg.node_id)
         self._background: set[asyncio.Task[None]] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
@@ -129,10 +126,7 @@ class NodeAgent:
         self._urgent = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: KeptLease | None = None
-        self._peers: dict[str, str] = {}  # node id -> Agent address of the other nodes
-        #: When each peer was last seen registered (fencing.clock()): one gone for longer than the
-        #: outage grace is forgotten (a dead node must not make every etcd outage fence).
-        self._peer_seen: dict[str, float] = {}
+        self.peers = Peers(store, cfg.node_id, cfg.lease_ttl_s, cfg.tls)
         #: Fenced without etcd: nothing is launched here until this node is registered again.
         self._fenced = False
         #: How many times this agent fenced: a launch begun before a fence (it may have read a plan
@@ -166,7 +160,7 @@ class NodeAgent:
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
         deadline = asyncio.create_task(self._deadline_loop(), name="fence-deadline")
         try:
-            await self._close_stale_reports(stop)
+            await committed.close_stale_reports(self.store, self.cfg.node_id, stop)
             while not stop.is_set():
                 previous, self._lease = self._lease, KeptLease(self.store, self.cfg.lease_ttl_s)
                 self._cover = previous
@@ -180,7 +174,8 @@ class NodeAgent:
                 if self._recheck:
                     self._recheck = False
                     # Alongside the hold: etcd may go away again meanwhile, and the rounds decide then.
-                    keeper = asyncio.create_task(self._keep_committed(stop), name="keep-committed")
+                    keeper = asyncio.create_task(committed.keep_committed(
+                        self.store, self.cfg.node_id, self.generations, self.stop, stop), name="keep-committed")
                 try:
                     await self._hold(self._lease, stop)
                 finally:
@@ -252,65 +247,6 @@ class NodeAgent:
                 return False
         return True
 
-    async def _close_stale_reports(self, stop: asyncio.Event) -> None:
-        """Close what a previous elasticd of this node left open in etcd, before registering.
-
-        A starting elasticd runs nothing, and the workers of the one before it died with it.
-        Its reports that still say starting or running would show the node busy for ever
-        (``elasticctl drain`` would wait for ever), and when it came back within a lease TTL
-        the current generation would only be relaunched once the other ranks' hang timeout
-        fired: they are rewritten as FAILED (a lost node), unless changed meanwhile.
-        """
-        k, tx = self.store.keys, self.store.tx
-        async for attempt in self.store.retry.reconnecting(stop):
-            with attempt:
-                _, kvs = await self.store.get_prefix(k.all_reports)
-                for kv in kvs:
-                    parsed = k.parse_report_key(kv.key)
-                    if parsed is None or parsed[2] != self.cfg.node_id:
-                        continue
-                    try:
-                        rep = GenerationReport.from_json(kv.value)
-                    except MalformedRecord:
-                        continue
-                    if rep.state.terminal:
-                        continue
-                    now = time.time()
-                    closed = dataclasses.replace(rep, state=GenerationState.FAILED, reason=AGENT_RESTARTED,
-                                                 cause=FailureCause.AGENT_RESTARTED, detected_at=now, stopped_at=now)
-                    if await self.store.txn([tx.mod(kv.key.encode()) == kv.mod_revision],
-                                            [tx.put(kv.key.encode(), closed.to_json().encode())]):
-                        log.warning("closed the report of generation %d left open by the previous elasticd",
-                                    rep.generation, extra=dict(self._ctx, job=rep.job, generation=rep.generation))
-
-    async def _keep_committed(self, stop: asyncio.Event) -> None:
-        """After the lease expired with workers running: stop every generation that is no longer the
-        plan committed for a live job (the coordinator relaunched without this node meanwhile, or
-        the job ended); the others go on, and the coordinator adopts them."""
-        k = self.store.keys
-        async for attempt in self.store.retry.reconnecting(stop):
-            with attempt:
-                for job, gen in list(self.generations.items()):
-                    if gen.done.is_set():
-                        continue
-                    plan_kv, status_kv = await self.store.get(k.plan(job)), await self.store.get(k.status(job))
-                    why = ""
-                    try:
-                        if plan_kv is None or Plan.from_json(plan_kv.value) != gen.plan:
-                            why = "a newer generation was committed meanwhile"
-                        elif status_kv is not None and (st := JobStatus.from_json(status_kv.value).state) is not \
-                                JobState.RUNNING:
-                            why = f"the job is {st.value} meanwhile"
-                    except MalformedRecord as e:
-                        why = f"its record is unreadable ({e})"
-                    ctx = dict(self._ctx, job=job, generation=gen.plan.generation)
-                    if why:
-                        log.warning("stopping generation %d: %s", gen.plan.generation, why, extra=ctx)
-                        await self.stop(job, gen.plan.generation, grace_s=0)
-                    else:
-                        log.info("generation %d is still the committed plan: it goes on", gen.plan.generation,
-                                 extra=ctx)
-
     async def _fence_loop(self, stop: asyncio.Event) -> None:
         """Every lease TTL: a generation running here that a newer committed plan replaced, and that
         nobody stopped, is stopped as the leader's Stop would have stopped it (a planned change: at
@@ -322,39 +258,14 @@ class NodeAgent:
         while not stop.is_set():
             await first(stop, timeout_s=self.cfg.lease_ttl_s)
             try:
-                seen = await self._fence_superseded(seen)
+                seen = await committed.stop_superseded(self.store, self.cfg.node_id, self.generations, self.stop, seen)
             except (TemporaryError, PermanentError, MalformedRecord) as e:  # etcd away: the lease decides
                 log.debug("superseded-generation check skipped: %s", e, extra=self._ctx)
-
-    async def _fence_superseded(self, seen: set[tuple[str, int]]) -> set[tuple[str, int]]:
-        k, now_seen = self.store.keys, set()
-        for job, gen in list(self.generations.items()):
-            if gen.done.is_set() or gen.stopping:
-                continue
-            kv = await self.store.get(k.plan(job))
-            committed = Plan.from_json(kv.value) if kv is not None else None
-            if committed is not None and committed.generation <= gen.plan.generation:
-                continue
-            key = (job, gen.plan.generation)
-            now_seen.add(key)
-            if key not in seen or gen.done.is_set() or gen.stopping:
-                continue
-            planned = committed is not None and committed.planned and committed.generation == gen.plan.generation + 1
-            spec_kv = await self.store.get(k.spec(job)) if planned else None
-            grace = JobSpec.from_json(spec_kv.value).stop_grace_period_s if spec_kv is not None else 0.0
-            log.warning("generation %d was replaced (%s) and nobody stopped it here (the leader cannot reach this "
-                        "node?): stopping it%s", gen.plan.generation,
-                        f"by generation {committed.generation}" if committed else "the job is gone",
-                        f" at step {committed.stop_previous_at_step}" if planned and committed else "",
-                        extra=dict(self._ctx, job=job, generation=gen.plan.generation))
-            await self.stop(job, gen.plan.generation, grace, committed.stop_previous_at_step if planned and committed
-                            else 0)
-        return now_seen
 
     async def _hold(self, lease: KeptLease, stop: asyncio.Event) -> None:
         """Return once the lease has expired (or on stop), fencing meanwhile if the rule says so:
         while no renewal goes through, a round every TTL/3 (:meth:`_fence_round`)."""
-        peers = asyncio.create_task(self._track_peers(stop), name="peers")
+        peers = asyncio.create_task(self.peers.track(stop, self._check_registered), name="peers")
         try:
             while not stop.is_set() and not lease.lost.is_set():
                 await first(lease.lost, lease.unreachable, stop)
@@ -388,8 +299,7 @@ class NodeAgent:
         if not any(not g.done.is_set() for g in self.generations.values()):
             self._rule = None
             return
-        probe = self._probe_s
-        answers, etcd_ok = await asyncio.gather(self._ask_peers(), self.reaches_etcd(probe / 2))
+        answers, etcd_ok = await asyncio.gather(self.peers.ask(), self.reaches_etcd(self.peers.probe_s / 2))
         verdict = fencing.node_verdict(fencing.NodeObservation(
             now=fencing.clock(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
             peers=answers))
@@ -444,34 +354,6 @@ class NodeAgent:
         """Wait for the fences' kills under way."""
         await asyncio.gather(*self._kills, return_exceptions=True)
 
-    async def _track_peers(self, stop: asyncio.Event) -> None:
-        """Keep the other nodes' Agent addresses, read from etcd every TTL (a failed read is tried
-        again after a round)."""
-        while not stop.is_set():
-            try:
-                _, kvs = await self.store.get_prefix(self.store.keys.nodes)
-            except (TemporaryError, PermanentError):
-                await first(stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
-                continue
-            now = fencing.clock()
-            for kv in kvs:
-                try:
-                    rec = NodeRecord.from_json(kv.value)
-                except MalformedRecord:
-                    continue
-                if rec.node_id != self.cfg.node_id:
-                    self._peers[rec.node_id] = rec.agent_address
-                    self._peer_seen[rec.node_id] = now
-            # Merged, not replaced by a read: right after an etcd stall the others may not have
-            # registered again yet, and a node that knows no peers cannot tell its own cut. A
-            # peer unseen for the outage grace is dead or gone: forgotten.
-            for node_id, seen in list(self._peer_seen.items()):
-                if now - seen > fencing.outage_grace_s(self.cfg.lease_ttl_s):
-                    del self._peer_seen[node_id], self._peers[node_id]
-            with contextlib.suppress(TemporaryError, PermanentError):
-                await self._check_registered({kv.key for kv in kvs})
-            await first(stop, timeout_s=self.cfg.lease_ttl_s)
-
     async def _check_registered(self, keys: set[str]) -> None:
         """Our key gone while our lease lives (deleted by hand, or by an elasticd that took our id):
         register again under the same lease, and say so."""
@@ -482,49 +364,8 @@ class NodeAgent:
             log.warning("this node's registration %s had disappeared; registered again", key, extra=self._ctx)
 
     async def reaches_etcd(self, within_s: float) -> bool:
-        """Whether etcd answers this node now, within ``within_s`` (one read, no retry): what a
-        peer that cannot reach etcd asks. Not the lease keeper's view, which notices an outage
-        only after most of a TTL (a peer asking earlier would be told "reachable" and fence)."""
-        async def read() -> bool:
-            try:
-                await asyncio.wait_for(self.store.once(lambda: self.store.client.get(self.store.keys.leader.encode())),
-                                       timeout=within_s)
-                return True
-            except (asyncio.TimeoutError, TemporaryError, PermanentError):
-                return False
-
-        # One read per member at once: the channel spreads calls over the members, and a frozen one
-        # (a stalled disk, a GC pause: it accepts connections but answers nothing) must not decide.
-        reads = [asyncio.create_task(read()) for _ in range(self.store.endpoint.count(",") + 1)]
-        try:
-            for done in asyncio.as_completed(reads):
-                if await done:
-                    return True
-            return False
-        finally:
-            for r in reads:
-                r.cancel()
-
-    @property
-    def _probe_s(self) -> float:
-        """How long asking the peers (and etcd once more) may take: fencing stays well within the TTL."""
-        return probe_s(self.cfg.lease_ttl_s)
-
-    async def _ask_peers(self) -> dict[str, bool | None]:
-        """Every known peer and whether it reaches etcd (None: no answer), asked at once, within
-        TTL/6."""
-        probe_s = self._probe_s
-
-        async def probe(node_id: str, address: str) -> tuple[str, bool | None]:
-            async with self.cfg.tls.aio_channel(address) as ch:
-                try:
-                    res = await pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(check_etcd_s=probe_s / 2),
-                                                             timeout=probe_s)
-                    return node_id, bool(res.etcd_reachable)
-                except grpc.aio.AioRpcError:
-                    return node_id, None
-
-        return dict(await asyncio.gather(*(probe(n, a) for n, a in self._peers.items())))
+        """Whether etcd answers this node now, within ``within_s`` (see :func:`peers.reaches_etcd`)."""
+        return await reaches_etcd(self.store, within_s)
 
     def _record(self) -> NodeRecord:
         return NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
@@ -628,7 +469,8 @@ class NodeAgent:
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling)
             gen.prepare_snapshots()
-            gen.take_standbys(self._take_standbys(gen))
+            gen.take_standbys(self.standbys.take(plan.job, gen.launch_env.launch_key(),
+                                                     gen.member.local_workers + (gen.member.node_rank == 0)))
             if self.cfg.snapshot_root and plan.job not in self._swept:
                 self._swept.add(plan.job)  # once per job and elasticd: the folders of jobs long gone
                 self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root, self.cfg.worker_user,
@@ -672,74 +514,25 @@ class NodeAgent:
         """A local rank of ``gen`` got through init(): the other members' agents may nudge their
         ranks still in it (``Agent.Nudge``; a node with one rank has no local peer to go by).
         Best effort: a peer that does not answer within a second pays MindSpore's 3 s."""
-        async def tell(address: str) -> None:
-            try:
-                async with self.cfg.tls.aio_channel(address) as ch:
-                    await pb_grpc.AgentStub(ch).Nudge(pb.NudgeRequest(job=gen.plan.job, generation=gen.plan.generation),
-                                                      timeout=1.0)
-            except Exception as e:  # best effort: that node's ranks pay the 3 s
-                log.debug("nudge to %s not delivered: %s", address, e, extra=self._ctx)
-
-        for m in gen.plan.members:
-            if m.node_id != self.cfg.node_id:
-                self._spawn(tell(m.agent_address))
+        others = [m.agent_address for m in gen.plan.members if m.node_id != self.cfg.node_id]
+        if others:
+            self._spawn(self.peers.nudge(others, gen.plan.job, gen.plan.generation))
 
     # -- standby workers ---------------------------------------------------
 
-    def _take_standbys(self, gen: Generation) -> list[Standby]:
-        """Standbys for every process ``gen`` starts here (a scheduler too on node_rank 0), when
-        this job's pool has them alive (ready, or still importing: the handover waits for those)
-        and was started for the same launch; else none (cold)."""
-        pool = self.standbys.get(gen.plan.job)
-        if pool is None or pool.key != gen.launch_env.launch_key():
-            return []
-        return pool.take(gen.member.local_workers + (1 if gen.member.node_rank == 0 else 0))
-
     def _keep_standbys(self, gen: Generation) -> None:
         """Once a generation trains here: standbys for its next relaunch, one per local rank and one
-        for a scheduler (this node may be node_rank 0 next time), started one after the other."""
-        if not self.cfg.warm_standbys:
-            return
-        job, key = gen.plan.job, gen.launch_env.launch_key()
-        pool = self.standbys.get(job)
-        if pool is not None and pool.key != key:
-            asyncio.create_task(pool.close(), name=f"standbys-close-{job}")
-            pool = None
-        if pool is None:
-            pool = self.standbys[job] = StandbyPool(job, self.cfg.node_id, key,
-                                                    functools.partial(spawn_standby, gen.launch_env))
-        pool.fill(gen.member.local_workers + 1)
+        for a scheduler (this node may be node_rank 0 next time)."""
+        if self.cfg.warm_standbys:
+            self.standbys.keep(gen.plan.job, gen.launch_env.launch_key(), gen.member.local_workers + 1,
+                               functools.partial(spawn_standby, gen.launch_env))
 
     def _retire_standbys(self, gen: Generation) -> None:
-        """A generation ended here: the job's standbys go at once if it succeeded, else after
-        STANDBY_KEEP_S unless another generation of the job is running here by then."""
-        job = gen.plan.job
-        if job not in self.standbys:
-            return
-        pending = self._retiring.pop(job, None)
-        if pending is not None:
-            pending.cancel()
-        delay_s = 0.0 if gen.state is GenerationState.SUCCEEDED else STANDBY_KEEP_S
+        def running() -> bool:
+            current = self.generations.get(gen.plan.job)
+            return current is not None and not current.state.terminal
 
-        async def retire() -> None:
-            await asyncio.sleep(delay_s)
-            if self._retiring.get(job) is task:
-                del self._retiring[job]
-            current = self.generations.get(job)
-            if current is not None and not current.state.terminal:
-                return
-            pool = self.standbys.pop(job, None)
-            if pool is not None:
-                await pool.close()
-
-        task = self._retiring[job] = asyncio.create_task(retire(), name=f"standbys-retire-{job}")
-
-    async def close_standbys(self) -> None:
-        """Stop every standby (elasticd is shutting down)."""
-        for task in self._retiring.values():
-            task.cancel()
-        pools, self.standbys = list(self.standbys.values()), {}
-        await asyncio.gather(*(p.close() for p in pools))
+        self.standbys.retire(gen.plan.job, gen.state is GenerationState.SUCCEEDED, running)
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())

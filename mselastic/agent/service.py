@@ -69,7 +69,7 @@ class AgentService(pb_grpc.AgentServicer):
         gens += [pb.LocalGeneration(job=job, generation=generation, state=pb.GENERATION_STATE_STARTING)
                  for job, generation in sorted(set(self.agent.launching) - shown)]
         standbys = [pb.StandbyStatus(job=job, pid=s["pid"], ready=s["ready"])
-                    for job, pool in sorted(self.agent.standbys.items()) for s in pool.describe()]
+                    for job, s in self.agent.standbys.describe()]
         check = request.check_etcd_s
         reachable = await self.agent.reaches_etcd(min(check, 5.0)) if check > 0 else False  # NaN: no check
         return pb.AgentStatusResponse(node_id=self.agent.cfg.node_id, generations=gens, etcd_reachable=reachable,

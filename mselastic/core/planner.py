@@ -7,7 +7,7 @@ and applies the one :class:`Decision` it returns.
 Rules, in order:
 1. A job in a terminal state: nothing.
 2. No plan yet: launch generation 1 on the oldest eligible nodes, as many as
-   give the largest valid world size (see :mod:`mselastic.core.elastic`) within
+   give the largest valid world size (see :mod:`mselastic.core.batching`) within
    ``min_nodes``..``max_nodes``; otherwise wait. Nodes left out are named in the reason.
 3. A member reported FAILED (or STOPPED: its ranks exited on a SIGTERM the
    coordinator did not send), or a member's registration is gone (lease expired):

@@ -16,7 +16,7 @@ import tomllib
 from typing import Any, Mapping
 
 from mselastic.core.contract import DAEMON_VARS
-from mselastic.core.elastic import BatchLayout, batch_layout, node_count, valid_world_sizes
+from mselastic.core.batching import BatchLayout, batch_layout, node_count, valid_world_sizes
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -106,7 +106,7 @@ class JobSpec:
         return self.min_nodes * self.workers_per_node, self.max_nodes * self.workers_per_node
 
     def valid_world_sizes(self) -> list[int]:
-        """World sizes in range that keep the global batch (see :mod:`mselastic.core.elastic`)."""
+        """World sizes in range that keep the global batch (see :mod:`mselastic.core.batching`)."""
         lo, hi = self.world_size_range
         return [w for w in valid_world_sizes(self.global_batch_size, lo, hi, self.micro_batch_sizes)
                 if w % self.workers_per_node == 0]

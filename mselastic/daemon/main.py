@@ -630,7 +630,7 @@ async def serve(s: Settings) -> None:
         notify.stopping()
         log.info("shutting down: stopping local workers (grace %.0fs)", s.shutdown_grace_s)
         await agent.stop_all(s.shutdown_grace_s)
-        await agent.close_standbys()
+        await agent.standbys.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(1)
         await asyncio.gather(*checks, return_exceptions=True)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, NoReturn
 
 from mselastic.core import contract
 from mselastic.core.contract import NOTE_MAX, Beat, BeatKind
-from mselastic.core.elastic import BatchLayout, batch_layout
+from mselastic.core.batching import BatchLayout, batch_layout
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.core.threads import each_thread
 from mselastic.trainer.faults import FaultPlan

@@ -4,7 +4,8 @@ A cold relaunch starts msrun, which starts a scheduler and one worker per local 
 Python importing MindSpore: about 5 s of a 7 s relaunch on two cores, before MindSpore does
 anything. The agent keeps, per job running here, one standby per local rank and one for a
 scheduler (:mod:`mselastic.trainer.standby` is the process side), idle until a relaunch, then
-handed the generation (see ``Generation`` in the supervisor) and replaced after use.
+handed the generation (see :class:`mselastic.agent.launch.Launch`) and replaced after use
+(the pools: :mod:`mselastic.agent.pools`).
 
 The standbys are forked, not started: once the job trains here the pool starts one *fork server*
 (as the worker user with the job's environment, in the script's folder, dying with elasticd),
@@ -32,7 +33,6 @@ import os
 import signal
 import socket
 import time
-import uuid
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import psutil
@@ -186,12 +186,6 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 #: error) -> the process.
 Spawner = Callable[[str, int], Awaitable[asyncio.subprocess.Process]]
 
-#: A pool whose fork server exited this many times (the OOM killer, a job whose import crashes it)
-#: starts no more: its relaunches start cold.
-MAX_FORK_SERVERS = 3
-
-#: Fork servers whose pool closed while standbys they forked still ran as ranks (see StandbyPool.close).
-_retiring: set[asyncio.Task[None]] = set()
 
 
 #: How long a forked standby's end waits for its exit code from a fork server that still runs (it
@@ -422,156 +416,3 @@ class ForkServer:
         """Close it once ``children`` (standbys that are ranks now) have ended."""
         await asyncio.gather(*(c.wait() for c in children))
         await self.close()
-
-
-class StandbyPool:
-    """The standbys this node keeps for one job and launch key, forked by the pool's fork server."""
-
-    def __init__(self, job: str, node_id: str, key: str, spawn: Spawner) -> None:
-        self.job, self.node_id, self.key = job, node_id, key
-        self._spawn = spawn  # (starts the fork server)
-        self.server: ForkServer | None = None
-        self._servers_started = 0
-        self.standbys: list[Standby] = []
-        self._filling: asyncio.Task[None] | None = None
-        self._closed = False
-        #: Why filling stopped for good ("" while it may go on): a fork server that cannot start
-        #: (the worker user cannot import MindSpore, ...) is not started again and again.
-        self.broken = ""
-        self._ctx = dict(job=job, node=node_id)
-
-    def ready(self) -> list[Standby]:
-        return [s for s in self.standbys if s.ready_at and s.alive]
-
-    def fill(self, size: int) -> None:
-        """Have ``size`` standbys alive (in the background): the fork server started first if it is
-        not running (it imports MindSpore), then one fork per missing standby."""
-        if self._closed or self.broken or (self._filling is not None and not self._filling.done()):
-            return
-        self._filling = asyncio.create_task(self._fill(size), name=f"standbys-{self.job}")
-
-    async def _fill(self, size: int) -> None:
-        dead = [s for s in self.standbys if not s.alive]
-        self.standbys = [s for s in self.standbys if s.alive]
-        await asyncio.gather(*(s.kill() for s in dead))  # (reaped already: no signal is sent)
-        if size <= len(self.standbys):
-            return
-        server = await self._server()
-        while server is not None and server.alive and len(self.standbys) < size and not self.broken:
-            if not await self._start_one(server, size):
-                break
-
-    async def _server(self) -> ForkServer | None:
-        """The running fork server, started (and waited for) if need be; None when it cannot start."""
-        if self.server is not None and self.server.alive:
-            return self.server
-        if self.server is not None:  # it died (the OOM killer): its standbys with it; a new one
-            old, self.server = self.server, None
-            log.warning("fork server pid %d exited with code %s; starting another", old.pid, old.proc.returncode,
-                        extra=self._ctx)
-            self._retire(old)
-        if self._servers_started >= MAX_FORK_SERVERS:
-            self._break(f"the standby fork server was started {self._servers_started} times and exited each time")
-            return None
-        self._servers_started += 1
-        started = time.monotonic()
-        try:
-            server = self.server = await ForkServer.start(self._spawn, self._marker())
-        except (OSError, RuntimeError) as e:
-            self._break(f"a standby could not be started: {e}")
-            return None
-        if await server.await_ready(READY_TIMEOUT_S):
-            log.info("standby fork server pid %d ready in %.1fs", server.pid, time.monotonic() - started,
-                     extra=self._ctx)
-            return server
-        try:  # its output ended: it exited (or is exiting); else it timed out
-            code: int | None = await asyncio.wait_for(server.proc.wait(), 2.0)
-        except asyncio.TimeoutError:
-            code = None
-        self.server = None
-        await server.close()
-        if not self._closed:
-            self._break(f"standby pid {server.pid} exited with code {code} before it was ready" if code is not None
-                        else f"standby pid {server.pid} was not ready within {READY_TIMEOUT_S:.0f}s")
-        return None
-
-    def _marker(self) -> str:
-        return f"standby.{self.job}.{self.node_id}.{uuid.uuid4().hex[:8]}"
-
-    async def _start_one(self, server: ForkServer, size: int) -> bool:
-        """Fork one standby; False when this fill should stop (the next one tries again)."""
-        started = time.monotonic()
-        try:
-            standby = await Standby.start(server.fork, self._marker())
-        except (OSError, RuntimeError) as e:
-            # (A server that died: the next fill starts another. A fork refused, for want of
-            # memory or processes: the next fill tries again.)
-            log.warning("a standby could not be forked: %s", e, extra=self._ctx)
-            return False
-        self.standbys.append(standby)
-        if await standby.await_ready():
-            log.info("standby pid %d forked and ready in %.3fs (%s)", standby.pid, time.monotonic() - started,
-                     f"{len(self.ready())} of {size}" if standby in self.standbys else "taken by a relaunch already",
-                     extra=self._ctx)
-            return True
-        if standby.taken:  # a generation's now: it reports what became of it (and was maybe stopped)
-            return True
-        try:
-            code: int | None = await asyncio.wait_for(standby.proc.wait(), 2.0)
-        except asyncio.TimeoutError:
-            code = None
-        if standby in self.standbys:
-            self.standbys.remove(standby)
-        await standby.kill()
-        if not self._closed and server.alive:
-            self._break(f"standby pid {standby.pid} exited with code {code} before it was ready" if code is not None
-                        else f"standby pid {standby.pid} was not ready within {READY_TIMEOUT_S:.0f}s")
-        return False
-
-    def _retire(self, server: ForkServer) -> None:
-        """Stop ``server`` once no standby it forked runs (a taken one is a rank now, and dies with it)."""
-        task = asyncio.create_task(server.close_after(server.running()), name=f"fork-server-retire-{server.pid}")
-        _retiring.add(task)
-        task.add_done_callback(_retiring.discard)
-
-    def _break(self, why: str) -> None:
-        if not self.broken:
-            self.broken = why
-            log.warning("%s; relaunches of this job start cold here", why, extra=self._ctx)
-
-    def take(self, count: int) -> list[Standby]:
-        """``count`` live standbys, removed from the pool, the ready ones first; [] when it has
-        fewer. One still importing is taken too (a relaunch soon after the last, before the
-        replacements are ready): the handover waits for it, and it is further on than msrun's
-        processes would be, which import MindSpore one after the other (msrun itself, then each
-        rank). (The dead are left for the next fill to reap and replace.)"""
-        alive = sorted((s for s in self.standbys if s.alive and (s.ready_at or not self.broken)),
-                       key=lambda s: not s.ready_at)  # (a broken pool's importing ones may not get there)
-        if len(alive) < count:
-            return []
-        taken = alive[:count]
-        for standby in taken:
-            standby.taken = True
-        self.standbys = [s for s in self.standbys if s not in taken]
-        return taken
-
-    async def close(self) -> None:
-        """Stop every standby (and any filling), and the fork server once no standby it forked runs:
-        one a generation took dies with it (its death signal), so that waits in the background for
-        such a rank to end, as its generation ends it."""
-        self._closed = True
-        if self._filling is not None:
-            self._filling.cancel()
-            await asyncio.gather(self._filling, return_exceptions=True)
-        standbys, self.standbys = self.standbys, []
-        await asyncio.gather(*(s.kill() for s in standbys))
-        server, self.server = self.server, None
-        if server is None:
-            return
-        if not server.running():
-            await server.close()
-            return
-        self._retire(server)
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [dict(pid=s.pid, ready=bool(s.ready_at) and s.alive) for s in self.standbys]

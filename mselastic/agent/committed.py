@@ -1,0 +1,116 @@
+"""What runs here is kept in step with the plans committed in etcd: reports a previous elasticd
+left open are closed before registering, generations kept over a lease that expired with etcd go
+on only while still committed, and a generation a newer plan replaced is stopped even when the
+leader's Stop cannot reach this node."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Awaitable, Callable
+
+from mselastic.agent.supervisor import Generation
+from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, Plan
+from mselastic.core.spec import JobSpec
+from mselastic.core.states import FailureCause, GenerationState, JobState
+from mselastic.store.etcd import Store
+
+log = logging.getLogger(__name__)
+
+#: Stops a job's generation here: (job, generation, grace_s, stop_at) -> the pids left.
+StopGen = Callable[[str, int, float, int], Awaitable[list[int]]]
+
+
+async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event) -> None:
+    """Close what a previous elasticd of this node left open in etcd, before registering.
+
+    A starting elasticd runs nothing, and the workers of the one before it died with it.
+    Its reports that still say starting or running would show the node busy for ever
+    (``elasticctl drain`` would wait for ever), and when it came back within a lease TTL
+    the current generation would only be relaunched once the other ranks' hang timeout
+    fired: they are rewritten as FAILED (a lost node), unless changed meanwhile.
+    """
+    k, tx = store.keys, store.tx
+    async for attempt in store.retry.reconnecting(stop):
+        with attempt:
+            _, kvs = await store.get_prefix(k.all_reports)
+            for kv in kvs:
+                parsed = k.parse_report_key(kv.key)
+                if parsed is None or parsed[2] != node_id:
+                    continue
+                try:
+                    rep = GenerationReport.from_json(kv.value)
+                except MalformedRecord:
+                    continue
+                if rep.state.terminal:
+                    continue
+                now = time.time()
+                closed = dataclasses.replace(rep, state=GenerationState.FAILED, reason=AGENT_RESTARTED,
+                                             cause=FailureCause.AGENT_RESTARTED, detected_at=now, stopped_at=now)
+                if await store.txn([tx.mod(kv.key.encode()) == kv.mod_revision],
+                                        [tx.put(kv.key.encode(), closed.to_json().encode())]):
+                    log.warning("closed the report of generation %d left open by the previous elasticd",
+                                rep.generation, extra=dict(node=node_id, job=rep.job, generation=rep.generation))
+
+
+async def keep_committed(store: Store, node_id: str, generations: dict[str, Generation], stop_gen: StopGen,
+                         stop: asyncio.Event) -> None:
+    """After the lease expired with workers running: stop every generation that is no longer the
+    plan committed for a live job (the coordinator relaunched without this node meanwhile, or
+    the job ended); the others go on, and the coordinator adopts them."""
+    k = store.keys
+    async for attempt in store.retry.reconnecting(stop):
+        with attempt:
+            for job, gen in list(generations.items()):
+                if gen.done.is_set():
+                    continue
+                plan_kv, status_kv = await store.get(k.plan(job)), await store.get(k.status(job))
+                why = ""
+                try:
+                    if plan_kv is None or Plan.from_json(plan_kv.value) != gen.plan:
+                        why = "a newer generation was committed meanwhile"
+                    elif status_kv is not None and (st := JobStatus.from_json(status_kv.value).state) is not \
+                            JobState.RUNNING:
+                        why = f"the job is {st.value} meanwhile"
+                except MalformedRecord as e:
+                    why = f"its record is unreadable ({e})"
+                ctx = dict(node=node_id, job=job, generation=gen.plan.generation)
+                if why:
+                    log.warning("stopping generation %d: %s", gen.plan.generation, why, extra=ctx)
+                    await stop_gen(job, gen.plan.generation, 0.0, 0)
+                else:
+                    log.info("generation %d is still the committed plan: it goes on", gen.plan.generation,
+                             extra=ctx)
+
+
+async def stop_superseded(store: Store, node_id: str, generations: dict[str, Generation], stop_gen: StopGen,
+                          seen: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    """Stop each generation running here that a newer committed plan replaced, and that nobody
+    stopped, as the leader's Stop would have (a planned change: at the step the plan names, with
+    the job's grace period; else at once), once it was seen so on the check before too (``seen``:
+    the leader's own push is on its way). Returns the generations seen replaced now."""
+    k, now_seen = store.keys, set()
+    for job, gen in list(generations.items()):
+        if gen.done.is_set() or gen.stopping:
+            continue
+        kv = await store.get(k.plan(job))
+        committed = Plan.from_json(kv.value) if kv is not None else None
+        if committed is not None and committed.generation <= gen.plan.generation:
+            continue
+        key = (job, gen.plan.generation)
+        now_seen.add(key)
+        if key not in seen or gen.done.is_set() or gen.stopping:
+            continue
+        planned = committed is not None and committed.planned and committed.generation == gen.plan.generation + 1
+        spec_kv = await store.get(k.spec(job)) if planned else None
+        grace = JobSpec.from_json(spec_kv.value).stop_grace_period_s if spec_kv is not None else 0.0
+        log.warning("generation %d was replaced (%s) and nobody stopped it here (the leader cannot reach this "
+                    "node?): stopping it%s", gen.plan.generation,
+                    f"by generation {committed.generation}" if committed else "the job is gone",
+                    f" at step {committed.stop_previous_at_step}" if planned and committed else "",
+                    extra=dict(node=node_id, job=job, generation=gen.plan.generation))
+        await stop_gen(job, gen.plan.generation, grace, committed.stop_previous_at_step if planned and committed
+                        else 0)
+    return now_seen
