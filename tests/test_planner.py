@@ -9,32 +9,11 @@ from typing import Any
 
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, NodeRecord, Plan
 from mselastic.core.planner import RESERVED_PORTS, Action, PortRange, decide, make_plan, master_port
+from tests.builders import SPEC, node, plan_on, rep, st
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause
 from mselastic.core.states import GenerationState as G
 from mselastic.core.states import JobState as J
-
-SPEC = JobSpec(name="job", script="/s.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=1, max_nodes=2,
-               max_restarts=2, global_batch_size=32)
-
-
-def node(i: int, rev: int | None = None, slots: int = 2) -> NodeRecord:
-    return NodeRecord(node_id=f"n{i}", agent_address=f"10.0.0.{i}:7070", host=f"10.0.0.{i}", slots=slots,
-                      version="t", create_revision=rev if rev is not None else i + 1)
-
-
-def st(state: J = J.RUNNING, **kw: Any) -> JobStatus:
-    return JobStatus(state, **kw)
-
-
-def plan_on(*ids: int, generation: int = 1, restarts: int = 0) -> Plan:
-    return make_plan(SPEC, [node(i) for i in ids], generation, restarts, "t", None, PortRange())
-
-
-def rep(i: int, state: G, generation: int = 1, rank: int = -1, at: float = 0.0) -> GenerationReport:
-    return GenerationReport(job="job", generation=generation, node_id=f"n{i}", state=state, failed_rank=rank,
-                            reason="boom", detected_at=at)
-
 
 CASES = [
     # (id, state, plan, reports, nodes, action, members of the new plan, generation)

@@ -18,7 +18,8 @@ from mselastic.core.kinds import EventKind
 from mselastic.core.model import Event, JobStatus, NodeRecord
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import JobState
-from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig, Fenced
+from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
+from mselastic.daemon.statuses import Fenced
 from mselastic.store.embedded import EmbeddedEtcd, free_port
 from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys

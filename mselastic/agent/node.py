@@ -7,7 +7,7 @@ TTL/3 whether they reach etcd, and stops its workers when the fencing rule says 
 (:func:`mselastic.core.fencing.node_verdict`; see :meth:`NodeAgent._fence_round`).
 When etcd then says its lease expired with the workers still running (etcd was away
 for every node: a stall), it registers again and keeps the generations etcd still has
-committed; the coordinator adopts them (see ``Coordinator._excused``).
+committed; the coordinator adopts them (see ``Presence.excused``).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class NodeAgent:
                     # Not fenced so far (the rounds go on until this node is registered again), so
                     # the lease expired with etcd, not with this node. The coordinator holds the
                     # jobs of a member whose agent still runs their generation (see
-                    # Coordinator._excused); this agent keeps what etcd still has committed.
+                    # Presence.excused); this agent keeps what etcd still has committed.
                     log.warning("registration lease expired with etcd (it was unreachable from every node, or "
                                 "reachable from this one); the workers are healthy: registering again and keeping "
                                 "the committed generation(s) of %s", ", ".join(sorted(g.plan.job for g in running)),

@@ -27,7 +27,9 @@ from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, Lea
 from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError, forbidden_env
 from mselastic.core.states import JobState
 from mselastic.core.status import next_status
-from mselastic.daemon.coordinator import Coordinator, Fenced, slots_held
+from mselastic.daemon.admission import slots_held
+from mselastic.daemon.coordinator import Coordinator
+from mselastic.daemon.statuses import Fenced
 from mselastic.store.lease import Term
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.keys import BadName

@@ -2,20 +2,23 @@
 
 Level-triggered: a pass reads the whole state from etcd and asks the planner what
 to do for each job, in submission order (slots are shared: a job is placed only on
-slots no other job holds, first come, first served). Each job's decision is then
-applied by a task of its own, as a controller's work queue does: one job's slow push
-or exception never delays or stops another, a job is handled by one task at a time,
-and a job whose pass raised is retried with backoff, the error shown on the job.
-A pass reads no etcd: the leader keeps an :class:`~mselastic.store.informer.Informer`
-(list, then watch, re-list when the watch breaks), and a change it applies wakes the
-loop. Passes also run at least every ``reconcile_interval_s``, so a missed push is
-repaired by the next pass.
+slots no other job holds, first come, first served: :mod:`~mselastic.daemon.admission`).
+Each job's decision is then applied by a task of its own, as a controller's work queue
+does (:mod:`~mselastic.daemon.workqueue`): one job's slow push or exception never delays
+or stops another, a job is handled by one task at a time, and a job whose pass raised is
+retried with backoff, the error shown on the job. A pass reads no etcd: the leader keeps an
+:class:`~mselastic.store.informer.Informer` (list, then watch, re-list when the watch
+breaks), and a change it applies wakes the loop. Passes also run at least every
+``reconcile_interval_s``, so a missed push is repaired by the next pass.
 
 Every write of a plan or a job status is one transaction that checks that this
 process still holds the leader key (its create revision is the fencing token) and
 that the job's status (and, for plans, the stored plan) is still the one the
-decision was made on: a ``stop`` or ``restart`` written by the Control service
-meanwhile makes the write fail, and the next pass decides again from what is stored.
+decision was made on (:mod:`~mselastic.daemon.statuses`): a ``stop`` or ``restart``
+written by the Control service meanwhile makes the write fail, and the next pass decides
+again from what is stored. What the leader records beside its decisions (progress,
+recovery times, pruning) is :mod:`~mselastic.daemon.history`'s; who may be counted on,
+:mod:`~mselastic.daemon.presence`'s; the pushes to the agents, :mod:`~mselastic.daemon.agents`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import random
 import time
 from typing import Awaitable
 
@@ -33,27 +35,23 @@ from mselastic.core.waits import first
 from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Plan
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import MalformedRecord
-from mselastic.core.planner import MAX_QUARANTINE_S, Action, Decision, PortRange, decide
+from mselastic.core.planner import Action, Decision, PortRange, decide
 from mselastic.core.states import FailureCause, JobState
-from mselastic.core.status import next_status
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
 from mselastic.store.lease import Election, Term
 from mselastic.store.views import ClusterView, JobView, read_cluster
+from mselastic.daemon import admission
 from mselastic.daemon.agents import Agents
+from mselastic.daemon.history import History, Keep
+from mselastic.daemon.memo import PRUNE_EVERY_S, JobMemo
 from mselastic.daemon.presence import Presence
+from mselastic.daemon.statuses import Fenced, Statuses
+from mselastic.daemon.workqueue import WorkQueue
 from mselastic.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
-
-#: Appended once to a stopped job's status message when its ranks have left (the guard against
-#: appending it again, whichever way they left).
-STOPPED_NOTE = "; the ranks "
-
-#: Every job's events are pruned to ``keep_events`` when this leader first sees the job and then
-#: this often (and every 100 progress events), whatever wrote them.
-PRUNE_EVERY_S = 300.0
 
 #: After a pass, the loop rests this many times the pass's duration before the next one: passes
 #: use at most a third of a core however fast changes come (at 4,000 nodes reporting every second
@@ -61,44 +59,6 @@ PRUNE_EVERY_S = 300.0
 PASS_REST = 2.0
 #: ... at most (a pass slowed by etcd retries must not hold the next one back for long).
 MAX_REST_S = 1.0
-
-
-
-
-class Fenced(Exception):
-    """This process no longer holds the leader key; it must stop acting as leader."""
-
-
-def requeue_delay_s(failures: int, base_s: float = 0.5, cap_s: float = 60.0) -> float:
-    """Backoff before a job whose pass raised is handled again (client-go's per-item exponential
-    rate limiter): ``base_s`` doubled per consecutive failure, at most ``cap_s``, with up to 10 %
-    jitter so that several failing jobs do not retry in step."""
-    delay = min(cap_s, base_s * 2 ** min(max(failures - 1, 0), 30))
-    return delay * (1 + random.random() / 10)
-
-
-def slots_held(cluster: ClusterView, inflight: dict[str, Plan]) -> dict[str, dict[str, int]]:
-    """Per job, the slots it holds on each node: the members of its plan while it is not over,
-    the nodes where any of its generations still starts, runs or stops (by the reports), and
-    the members of a plan being committed right now (``inflight``)."""
-    held: dict[str, dict[str, int]] = {}
-    for view in cluster.jobs.values():
-        mine: dict[str, int] = {}
-        per_node = view.spec.workers_per_node if view.spec else 0
-        if view.plan is not None and not view.status.state.terminal:
-            for m in view.plan.members:
-                mine[m.node_id] = m.local_workers
-        for reps in view.reports.values():
-            for node_id, rep in reps.items():
-                if not rep.state.terminal:
-                    member = view.plan.member(node_id) if view.plan else None
-                    mine[node_id] = max(mine.get(node_id, 0), member.local_workers if member else per_node)
-        plan = inflight.get(view.name)
-        for m in plan.members if plan else ():
-            mine[m.node_id] = max(mine.get(m.node_id, 0), m.local_workers)
-        if mine:
-            held[view.name] = mine
-    return held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,40 +92,6 @@ class CoordinatorConfig:
     peer_evidence: bool = True
 
 
-@dataclasses.dataclass
-class JobMemo:
-    """What this leader keeps about one job between passes: forgetting a job is one delete.
-    Times are this leader's monotonic clock; (generation, node id) keys name a member."""
-
-    #: (time, step) of the last progress event written, and the one the step rate is measured from.
-    progress: tuple[float, int] = (0.0, -1)
-    rate: tuple[float, int] = (0.0, -1)
-    #: Progress events written by this leader (events are pruned every 100).
-    progress_events: int = 0
-    #: When its events were last pruned.
-    pruned_at: float = -PRUNE_EVERY_S
-    #: The work queue's rate limiting: consecutive failed passes, and when the job may be handled again.
-    failures: int = 0
-    retry_at: float = 0.0
-    #: When the plan was last pushed to a member, and a Stop sent again (see Coordinator._restop).
-    pushed: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
-    restopped: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
-    #: Members whose agent refuses the pushes for good: since when, and why.
-    denied: dict[tuple[int, str], tuple[float, str]] = dataclasses.field(default_factory=dict)
-    # For one term (see Coordinator._on_my_clock and _note_recovery):
-    #: Another writer's times in its status, (what, stamp) -> the same on this leader's clock.
-    anchors: dict[tuple[str, float], float] = dataclasses.field(default_factory=dict)
-    #: generation -> when this leader committed it to recover from a fault, and when a pass first
-    #: saw a first step of it (a job's task may be busy then).
-    relaunched: dict[int, float] = dataclasses.field(default_factory=dict)
-    first_step: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    def new_term(self) -> None:
-        self.anchors.clear()
-        self.relaunched.clear()
-        self.first_step.clear()
-
-
 class Coordinator:
     def __init__(self, store: Store, cfg: CoordinatorConfig) -> None:
         self.store = store
@@ -183,16 +109,16 @@ class Coordinator:
         self.informer: Informer | None = None
         self.passes = 0
         #: The work queue: at most one task per job; a job whose pass raised waits until its retry time.
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.queue = WorkQueue()
         #: Plans being committed by a job's task: their slots are held until the view shows them.
         self._inflight: dict[str, Plan] = {}
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
         self._queued: set[str] = set()
         #: The members this leader cannot count on, and the jobs held for them.
         self.presence = Presence(cfg.node_id, cfg.lease_ttl_s, self.agents, self._wake.set, cfg.peer_evidence)
-        #: One clock per decision (see :meth:`_on_my_clock`): the times this leader wrote in statuses
-        #: during its term (another writer's: JobMemo.anchors).
-        self._mine: set[float] = set()
+        self.statuses = Statuses(store)
+        self.history = History(store, Keep(cfg.progress_interval_s, cfg.keep_events, cfg.keep_events_s),
+                               self.statuses, self._memo)
 
     # -- leadership ----------------------------------------------------------
 
@@ -223,7 +149,7 @@ class Coordinator:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
-        self._mine.clear()
+        self.statuses.new_term()
         for memo in self._memos.values():
             memo.new_term()
         try:
@@ -264,11 +190,8 @@ class Coordinator:
                 log.warning("deposed: the leader key is no longer ours", extra=dict(node=self.cfg.node_id))
         finally:
             watcher.cancel()
-            tasks = list(self._tasks.values())
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(watcher, *tasks, return_exceptions=True)
-            self._tasks.clear()
+            await self.queue.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
             self._inflight.clear()
             self.informer = None
             await self.presence.end_term()
@@ -296,22 +219,22 @@ class Coordinator:
         excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes})
         self.passes += 1
         now, mono = time.time(), time.monotonic()
-        self._settle_inflight(cluster)
-        held = slots_held(cluster, self._inflight)
+        self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())
+        held = admission.slots_held(cluster, self._inflight)
         # The first job (in submission order) that waits for slots others hold; a job skipped below
         # (its task still runs, or it backs off) keeps the place it had in the last pass.
         queue_head = ""
         queued: set[str] = set()
         for view in cluster.jobs.values():
-            self._note_first_step(view, mono)
+            self.history.note_first_step(view, mono)
             if view.name in excused:
                 continue
-            if view.name in self._tasks or self._memo(view.name).retry_at > mono:
+            if self.queue.held_back(view.name, mono):
                 if view.name in self._queued and view.plan is None:
                     queued.add(view.name)
                     queue_head = queue_head or view.name
                 continue
-            view = self._on_my_clock(view, now)
+            view = self.statuses.on_my_clock(view, now, self._memo(view.name).anchors)
             try:
                 decision, for_slots = self._decide(view, cluster, held, queue_head, now, may_grow=not self._queued)
             except Exception as e:
@@ -321,9 +244,7 @@ class Coordinator:
                 queued.add(view.name)
                 queue_head = queue_head or view.name
             if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
-                mine = held.setdefault(view.name, {})
-                for m in decision.plan.members:
-                    mine[m.node_id] = max(mine.get(m.node_id, 0), m.local_workers)
+                admission.hold(held, view.name, decision.plan)
                 self._inflight[view.name] = decision.plan
             self._start(view.name, self._apply(term, view, decision, slot_wait=for_slots))
         self._queued = queued
@@ -331,49 +252,6 @@ class Coordinator:
 
     def _memo(self, job: str) -> JobMemo:
         return self._memos.setdefault(job, JobMemo())
-
-    def _note_first_step(self, view: JobView, mono: float) -> None:
-        memo, g = self._memo(view.name), view.plan.generation if view.plan else -1
-        if g in memo.relaunched and g not in memo.first_step and any(
-                r.first_step_at for r in view.current_reports().values()):
-            memo.first_step[g] = mono
-
-    def _on_my_clock(self, view: JobView, now: float) -> JobView:
-        """The job with the times its status holds on this leader's clock.
-
-        ``waiting_since`` (min_nodes_timeout_s), ``scale_up_since`` (scale_up_settle_s) and the
-        quarantine deadlines are wall-clock times written by a leader; another leader (after a
-        failover, on another machine) would compare them with its own clock, and a skew between the
-        two would shorten or lengthen the wait. So a time this leader did not write in its term is
-        taken to start when it first sees it (a wait restarts, a quarantine lasts its whole cooldown
-        again: at most one more wait, never a shorter one), and is written back on its clock with
-        the next status write."""
-        st, anchors = view.status, self._memo(view.name).anchors
-
-        def since(what: str, stamp: float) -> float:
-            if not stamp or stamp in self._mine:
-                return stamp
-            return anchors.setdefault((what, stamp), now)
-
-        def until(node_id: str, stamp: float) -> float:
-            # Over by this clock: over (a skew can end it early by the skew, never bring it back).
-            if stamp in self._mine or view.spec is None or stamp <= now:
-                return stamp
-            over = st.node_failures.get(node_id, 0) - view.spec.quarantine_after_failures
-            cooldown = min(MAX_QUARANTINE_S, view.spec.quarantine_cooldown_s * 2 ** max(0, over))
-            return anchors.setdefault((f"quarantine:{node_id}", stamp), now + cooldown)
-
-        waiting, scale_up = since("waiting", st.waiting_since), since("scale_up", st.scale_up_since)
-        quarantine = {n: until(n, t) for n, t in st.quarantined_until.items()}
-        if (waiting, scale_up, quarantine) == (st.waiting_since, st.scale_up_since, st.quarantined_until):
-            return view
-        return dataclasses.replace(view, status=dataclasses.replace(st, waiting_since=waiting, scale_up_since=scale_up,
-                                                                    quarantined_until=quarantine))
-
-    def _wrote(self, status: JobStatus) -> None:
-        """Remember the times of a status this leader composed (they are on its clock)."""
-        self._mine.update(t for t in (status.waiting_since, status.scale_up_since, *status.quarantined_until.values())
-                          if t)
 
     async def _finish_drains(self, term: Term, cluster: ClusterView, held: dict[str, dict[str, int]]) -> None:
         """A draining node that no job holds any more is drained: it stays cordoned (no new
@@ -399,17 +277,6 @@ class Coordinator:
                 log.info("node %s drained: no job runs there; it stays cordoned", node.node_id,
                          extra=dict(node=node.node_id))
 
-    def _settle_inflight(self, cluster: ClusterView) -> None:
-        """Forget a plan being committed once the view shows it (or shows that it cannot be): until
-        then its slots stay held, even after its task ended, so that no pass on a cache that has not
-        seen the commit yet gives them to another job."""
-        for job, plan in list(self._inflight.items()):
-            view = cluster.jobs.get(job)
-            if job in self._tasks:
-                continue
-            if view is None or view.status.state.terminal or (view.plan and view.plan.generation >= plan.generation):
-                del self._inflight[job]
-
     def _decide(self, view: JobView, cluster: ClusterView, held: dict[str, dict[str, int]], queue_head: str,
                 now: float, may_grow: bool = True) -> tuple[Decision | None, bool]:
         """The planner's decision for one job (None: the spec is unreadable), and whether the job
@@ -420,20 +287,7 @@ class Coordinator:
             raise MalformedRecord("; ".join(view.errors))
         if view.spec is None:
             return None, False
-        others: dict[str, int] = {}
-        holders: dict[str, list[str]] = {}
-        for job, nodes in held.items():
-            if job == view.name:
-                continue
-            for node_id, n in nodes.items():
-                others[node_id] = others.get(node_id, 0) + n
-                holders.setdefault(node_id, []).append(job)
-        free = {n.node_id: max(0, n.slots - others.get(n.node_id, 0)) for n in cluster.nodes}
-        busy = "; ".join(f"node {n.node_id}: {free[n.node_id]} of {n.slots} slot(s) free, the rest held by job(s) "
-                         f"{', '.join(sorted(holders[n.node_id]))}" for n in cluster.nodes[:5] if n.node_id in holders)
-        if queue_head and view.plan is None:
-            free = {n: 0 for n in free}
-            busy = f"queued behind job {queue_head} (first come, first served)"
+        free, busy = admission.free_slots(view.name, cluster.nodes, held, queue_head, view.plan is not None)
 
         def plan_with(free_slots: dict[str, int] | None, why: str) -> Decision:
             assert view.spec is not None
@@ -447,26 +301,20 @@ class Coordinator:
         return decision, for_slots
 
     def _start(self, job: str, work: Awaitable[None]) -> None:
-        """Run one job's work in its own task (the work queue's worker for that key)."""
-        async def run() -> None:
-            try:
-                await work
-                self._memo(job).failures = 0
-            except Fenced:
-                self._fenced.set()
-                self._wake.set()
-            except TemporaryError as e:
-                self._inflight.pop(job, None)  # committed or not: the view will say
-                metrics.ETCD_ERRORS.labels("unavailable").inc()
-                log.warning("job pass not finished, etcd unavailable: %s", e, extra=dict(job=job))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._inflight.pop(job, None)
-                await self._job_failed(job, e)
-            finally:
-                self._tasks.pop(job, None)
-        self._tasks[job] = asyncio.create_task(run(), name=f"job-{job}")
+        """Run one job's work as its worker in the work queue."""
+        self.queue.start(job, work, self._job_error)
+
+    async def _job_error(self, job: str, error: Exception) -> None:
+        if isinstance(error, Fenced):
+            self._fenced.set()
+            self._wake.set()
+            return
+        self._inflight.pop(job, None)  # committed or not: the view will say
+        if isinstance(error, TemporaryError):
+            metrics.ETCD_ERRORS.labels("unavailable").inc()
+            log.warning("job pass not finished, etcd unavailable: %s", error, extra=dict(job=job))
+        else:
+            await self._job_failed(job, error)
 
     @staticmethod
     async def _raise(error: Exception) -> None:
@@ -475,10 +323,7 @@ class Coordinator:
 
     async def _job_failed(self, job: str, error: Exception) -> None:
         """A job's pass raised: log it with its traceback, show it on the job, retry it later."""
-        memo = self._memo(job)
-        memo.failures = n = memo.failures + 1
-        delay = requeue_delay_s(n)
-        memo.retry_at = time.monotonic() + delay
+        n, delay = self.queue.failed(job)
         text = f"{type(error).__name__}: {error}"
         log.error("job pass failed (%d in a row; retried in %.1fs): %s", n, delay, text, exc_info=error,
                   extra=dict(job=job))
@@ -495,7 +340,7 @@ class Coordinator:
                 self._fenced.set()
             await self._show_error(term, job, message)
             if n % 20 == 1:  # a job that keeps failing must not grow its events without bound
-                await self.prune_events(term, job)
+                await self.history.prune_events(term, job)
         except (TemporaryError, PermanentError) as e:
             log.warning("error event not written: %s", e, extra=dict(job=job))
         except Fenced:
@@ -528,20 +373,20 @@ class Coordinator:
             if time.monotonic() - memo.pruned_at >= PRUNE_EVERY_S:
                 memo.pruned_at = time.monotonic()
                 try:
-                    await self.prune_events(term, view.name)
+                    await self.history.prune_events(term, view.name)
                 except (TemporaryError, PermanentError) as e:
                     log.warning("events not pruned: %s", e, extra=dict(job=view.name))
 
     async def _apply_decision(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool) -> None:
         if d is None:
             if not view.status.state.terminal:
-                await self._set_status(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
+                await self.statuses.set(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
             await self._restop(view, grace_s=10.0)
             return
         assert view.spec is not None
         if view.status.state.terminal:
-            await self._note_recovery(term, view)  # a job may end before its recovery was recorded
-            await self._note_stopped_at(term, view)
+            await self.history.note_recovery(term, view)  # a job may end before its recovery was recorded
+            await self.history.note_stopped_at(term, view)
             await self._restop(view, view.spec.stop_grace_period_s)
             return
         if d.action is Action.LAUNCH:
@@ -554,9 +399,9 @@ class Coordinator:
                 d = dataclasses.replace(d, plan=dataclasses.replace(d.plan, stop_previous_at_step=at))
             await self._commit_plan(term, view, d)
         elif d.action is Action.SUCCEED:
-            await self._set_status(term, view, JobState.SUCCEEDED, d.reason)
+            await self.statuses.set(term, view, JobState.SUCCEEDED, d.reason)
         elif d.action is Action.FAIL:
-            if await self._set_status(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d),
+            if await self.statuses.set(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d),
                                       decision=d) and view.plan is not None:
                 # After a fault (restarts exhausted) the collective is broken, as at a relaunch: the
                 # ranks left could not reach a step to checkpoint at, and a grace period would only
@@ -570,61 +415,13 @@ class Coordinator:
             since = 0.0 if slot_wait else (view.status.waiting_since or time.time())
             if (view.status.state, view.status.message, bool(view.status.waiting_since)) != (
                     state, d.reason, bool(since)):
-                await self._set_status(term, view, state, d.reason, failure=self._failure(view, d),
+                await self.statuses.set(term, view, state, d.reason, failure=self._failure(view, d),
                                        waiting_since=since, decision=d)
         else:
-            await self._note_recovery(term, view)
+            await self.history.note_recovery(term, view)
             await self._note(term, view, d)
-            await self._note_progress(term, view)
+            await self.history.note_progress(term, view)
             await self._repush(term, view)
-
-    async def _note_progress(self, term: Term, view: JobView) -> None:
-        """Job gauges on every pass; a ``progress`` event every ``progress_interval_s`` (for reports)."""
-        plan, step = view.plan, view.step
-        if plan is None or view.status.state.terminal or step < 0:
-            return
-        now = time.monotonic()  # durations only; the event's time is the wall clock
-        metrics.STEP.labels(view.name).set(step)
-        metrics.WORLD_SIZE.labels(view.name).set(plan.world_size)
-        metrics.GENERATION.labels(view.name).set(plan.generation)
-        memo = self._memo(view.name)
-        since, from_step = memo.rate
-        if step < from_step or now - since > 30:
-            memo.rate = (now, step)
-        elif now - since >= 3 and step > from_step:
-            metrics.STEP_RATE.labels(view.name).set((step - from_step) / (now - since))
-            memo.rate = (now, step)
-        last_at, last_step = memo.progress
-        if self.cfg.progress_interval_s and step != last_step and now - last_at >= self.cfg.progress_interval_s:
-            memo.progress = (now, step)
-            k, tx = self.store.keys, self.store.tx
-            event = Event(at=time.time(), kind=EventKind.PROGRESS, generation=plan.generation, message=f"step {step}", step=step,
-                          world_size=plan.world_size, loss=view.loss)
-            if not await self.store.txn([term.guard(self.store)],
-                                        [tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())]):
-                raise Fenced()
-            memo.progress_events = n = memo.progress_events + 1
-            if n % 100 == 1:
-                await self.prune_events(term, view.name)
-
-    async def prune_events(self, term: Term, job: str) -> int:
-        """Delete the job's events beyond the newest ``keep_events`` and those older than
-        ``keep_events_s`` (event keys are their write time in ns, so both are one key range: one
-        keys-only read, one range delete); returns how many were deleted."""
-        k, tx = self.store.keys, self.store.tx
-        keys = await self.store.keys_under(k.events(job))
-        # Event keys are write times in ns: 19 digits since 2001, so they sort as numbers. The cut
-        # must have 19 digits too, or a long keep_events_s would sort above every key.
-        too_old = k.event(job, max(time.time_ns() - int(self.cfg.keep_events_s * 1e9), 10**18))
-        cut = max(keys[len(keys) - self.cfg.keep_events] if len(keys) > self.cfg.keep_events else "", too_old)
-        gone = sum(1 for key in keys if key < cut)
-        if not gone:
-            return 0
-        if not await self.store.txn([term.guard(self.store)],
-                                    [tx.delete(k.events(job).encode(), cut.encode())]):
-            raise Fenced()
-        log.info("pruned %d old events", gone, extra=dict(job=job))
-        return gone
 
     async def _note(self, term: Term, view: JobView, d: Decision) -> None:
         """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
@@ -632,10 +429,10 @@ class Coordinator:
         if view.plan is None or old.state.terminal or (old.note, old.scale_up_nodes, old.scale_up_since) == (
                 d.note, d.scale_up_nodes, d.scale_up_since):
             return
-        status = dataclasses.replace(self._status(view, old.state, old.message, old.last_failure),
+        status = dataclasses.replace(self.statuses.compose(view, old.state, old.message, old.last_failure),
                                      note=d.note, scale_up_nodes=d.scale_up_nodes, scale_up_since=d.scale_up_since)
         event = Event(at=time.time(), kind=EventKind.NOTE, generation=view.plan.generation, message=d.note or "note cleared")
-        await self.write_status(term, view, status, event if d.note != old.note else None)
+        await self.statuses.write(term, view, status, event if d.note != old.note else None)
 
     def _failure(self, view: JobView, d: Decision) -> FailureRecord | None:
         if view.plan is None or (d.fault is None and not d.lost_nodes):
@@ -650,8 +447,8 @@ class Coordinator:
         assert d.plan is not None and view.spec is not None
         k, tx = self.store.keys, self.store.tx
         failure = self._failure(view, d)
-        status = self._status(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
-        self._wrote(status)
+        status = self.statuses.compose(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
+        self.statuses.wrote(status)
         # Why each lost member may be replaced (the fencing rule that let this leader go on without it).
         fenced = "".join(f"; {n}: {v.reason}" for n in d.lost_nodes
                          if (v := self.presence.verdict(n)) is not None and v.act)
@@ -663,7 +460,7 @@ class Coordinator:
         plan_key = k.plan(view.name).encode()
         compare = [term.guard(self.store),
                    tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0),
-                   self._status_unchanged(view)]
+                   self.statuses.unchanged(view)]
         # A pass reads two generations' reports, a restarting elasticd all of them: keep the newest few.
         old_reports = (k.reports(view.name, 0), k.reports(view.name, max(d.plan.generation - self.cfg.keep_report_generations, 0)))
         ok = await self.store.txn(compare, [
@@ -675,7 +472,7 @@ class Coordinator:
         ])
         if not ok:
             self._inflight.pop(view.name, None)
-            await self._check_leader(term)
+            await self.statuses.check_leader(term)
             # The watch brings the change that made the compare fail, and with it the next pass.
             log.info("plan or status changed under us (a stop, a restart, another pass); the next pass decides "
                      "again", extra=dict(job=view.name, generation=d.plan.generation))
@@ -714,7 +511,7 @@ class Coordinator:
             if why and m.node_id not in reports and now - since >= self.cfg.denied_push_fail_s:
                 message = (f"node {m.node_id} refused generation {plan.generation} for {now - since:.0f} s "
                            f"({why}); resubmit once its configuration is fixed")
-                if await self._set_status(term, view, JobState.FAILED, message):
+                if await self.statuses.set(term, view, JobState.FAILED, message):
                     await self.agents.stop(view.name, plan.generation, view.spec.stop_grace_period_s,
                                            {m.node_id: m.agent_address for m in plan.members})
                 return
@@ -734,20 +531,6 @@ class Coordinator:
                 memo.denied.pop(key, None)
             elif key not in memo.denied:
                 memo.denied[key] = (now, why)
-
-    async def _note_stopped_at(self, term: Term, view: JobView) -> None:
-        """Once the ranks of a stopped job have left, say at which step they checkpointed (the step
-        a resubmission resumes from), in the status and as an event; once."""
-        reports = view.current_reports().values()
-        if (view.status.state is not JobState.STOPPED or view.plan is None or STOPPED_NOTE in view.status.message
-                or len(reports) < len(view.plan.members) or not all(r.state.terminal for r in reports)):
-            return
-        exits = {r.exit_step for r in reports}
-        message = (f"{view.status.message}{STOPPED_NOTE}checkpointed at step {exits.pop()} and exited"
-                   if len(exits) == 1 and -1 not in exits else f"{view.status.message}{STOPPED_NOTE}were killed "
-                   f"before they checkpointed (a resubmission resumes from the last interval checkpoint)")
-        await self._set_status(term, view, JobState.STOPPED, message, event=Event(
-            at=time.time(), kind=EventKind.STOPPED, generation=view.plan.generation, message=message))
 
     async def _restop(self, view: JobView, grace_s: float) -> None:
         """A job that is over but whose generation still starts, runs or stops somewhere (by the
@@ -771,6 +554,7 @@ class Coordinator:
     def forget(self, job: str) -> None:
         """A deleted job: drop what this leader keeps about it, and its metrics."""
         self._memos.pop(job, None)
+        self.queue.forget(job)
         self._queued.discard(job)
         metrics.forget_job(job)
 
@@ -780,95 +564,9 @@ class Coordinator:
             if only is None or m.node_id in only:
                 pushed[(plan.generation, m.node_id)] = now
 
-    async def _note_recovery(self, term: Term, view: JobView) -> None:
-        """Once the new generation's first step is reported, record the recovery time
-        (or, after a planned relaunch, where it resumed against where the last one stopped)."""
-        f, plan = view.status.last_failure, view.plan
-        if plan is not None and plan.planned and view.status.resumed_through < plan.generation:
-            await self._note_planned_resume(term, view, plan)
-            return
-        if f is None or plan is None or f.recover_s or f.generation >= plan.generation:
-            return
-        reports = view.current_reports().values()
-        memo, g = self._memo(view.name), plan.generation
-        if g not in memo.relaunched or g not in memo.first_step:
-            return  # (committed by another leader: its clock is not ours to subtract from)
-        # One clock: from this leader's commit of the relaunch to its first sight of a first step
-        # (the agents' detection and teardown before it are the detection metric's).
-        recovered = dataclasses.replace(f, recover_s=max(0.001, round(memo.first_step.pop(g) - memo.relaunched.pop(g), 3)))
-        metrics.RECOVERY.labels(view.name).observe(recovered.recover_s)
-        resumed = max((r.resumed_step for r in reports), default=-1)
-        notes = sorted({r.resume_note for r in reports if r.resume_note})
-        await self._set_status(term, view, view.status.state, view.status.message, failure=recovered,
-                               event=Event(at=time.time(), kind=EventKind.RECOVERED, generation=plan.generation,
-                                           message=f"generation {plan.generation} resumed from step {resumed}, "
-                                                   f"first step {recovered.recover_s:.2f}s after the relaunch was "
-                                                   f"committed" + "".join(f"; {n}" for n in notes)))
-
-    async def _note_planned_resume(self, term: Term, view: JobView, plan: Plan) -> None:
-        reports = view.current_reports().values()
-        firsts = [r.first_step_at for r in reports if r.first_step_at]
-        if not firsts:
-            return
-        resumed = max((r.resumed_step for r in reports), default=-1)
-        exits = sorted({r.exit_step for r in view.reports.get(plan.generation - 1, {}).values()})
-        lost = f"{exits[-1] - resumed} step(s) recomputed" if exits and exits[-1] >= 0 else "previous ranks were killed"
-        status = dataclasses.replace(view.status, resumed_through=plan.generation, updated_at=time.time())
-        await self.write_status(term, view, status, Event(
-            at=time.time(), kind=EventKind.RESUMED, generation=plan.generation,
-            message=f"generation {plan.generation} resumed from step {resumed}; generation {plan.generation - 1} "
-                    f"checkpointed at step(s) {exits} on request; {lost}"))
-
-    # -- status writes -------------------------------------------------------
-
-    def _status(self, view: JobView, state: JobState, message: str, failure: FailureRecord | None,
-                plan: Plan | None = None, waiting_since: float = 0.0, decision: Decision | None = None) -> JobStatus:
-        """The next status of the job as ``view`` read it (see :func:`mselastic.core.status.next_status`)."""
-        return next_status(view.status, state, message, time.time(), plan=plan or view.plan, failure=failure,
-                           waiting_since=waiting_since, decision=decision)
-
-    async def _set_status(self, term: Term, view: JobView, state: JobState, message: str,
-                          failure: FailureRecord | None = None, event: Event | None = None,
-                          waiting_since: float = 0.0, decision: Decision | None = None) -> bool:
-        """Write the job's next status (compare-and-set); False when it changed meanwhile."""
-        failure = failure if failure is not None else view.status.last_failure
-        status = self._status(view, state, message, failure, waiting_since=waiting_since, decision=decision)
-        ev = event or Event(at=time.time(), kind=EventKind(state.value.lower()),
-                            generation=view.plan.generation if view.plan else 0, message=message)
-        if not await self.write_status(term, view, status, ev):
-            return False
-        log.info("job %s: %s", state.value, message, extra=dict(job=view.name, generation=status.generation))
-        return True
-
-    def _status_unchanged(self, view: JobView) -> object:
-        """The compare of a compare-and-set on the job's status as ``view`` read it."""
-        key = self.store.keys.status(view.name).encode()
-        return self.store.tx.mod(key) == (view.status_kv.mod_revision if view.status_kv else 0)
-
     async def write_status(self, term: Term, view: JobView, status: JobStatus, event: Event | None) -> bool:
-        """Compare-and-set the job's status on the revision ``view`` read (and the leader key).
-
-        True: written, and ``view`` now holds it (so that a pass's further writes chain). False:
-        the status changed meanwhile (an operator's stop or restart, for instance); nothing is
-        written and the next pass decides again. Raises Fenced when the leader key is not ours."""
-        k, tx = self.store.keys, self.store.tx
-        self._wrote(status)
-        kv = await self.store.txn_get(
-            [term.guard(self.store), self._status_unchanged(view)],
-            [tx.put(k.status(view.name).encode(), status.to_json().encode()),
-             *([tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode())] if event else [])],
-            k.status(view.name))
-        if kv is None:
-            await self._check_leader(term)
-            log.info("status changed meanwhile; the next pass decides again", extra=dict(job=view.name))
-            return False
-        view.status, view.status_kv = status, kv
-        return True
-
-    async def _check_leader(self, term: Term) -> None:
-        kv = await self.store.get(self.store.keys.leader)
-        if kv is None or kv.create_revision != term.create_revision:
-            raise Fenced()
+        """See :meth:`Statuses.write`."""
+        return await self.statuses.write(term, view, status, event)
 
     def wake(self) -> None:
         self._wake.set()

@@ -7,7 +7,7 @@ died closes that connection at once (its kernel resets it); one that lost power 
 stops answering the pings and the channel drops after ``KEEPALIVE_TIMEOUT_MS``. Either way the
 channel leaves READY, and the member becomes a *suspect*: the coordinator treats it as
 unregistered, which asks its agent what it runs
-(``Coordinator._ask_absent``, the question waiting up to its deadline for a connection) and
+(``Presence.excused``, the question waiting up to its deadline for a connection) and
 calls it lost when that goes unanswered, or clears it at the first answer. So a dead node
 turns into a new plan in about a second, and the lease stays the backstop (a node whose
 connection looks healthy but which stopped renewing is still lost at its lease's expiry). When
