@@ -18,7 +18,7 @@ import grpc
 import psutil
 import pytest
 
-from mselastic.daemon.main import FIELDS, Settings, SettingsError, parse_args
+from mselastic.daemon.settings import FIELDS, Settings, SettingsError, parse_args
 from mselastic.store.embedded import free_port
 from tests.harness import REPO, VENV_BIN, Etcd, Processes, elasticd_cmd, lenet_spec, wait_for
 

@@ -156,18 +156,13 @@ class _Parser(argparse.ArgumentParser):
         raise CtlError(f"{message}; see {self.prog} --help", EXIT_USAGE)
 
 
+#: Adds a subcommand: (name, help, example, output) -> its parser.
+_Command = Callable[..., argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
     p = _Parser(prog="elasticctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoints", "--endpoint", dest="endpoints",
-                   default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
-                       ("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), "127.0.0.1:7070"),
-                   help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default "
-                        "%(default)s)")
-    p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")
-    p.add_argument("--cert", default=env("ELASTICCTL_CERT", ""), help="client certificate (PEM), with --key")
-    p.add_argument("--key", default=env("ELASTICCTL_KEY", ""), help="client key (PEM), with --cert")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="per-call deadline in seconds (default %(default)s)")
+    _global_options(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def cmd(name: str, help: str, example: str, output: bool = True) -> argparse.ArgumentParser:
@@ -177,6 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("-o", "--output", choices=render.FORMATS, default="table", help="output format")
         return s
 
+    for add in (_looking, _job_actions, _setting_up, _job_records, _node_actions, _following):
+        add(cmd)
+    return p
+
+
+def _global_options(p: argparse.ArgumentParser) -> None:
+    """Where elasticd is and how to prove who we are."""
+    env = os.environ.get
+    p.add_argument("--endpoints", "--endpoint", dest="endpoints",
+                   default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
+                       ("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), "127.0.0.1:7070"),
+                   help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default "
+                        "%(default)s)")
+    p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")
+    p.add_argument("--cert", default=env("ELASTICCTL_CERT", ""), help="client certificate (PEM), with --key")
+    p.add_argument("--key", default=env("ELASTICCTL_KEY", ""), help="client key (PEM), with --cert")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="per-call deadline in seconds (default %(default)s)")
+
+
+def _looking(cmd: _Command) -> None:
+    """Commands that show the cluster, its jobs and their logs."""
     s = cmd("status", "the leader, the nodes and every job (or one)", "elasticctl status lenet -o json")
     s.add_argument("job", nargs="?", default="")
     cmd("nodes", "registered nodes: slots, cordoned or draining, jobs running there", "elasticctl nodes")
@@ -199,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-f", "--follow", action="store_true",
                    help="keep streaming until the generation ends (waits up to 60 s for a generation still starting)")
     s.add_argument("--tail-bytes", type=_bounded(0, INT64_MAX), default=0, help="start this many bytes before the end")
+
+def _job_actions(cmd: _Command) -> None:
+    """Commands that start, stop and restart jobs."""
     s = cmd("submit", "submit a job spec (TOML), validated here first", "elasticctl submit job.toml")
     s.add_argument("spec")
     s.add_argument("--force", action="store_true",
@@ -208,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
     s = cmd("restart", "relaunch a running job: checkpoint a few steps ahead, resume there", "elasticctl restart lenet")
     s.add_argument("job")
+
+def _setting_up(cmd: _Command) -> None:
+    """Commands that make certificates and install the unit."""
     s = cmd("certs", "make a CA (certs ca DIR) or a certificate it signs (certs issue DIR NAME --role ROLE)",
             "elasticctl certs issue /etc/mselastic/pki node-a --role node --host 10.0.0.1", output=False)
     s.add_argument("action", choices=("ca", "issue"))
@@ -221,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
             "elasticctl install-unit && systemctl enable --now elasticd", output=False)
     s.add_argument("--root", default="/", help="install under this directory instead (an image being built); "
                                                "then no user is created and systemd is not reloaded")
+
+def _job_records(cmd: _Command) -> None:
+    """Commands that delete or rescale jobs."""
     s = cmd("delete", "forget a finished job's records (its checkpoints and logs stay); the name can be "
             "submitted again and resumes from the checkpoint_dir", "elasticctl delete lenet")
     s.add_argument("job")
@@ -229,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.add_argument("--min", type=_bounded(0, MAX_INTS["min_nodes"]), default=0, help="new min_nodes (default: unchanged)")
     s.add_argument("--max", type=_bounded(0, MAX_INTS["max_nodes"]), default=0, help="new max_nodes (default: unchanged)")
+
+def _node_actions(cmd: _Command) -> None:
+    """Commands that cordon, drain and uncordon nodes."""
     s = cmd("cordon", "no new generations on a node (running ones go on)", "elasticctl cordon n1 --reason disk")
     s.add_argument("node")
     s.add_argument("--reason", default="")
@@ -239,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain (default %(default)s); 0: do not wait; fails at once when no node can take a job")
     s = cmd("uncordon", "let a node run generations again (a running job may scale up to it)", "elasticctl uncordon n1")
     s.add_argument("node")
+
+def _following(cmd: _Command) -> None:
+    """Commands that follow a job (live view, report)."""
     s = cmd("watch", "a live view of a job until it ends (lines when not a terminal)", "elasticctl watch lenet",
             output=False)
     s.add_argument("job")
@@ -247,7 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
             "elasticctl report lenet -o timeline.png", output=False)
     s.add_argument("job")
     s.add_argument("-o", "--output", required=True, help="the PNG file to write")
-    return p
 
 
 INT64_MAX = 2**63 - 1

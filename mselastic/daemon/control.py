@@ -173,24 +173,7 @@ class ControlService(pb_grpc.ControlServicer):
                         f"env: {', '.join(refused)} may not be set by a job (loader and interpreter variables run "
                         f"code in every worker); an admin may allow them with elasticd's allow_env")
         await self._require_leader(context)
-        try:
-            others = await read_cluster(self.store)
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
-        mine = os.path.normpath(spec.checkpoint_dir)
-        sharing = sorted(v.name for v in others.jobs.values() if v.spec is not None and v.name != spec.name
-                         and os.path.normpath(v.spec.checkpoint_dir) == mine)
-        if sharing:  # it would resume the other job's weights, and the two would overwrite each other
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"checkpoint_dir {spec.checkpoint_dir} belongs to job {sharing[0]}; give this job its own "
-                        f"(or elasticctl delete {sharing[0]} first)")
-        # Shared storage may hang: never read it on the event loop (leases are renewed there).
-        reached = await asyncio.to_thread(checkpointed_step, spec.checkpoint_dir, spec.name)
-        if reached is not None and reached >= spec.total_steps and not request.force:
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"checkpoint_dir {spec.checkpoint_dir} already holds a checkpoint at step {reached}, at or past "
-                        f"total_steps={spec.total_steps}: the job would end at once; raise total_steps, use another "
-                        f"checkpoint_dir, or submit with --force")
+        await self._check_checkpoint_dir(spec, request.force, context)
         k, tx = self.store.keys, self.store.tx
         try:
             # A job deleted under this name: continue after its last generation (agents refuse older ones).
@@ -228,6 +211,27 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
         self.coordinator.wake()
         return pb.SubmitResponse(job=spec.name, warning=await self._range_warning(spec))
+
+    async def _check_checkpoint_dir(self, spec: JobSpec, force: bool, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a checkpoint_dir another job uses, or one already past total_steps (unless ``force``)."""
+        try:
+            others = await read_cluster(self.store)
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        mine = os.path.normpath(spec.checkpoint_dir)
+        sharing = sorted(v.name for v in others.jobs.values() if v.spec is not None and v.name != spec.name
+                         and os.path.normpath(v.spec.checkpoint_dir) == mine)
+        if sharing:  # it would resume the other job's weights, and the two would overwrite each other
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"checkpoint_dir {spec.checkpoint_dir} belongs to job {sharing[0]}; give this job its own "
+                        f"(or elasticctl delete {sharing[0]} first)")
+        # Shared storage may hang: never read it on the event loop (leases are renewed there).
+        reached = await asyncio.to_thread(checkpointed_step, spec.checkpoint_dir, spec.name)
+        if reached is not None and reached >= spec.total_steps and not force:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"checkpoint_dir {spec.checkpoint_dir} already holds a checkpoint at step {reached}, at or past "
+                        f"total_steps={spec.total_steps}: the job would end at once; raise total_steps, use another "
+                        f"checkpoint_dir, or submit with --force")
 
     async def _change_status(self, job: str, context: grpc.aio.ServicerContext,
                              change: Callable[[JobView], tuple[JobStatus, Event] | None]) -> JobView:
