@@ -11,7 +11,8 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import nn  # noqa: E402
 
-from mselastic.trainer.checkpoint import Checkpointer, Manifest, host_copy  # noqa: E402
+from mselastic.trainer.checkpoint import Checkpointer, Manifest  # noqa: E402
+from mselastic.trainer.tensors import host_copy  # noqa: E402
 from mselastic.trainer.elastic import Session  # noqa: E402
 from mselastic.trainer.faults import flip_byte  # noqa: E402
 

@@ -39,6 +39,10 @@ loads on every rank, or the checkpoint directory is full, the rank leaves with
 ``FATAL_EXIT_CODE`` and the reason: the job fails instead of starting again from
 step 0 (and pruning the checkpoints that could not be read). The last ``keep``
 checkpoints are kept.
+
+The files' names, the manifest and the atomic writes are :mod:`mselastic.trainer.layout`'s; what
+a checkpoint holds of MindSpore's (parameters, dtypes, the random state),
+:mod:`mselastic.trainer.tensors`'s.
 """
 
 from __future__ import annotations
@@ -48,21 +52,19 @@ import dataclasses
 import errno
 import fcntl
 import glob
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import sys
 import uuid
 import zlib
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 from mselastic.core.contract import LATEST_CHECKPOINT
+from mselastic.trainer.layout import MANIFEST, Manifest, Resumed, file_stem, fsync_file, sha256, write_atomic
+from mselastic.trainer.tensors import as_tensors, host_copy, numpy_dtype, parameters_of, rng_state
 
 log = logging.getLogger("mselastic.trainer")
-_MANIFEST = re.compile(r"^ckpt-(\d{8,})(?:-g(\d{6,}))?\.json$")
 #: Candidates rank 0 proposes, newest first, before the ranks give up agreeing on one.
 MAX_CANDIDATES = 8
 #: Steps and generations travel through the (float32) allreduce as two halves below 2**20: exact.
@@ -71,173 +73,6 @@ _HALF = 1 << 20
 _CHUNK = 1 << 20
 #: Errors that make a checkpoint unusable (the next older one is tried).
 _UNUSABLE = (OSError, ValueError, TypeError, RuntimeError, KeyError)
-
-
-def _stem(step: int, generation: int | None) -> str:
-    return f"ckpt-{step:08d}" + ("" if generation is None else f"-g{generation:06d}")
-
-
-def _parameters(objects: list[Any]) -> dict[str, Any]:
-    """The parameters of ``objects`` (cells, optimizers) by name, as MindSpore names them, each once
-    (an optimizer holds the network's weights too): what a checkpoint holds."""
-    seen: dict[str, Any] = {}
-    for obj in objects:
-        for p in obj.get_parameters():
-            seen.setdefault(p.name, p)
-    return seen
-
-
-def host_copy(objects: list[Any]) -> list[dict[str, Any]]:
-    """The parameters of ``objects`` (cells, optimizers), copied to host memory (numpy arrays)."""
-    return [{"name": name, "data": p.asnumpy().copy()} for name, p in _parameters(objects).items()]
-
-
-def _tensors(values: Any) -> Any:
-    """A :func:`host_copy` as ``mindspore.save_checkpoint`` takes it (made into Tensors by the
-    thread that writes it, without a copy: ``Tensor(array)`` would copy it again, holding the GIL)."""
-    import mindspore as ms
-
-    if not isinstance(values, list):
-        return values
-    return [v if isinstance(v.get("data"), ms.Tensor) else dict(v, data=ms.Tensor.from_numpy(v["data"]))
-            for v in values]
-
-
-def _numpy_dtype(name: str) -> Any:
-    """The numpy dtype a snapshot recorded by name; MindSpore's own for those numpy lacks (bfloat16)."""
-    import numpy as np
-
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import mindspore as ms
-
-        ms_type = getattr(ms, name, None)
-        if not isinstance(ms_type, ms.dtype.Type):
-            raise ValueError(f"unknown dtype {name!r} in a snapshot") from None
-        return np.dtype(ms.dtype_to_nptype(ms_type))
-
-
-def rng_state() -> dict[str, Any]:
-    """MindSpore's random state in a process: the global seed, the per-operator seed counters
-    (``mindspore.common.seed``; every random operator built after ``set_seed``, such as
-    ``ops.dropout`` at each call, takes its seeds from them) and the default generator's state."""
-    import mindspore as ms
-
-    seeds = sys.modules["mindspore.common.seed"]
-    state: dict[str, Any] = {"global_seed": ms.get_seed(),
-                             "kernel_seed": [[k[0], k[1], v] for k, v in seeds._KERNEL_SEED.items()]}
-    with contextlib.suppress(Exception):  # absent or unusable on some backends: the rest still counts
-        state["generator"] = bytes(ms.get_rng_state().asnumpy().tobytes()).hex()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Undo :func:`rng_state` (after the network is built: building it consumes seeds)."""
-    import mindspore as ms
-    import numpy as np
-
-    if not state:
-        return
-    seeds = sys.modules["mindspore.common.seed"]
-    if state.get("global_seed") is not None:
-        ms.set_seed(int(state["global_seed"]))  # (resets the counters, so they are restored after it)
-    seeds._KERNEL_SEED.clear()
-    seeds._KERNEL_SEED.update({(k, s): int(v) for k, s, v in state.get("kernel_seed", [])})
-    if state.get("generator"):
-        ms.set_rng_state(ms.Tensor(np.frombuffer(bytes.fromhex(state["generator"]), np.uint8)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    step: int
-    epoch: int
-    world_size: int
-    generation: int
-    file: str
-    sha256: str
-    size: int
-    #: Positions of the epoch's permutation consumed (see :mod:`mselastic.trainer.data`).
-    cursor: int = 0
-    seed: int = 0
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: The job that wrote it ("" before this field existed, or under plain msrun): a job never
-    #: resumes another job's checkpoints.
-    job: str = ""
-    #: MindSpore's random state when it was taken (:func:`rng_state`), restored by ``load``.
-    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: The checkpoint folder's lineage (``latest.json``'s) when a snapshot was taken: a snapshot is
-    #: only ever adopted into the folder whose history it continues.
-    lineage: str = ""
-    #: A snapshot's layout (its file holds the parameters' raw bytes, one after the other): each
-    #: parameter's name, dtype (numpy's name for it, or MindSpore's: bfloat16) and shape; and the
-    #: CRC32 of the whole file.
-    tensors: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    crc32: int = 0
-
-    def to_json(self) -> str:
-        """The manifest's file; a checkpoint's without the snapshot's fields (a version from before
-        them reads it: ``Manifest(**...)`` takes no unknown key)."""
-        # (each field as it is, not dataclasses.asdict: its deep copy of the tensor list and the
-        # random state was a third of a LeNet snapshot's time on the training thread)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if not self.tensors:
-            del fields["tensors"], fields["crc32"]
-        return json.dumps(fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class Resumed:
-    manifest: Manifest
-    params: dict[str, Any]
-    #: Checkpoints that were newer but unusable, with the reason.
-    skipped: tuple[tuple[str, str], ...] = ()
-
-    def restore_rng(self) -> None:
-        """MindSpore's random state as it was at the checkpoint (after the network is built)."""
-        try:
-            restore_rng_state(self.manifest.rng)
-        except Exception as e:  # an old or foreign state: the resume goes on, only not bit-identical
-            log.warning("random state of %s not restored (%s): dropout and other random operators draw anew",
-                        self.manifest.file, e)
-
-    @property
-    def note(self) -> str:
-        """One line for the agent's report when newer checkpoints had to be skipped."""
-        if not self.skipped:
-            return ""
-        skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped)
-        return f"resumed from step {self.manifest.step} ({self.manifest.file}); skipped unusable {skipped}"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: str) -> None:
-    """fsync a file, or a folder (its entries)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str, midway: Callable[[], None] = lambda: None) -> None:
-    """Temp file, fsync, rename. ``midway`` runs with half of ``text`` written (a fault point)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text[: len(text) // 2])
-        f.flush()
-        midway()
-        f.write(text[len(text) // 2:])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class Checkpointer:
@@ -312,7 +147,7 @@ class Checkpointer:
             # The folder's lineage: made with its first pointer (or when another job's is taken
             # over), kept by every later one; snapshots carry it (see _adopt_snapshot).
             lineage = current.get("lineage") if same_job and isinstance(current.get("lineage"), str) else ""
-            _write_atomic(os.path.join(self.dir, LATEST_CHECKPOINT),
+            write_atomic(os.path.join(self.dir, LATEST_CHECKPOINT),
                           json.dumps({"manifest": pointer, "generation": self.generation, "job": self.job,
                                       "lineage": lineage or uuid.uuid4().hex}))
         return True
@@ -332,7 +167,7 @@ class Checkpointer:
         for path in glob.glob(os.path.join(self.dir, "ckpt-*-g*")):
             name = os.path.basename(path)
             stem = name.split(".", 1)[0]
-            found = _MANIFEST.match(stem + ".json")
+            found = MANIFEST.match(stem + ".json")
             if not found or not found.group(2) or int(found.group(2)) >= self.generation:
                 continue
             torn = ".tmp" in name[len(stem):] or (name.endswith(".ckpt") and not os.path.exists(
@@ -356,16 +191,16 @@ class Checkpointer:
             return None
         import mindspore as ms
 
-        name = _stem(step, self.generation)
+        name = file_stem(step, self.generation)
         path = os.path.join(self.dir, name + ".ckpt")
         try:
-            ms.save_checkpoint(_tensors(obj), path, crc_check=True)
-            _fsync_file(path)
+            ms.save_checkpoint(as_tensors(obj), path, crc_check=True)
+            fsync_file(path)
             manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
-                                file=name + ".ckpt", sha256=_sha256(path), size=os.path.getsize(path),
+                                file=name + ".ckpt", sha256=sha256(path), size=os.path.getsize(path),
                                 cursor=cursor, seed=seed, extra=extra or {}, job=self.job,
                                 rng=rng if rng is not None else rng_state())
-            _write_atomic(os.path.join(self.dir, name + ".json"), manifest.to_json(),
+            write_atomic(os.path.join(self.dir, name + ".json"), manifest.to_json(),
                           midway=lambda: self._fault_point("save", step))
             published = self._publish(name + ".json")
         except (OSError, RuntimeError) as e:
@@ -382,7 +217,7 @@ class Checkpointer:
             log.error("checkpoint of step %d withdrawn: generation %s owns %s, this one (%d) was replaced",
                       step, self._latest().get("generation"), self.dir, self.generation)
             return None
-        _fsync_file(self.dir)
+        fsync_file(self.dir)
         self._prune()
         return manifest
 
@@ -403,7 +238,7 @@ class Checkpointer:
                             self.dir)
         if not self._lineage:
             return False
-        params = _parameters(list(obj) if isinstance(obj, (list, tuple)) else [obj])
+        params = parameters_of(list(obj) if isinstance(obj, (list, tuple)) else [obj])
         try:
             self._write_snapshot(params, step, epoch, cursor, seed, extra or {}, rng_state())
         except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation: the checkpoints stand
@@ -417,7 +252,7 @@ class Checkpointer:
         that makes them a snapshot (written last: a file without one is litter)."""
         import numpy as np
 
-        name = _stem(step, self.generation)
+        name = file_stem(step, self.generation)
         path = os.path.join(self.snapshot_dir, name + ".snap")
         tensors, crc = [], 0
         try:
@@ -440,11 +275,11 @@ class Checkpointer:
         manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
                             file=name + ".snap", sha256="", size=size, cursor=cursor, seed=seed, extra=extra,
                             job=self.job, rng=rng, lineage=self._lineage or "", tensors=tensors, crc32=crc)
-        _write_atomic(os.path.join(self.snapshot_dir, name + ".json"), manifest.to_json())
+        write_atomic(os.path.join(self.snapshot_dir, name + ".json"), manifest.to_json())
         # Kept: this generation's two newest. An older generation's can no longer be adopted (this
         # one owns the checkpoint folder), and what a killed writer left half-written is litter.
         mine = sorted(n[: -len(".json")] for n in os.listdir(self.snapshot_dir)
-                      if (found := _MANIFEST.match(n)) and found.group(2) and int(found.group(2)) == self.generation)
+                      if (found := MANIFEST.match(n)) and found.group(2) and int(found.group(2)) == self.generation)
         for entry in os.listdir(self.snapshot_dir):
             if entry.split(".", 1)[0] not in mine[-2:]:
                 with contextlib.suppress(OSError):
@@ -458,13 +293,13 @@ class Checkpointer:
         published as a save is; anything wrong and the checkpoints are resumed from as they are."""
         if not (self.writer and self.generation and self.snapshot_dir and os.path.isdir(self.snapshot_dir)):
             return
-        newest_step = max((int(found.group(1)) for n in self.manifests() if (found := _MANIFEST.match(n))
+        newest_step = max((int(found.group(1)) for n in self.manifests() if (found := MANIFEST.match(n))
                            and self._owner(n) in ("", self.job)), default=-1)
         owner = self._latest()
         if owner.get("job", "") not in ("", self.job) or not owner.get("lineage"):
             return  # another job's folder, or one whose history no snapshot can continue
         owner_gen = owner.get("generation", 0)
-        for name in sorted((n for n in os.listdir(self.snapshot_dir) if _MANIFEST.match(n)), reverse=True):
+        for name in sorted((n for n in os.listdir(self.snapshot_dir) if MANIFEST.match(n)), reverse=True):
             try:
                 with open(os.path.join(self.snapshot_dir, name)) as f:
                     m = Manifest(**json.load(f))
@@ -499,7 +334,7 @@ class Checkpointer:
                 raise ValueError(f"{m.file} is damaged ({len(raw)} bytes of {m.size}, or its CRC32 differs)")
             values, offset = [], 0
             for t in m.tensors:
-                dtype, shape = _numpy_dtype(t["dtype"]), tuple(t["shape"])
+                dtype, shape = numpy_dtype(t["dtype"]), tuple(t["shape"])
                 count = int(np.prod(shape, dtype=np.int64))
                 array = np.frombuffer(raw, dtype, count, offset).reshape(shape)
                 values.append({"name": t["name"], "data": ms.Tensor.from_numpy(array)})
@@ -507,14 +342,14 @@ class Checkpointer:
             if offset != len(raw):
                 raise ValueError(f"{m.file}: its layout covers {offset} bytes of {len(raw)}")
             ms.save_checkpoint(values, tmp, crc_check=True)
-            _fsync_file(tmp)
+            fsync_file(tmp)
             os.replace(tmp, dst)
-            kept = dataclasses.replace(m, file=stem + ".ckpt", sha256=_sha256(dst), size=os.path.getsize(dst),
+            kept = dataclasses.replace(m, file=stem + ".ckpt", sha256=sha256(dst), size=os.path.getsize(dst),
                                        tensors=[], crc32=0)
-            _write_atomic(os.path.join(self.dir, stem + ".json"), kept.to_json())
+            write_atomic(os.path.join(self.dir, stem + ".json"), kept.to_json())
             if not self._publish(stem + ".json"):
                 raise ValueError("a newer generation owns the folder")
-            _fsync_file(self.dir)
+            fsync_file(self.dir)
         except _UNUSABLE as e:
             for litter in (tmp, tmp[: -len(".ckpt")] + ".tmp"):  # (MindSpore writes <name>.tmp first)
                 with contextlib.suppress(OSError):
@@ -554,7 +389,7 @@ class Checkpointer:
     def manifests(self) -> list[str]:
         """Manifest file names, newest step first."""
         names = [os.path.basename(p) for p in glob.glob(os.path.join(self.dir, "ckpt-*.json"))]
-        return sorted((n for n in names if _MANIFEST.match(n)), reverse=True)
+        return sorted((n for n in names if MANIFEST.match(n)), reverse=True)
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` of this job's checkpoints (another job's files are not ours)."""
@@ -607,7 +442,7 @@ class Checkpointer:
         if m.job and self.job and m.job != self.job:
             raise ValueError(f"written by job {m.job}, not {self.job}")
         path = os.path.join(self.dir, m.file)
-        if os.path.getsize(path) != m.size or _sha256(path) != m.sha256:
+        if os.path.getsize(path) != m.size or sha256(path) != m.sha256:
             raise ValueError("checksum mismatch")
         return m, ms.load_checkpoint(path, crc_check=True)
 
@@ -647,7 +482,7 @@ class Checkpointer:
         for i in range(MAX_CANDIDATES):
             proposal = [0.0] * 5
             if self.rank == 0 and i < len(order):
-                found = _MANIFEST.match(order[i])
+                found = MANIFEST.match(order[i])
                 assert found is not None
                 step, gen = int(found.group(1)), int(found.group(2)) + 1 if found.group(2) else 0
                 proposal = [1.0, step // _HALF, step % _HALF, gen // _HALF, gen % _HALF]
@@ -655,7 +490,7 @@ class Checkpointer:
             if not got[0]:
                 break
             gen = got[3] * _HALF + got[4]
-            name = _stem(got[1] * _HALF + got[2], gen - 1 if gen else None) + ".json"
+            name = file_stem(got[1] * _HALF + got[2], gen - 1 if gen else None) + ".json"
             loaded, why = None, ""
             try:
                 loaded = self._read(name)

@@ -8,6 +8,11 @@ size: the checkpoint records the epoch, the seed and the global sample cursor
 that cursor. The ``N mod G`` samples at the end of an epoch's permutation are not
 part of that epoch (as with ``drop_remainder``); the next epoch is a new permutation.
 
+This module is the one source of truth for that order: :func:`permutation` and :func:`step_share`
+(what rank ``r`` of ``w`` trains on at a step); the three-line API's sampler
+(``mselastic.trainer.elastic``) hands out exactly :func:`step_share`'s indices, and
+:class:`ElasticData`'s sampler deals the same positions through MindSpore's samplers.
+
 The split over ranks is MindSpore's own ``DistributedSampler(num_shards, shard_id,
 shuffle=False)`` over a ``SubsetSampler`` of the epoch's remaining positions: it
 deals them out round-robin, so rank ``r`` of ``w`` gets positions ``r, r+w, ...``
@@ -28,6 +33,17 @@ import numpy as np
 if TYPE_CHECKING:
     from mselastic.trainer.checkpoint import Resumed
     from mselastic.trainer.context import ElasticContext
+
+
+def permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The order of the data set in ``epoch``: the same on every rank, in every generation."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def step_share(order: np.ndarray, offset: int, global_batch: int, rank: int, world: int) -> list[int]:
+    """Rank ``rank`` of ``world``'s samples at step ``offset`` of an epoch whose order is ``order``:
+    positions ``offset*G + rank, offset*G + rank + world, ...`` of the step's ``G`` positions."""
+    return [int(i) for i in order[offset * global_batch + rank: (offset + 1) * global_batch: world]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +82,7 @@ class ElasticData:
         return Position(m.epoch, m.cursor, m.seed)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return permutation(self.seed, epoch, self.num_samples)
 
     def steps_left(self, pos: Position) -> int:
         """Steps left in the position's epoch."""

@@ -68,8 +68,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from mselastic.core import contract
-from mselastic.trainer.checkpoint import Checkpointer, Resumed, host_copy, rng_state
+from mselastic.trainer.checkpoint import Checkpointer, Resumed
+from mselastic.trainer.tensors import host_copy, rng_state
 from mselastic.trainer.context import ElasticContext, joining
+from mselastic.trainer.data import permutation, step_share
 
 log = logging.getLogger("mselastic.trainer")
 
@@ -117,7 +119,7 @@ class _Stream:
             epoch, offset = divmod(k, spe)
             if order is None or order[0] != epoch:
                 order = (epoch, permutation(self.seed, epoch, self.num_samples))
-            share = [int(i) for i in order[1][offset * g + self.rank: (offset + 1) * g: self.world]]
+            share = step_share(order[1], offset, g, self.rank, self.world)
             if record is not None:
                 record.write(json.dumps({"step": k + 1, "rank": self.rank, "world": self.world,
                                          "generation": self.generation, "ids": share}) + "\n")
@@ -133,11 +135,6 @@ class _Stream:
             return None
         os.makedirs(self.record, exist_ok=True)
         return open(os.path.join(self.record, f"samples_g{self.generation}_r{self.rank}.jsonl"), "a")
-
-
-def permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
-    """The order of the data set in ``epoch``: the same on every rank, in every generation."""
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
 def _sampler(stream: _Stream) -> Any:
