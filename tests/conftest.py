@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     now, at the lowest CPU and I/O priority (see :mod:`tests.systemd_image`)."""
     from tests import systemd_image
 
-    if not any(item.nodeid.startswith("tests/test_systemd.py") for item in items):
+    if not any(item.nodeid.startswith("tests/integration/test_systemd.py") for item in items):
         return
     if systemd_image.cannot_boot() or systemd_image.ready():
         return

@@ -169,10 +169,10 @@ def elasticd_cmd(node_id: str, etcd: str, port: int, work_dir: str, namespace: s
                  insecure: bool = False, warm_standbys: bool = False) -> list[str]:
     """An elasticd for tests: no config file, metrics only when asked (several share a host).
     Workers run as root, said explicitly (pytest's temporary directories are private to root);
-    ``tests/test_e2e.py`` runs them as nobody. Several nodes on loopback without TLS reach each
+    ``tests/integration/test_e2e.py`` runs them as nobody. Several nodes on loopback without TLS reach each
     other in plaintext, which takes ``insecure`` (as it would on a network). Standby workers (the
     production default) only where asked: the fault matrix and the world-size changes
-    (``tests/test_faults.py``, ``tests/test_elastic.py``), whose relaunches are then warm as in
+    (``tests/integration/test_faults.py``, ``tests/integration/test_elastic.py``), whose relaunches are then warm as in
     production. A job's standbys are forked from one server per node that imports MindSpore
     once (~3 CPU-s, when the job starts training there): that is all they cost a test, and a
     test with a relaunch saves msrun's cold start (docs/journal/2026-12.md, "Forked standbys"). Before the
@@ -205,7 +205,7 @@ def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: i
                **overrides: Any) -> str:
     """Write a LeNet job spec (TOML); ``overrides`` replace or add fields. No snapshots between
     checkpoints unless asked (``snapshot_interval_steps``): most tests assert where a relaunch
-    resumes from the checkpoints alone; ``tests/test_snapshots.py`` and the trainer API's tests turn
+    resumes from the checkpoints alone; ``tests/integration/test_snapshots.py`` and the trainer API's tests turn
     them on."""
     fields: dict[str, Any] = dict(
         name=name, script=LENET,

@@ -3,7 +3,7 @@
 :class:`Generation` observes (process states, exit codes, the ranks' beats, msrun's log, the
 warm scheduler) and acts; what the look means is decided here, by :func:`judge`, which reads no
 clock, no ``/proc`` and no socket, so every rule of the failure matrix is tested as a table
-(``tests/test_verdict.py``) without starting a process.
+(``tests/unit/test_verdict.py``) without starting a process.
 """
 
 from __future__ import annotations

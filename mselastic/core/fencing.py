@@ -31,7 +31,7 @@ The rule (the proof is in docs/DESIGN.md, "Fencing: one rule for both sides"):
 Whatever a member saw, it has stopped training ``outage_grace_s`` after its lease, plus one
 round; the leader waits that long (with the drift) after it sees the lease gone, which it can
 only see after the lease is gone. So the two generations never overlap, for every pattern of
-reachability (``tests/test_fencing.py`` enumerates them, with
+reachability (``tests/unit/test_fencing.py`` enumerates them, with
 partitions that change, flap and heal, and agents that pause).
 """
 

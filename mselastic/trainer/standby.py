@@ -29,7 +29,7 @@ server's other threads are not copied. Importing MindSpore 2.10 on CPU starts on
 OpenBLAS thread server (``blas_thread_server``, seen with gdb), which shuts its threads down
 before a fork and starts them again when needed (its ``pthread_atfork`` handler). The scheduler,
 training, datasets, checkpoints and the CPU collectives run in forked standbys in every warm test
-(``tests/test_warm.py``, ``tests/test_faults.py``, ``tests/test_elastic.py``).
+(``tests/integration/test_warm.py``, ``tests/integration/test_faults.py``, ``tests/integration/test_elastic.py``).
 
 Until the handover it runs at nice ``WAIT_NICE`` (19), when it may go back (CAP_SYS_NICE, or
 an ``RLIMIT_NICE`` allowing its old value: the unit's ``LimitNICE=+0``): the replacements started
@@ -37,7 +37,7 @@ right after a relaunch import MindSpore on the cores the new generation trains o
 more than the relaunch itself (``make bench-goodput``). Handed a generation, every thread of it
 goes back to the nice value it was started with. Nice weighs threads within one scheduling group:
 where the kernel's autogroups apply (every session its own group) it does not hold a standby back
-against the ranks (docs/journal/2026-12.md, "... (fourth part)").
+against the ranks (docs/DESIGN.md, "Performance model"; the measurements in the journal).
 
 The kernel's view of its environment (``/proc/<pid>/environ``, what the agent, operators' tools
 and the tests read to tell which generation a process is of) is the one it was started with. The

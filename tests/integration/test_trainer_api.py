@@ -19,7 +19,7 @@ from mselastic.store.embedded import free_port
 from tests.cluster import Cluster
 from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, check_history, elasticctl, lenet_spec, msrun_done, \
     params, rank_steps, still_running, wait_for, worker_pids
-from tests.test_elastic import WORLD_CHANGE_ATOL, check_exactly_once, committed_samples
+from tests.integration.test_elastic import WORLD_CHANGE_ATOL, check_exactly_once, committed_samples
 
 CLASSIC = os.path.join(REPO, "examples", "classic")
 MODEL = os.path.join(REPO, "examples", "model", "train.py")

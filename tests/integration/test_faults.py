@@ -189,7 +189,7 @@ def test_a_rank_death_msrun_reports_first_is_still_blamed_on_the_rank(cluster: C
     scheduler to wait for). Once the agent runs again it names rank 1 and how it died, which only
     msrun's log still tells ("killed by SIGKILL"; before: "exit status not seen"). (The rank is
     found dead by its known pid; a rank whose pid was never learned is blamed through msrun's log,
-    tests/test_supervisor.py.)"""
+    tests/integration/test_supervisor.py.)"""
     cluster.up(2)
     cluster.start_nodes(0, 1)
     out = os.path.join(cluster.tmp, "out")

@@ -1,0 +1,1 @@
+"""Integration tests: real etcd, msrun, MindSpore workers, signals, network namespaces."""
