@@ -3,6 +3,7 @@ place to say what a small, valid one looks like."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mselastic.core.model import GenerationReport, JobStatus, Member, NodeRecord, Plan
@@ -30,12 +31,21 @@ def plan_on(*ids: int, generation: int = 1, restarts: int = 0, spec: JobSpec = S
     return make_plan(spec, [node(i) for i in ids], generation, restarts, "t", None, PortRange())
 
 
-def local_plan(job: str = "j", generation: int = 1, workers: int = 2, master_port: int = 1,
-               node_ids: tuple[str, ...] = ("n0",)) -> Plan:
-    """A plan of ``workers`` ranks on each of ``node_ids`` (127.0.0.<k+1>), master on the first."""
-    members = tuple(Member(n, k, workers, f"127.0.0.1:{k + 1}", f"127.0.0.{k + 1}") for k, n in enumerate(node_ids))
-    return Plan(job=job, generation=generation, members=members, world_size=workers * len(node_ids),
-                master_addr="127.0.0.1", master_port=master_port, restart_count=0, reason="t")
+def local_plan(job: str = "j", generation: int = 1, workers: int | tuple[int, ...] = 2, master_port: int = 1,
+               node_ids: tuple[str, ...] = ("n0",), world_size: int = 0, restart_count: int = 0) -> Plan:
+    """A plan of ``workers`` ranks on each of ``node_ids`` (or one count per node), node ``k`` at
+    127.0.0.<k+1> with its agent at 127.0.0.1:<k+1>, the master on the first; ``world_size``
+    overrides their sum."""
+    counts = workers if isinstance(workers, tuple) else (workers,) * len(node_ids)
+    members = tuple(Member(n, k, counts[k], f"127.0.0.1:{k + 1}", f"127.0.0.{k + 1}") for k, n in enumerate(node_ids))
+    return Plan(job=job, generation=generation, members=members, world_size=world_size or sum(counts),
+                master_addr="127.0.0.1", master_port=master_port, restart_count=restart_count, reason="t")
+
+
+def local_spec(folder: str, workers: int = 2, **fields: Any) -> JobSpec:
+    """Job "j" whose script is ``folder``/train.py and checkpoints ``folder``/c."""
+    return JobSpec(name="j", script=os.path.join(folder, "train.py"), checkpoint_dir=os.path.join(folder, "c"),
+                   workers_per_node=workers, **fields)
 
 
 def rep(i: int, state: GenerationState, generation: int = 1, rank: int = -1, at: float = 0.0,

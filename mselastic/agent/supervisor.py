@@ -17,6 +17,7 @@ import contextlib
 import enum
 import logging
 import os
+import subprocess
 import time
 import uuid
 from typing import Callable
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 #: CPU collective address exchange (``contract.NUDGE_SIGNAL``): it is nudged. The rest of ``init()``
 #: after the exchange takes a few milliseconds.
 NUDGE_AFTER_S = 0.1
+
+#: How long a launch's checks (:func:`preflight`: files on shared storage, the worker user's probes)
+#: may take before the launch fails on this node.
+PREFLIGHT_S = 60.0
 
 #: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
 #: reaches a rank busy in a step; a fast job makes several steps meanwhile).
@@ -162,10 +167,16 @@ class Generation:
         """Hand the generation to the standbys it was given (warm), else start msrun (cold). Anything
         that keeps it from starting (see :func:`preflight`, a master port in use on node_rank 0,
         msrun failing to spawn, a standby gone) fails it at once, with the reason."""
-        try:
-            preflight(self.spec, self.log_dir, MSRUN, self.user, self.allow_env)
+        try:  # (off the event loop: shared storage may hang, and leases are renewed there)
+            await asyncio.wait_for(asyncio.to_thread(preflight, self.spec, self.log_dir, MSRUN, self.user,
+                                                     self.allow_env), PREFLIGHT_S)
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
+            return
+        except (asyncio.TimeoutError, subprocess.TimeoutExpired):
+            await self._fail(-1, f"the launch's checks of {self.spec.script}, {self.spec.checkpoint_dir} and "
+                                 f"{self.log_dir} did not finish within {PREFLIGHT_S:.0f}s (storage not answering)",
+                             FailureCause.LAUNCH_NODE)
             return
         with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
             os.unlink(self.stop_file)

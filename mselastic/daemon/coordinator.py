@@ -17,7 +17,8 @@ that the job's status (and, for plans, the stored plan) is still the one the
 decision was made on (:mod:`~mselastic.daemon.statuses`): a ``stop`` or ``restart``
 written by the Control service meanwhile makes the write fail, and the next pass decides
 again from what is stored. What the leader records beside its decisions (progress,
-recovery times, pruning) is :mod:`~mselastic.daemon.history`'s; who may be counted on,
+recovery times, pruning) is :mod:`~mselastic.daemon.history`'s; applying a decision,
+:mod:`~mselastic.daemon.apply`'s; who may be counted on,
 :mod:`~mselastic.daemon.presence`'s; the pushes to the agents, :mod:`~mselastic.daemon.agents`'s.
 """
 
@@ -32,19 +33,18 @@ from typing import Awaitable
 from mselastic import metrics
 from mselastic.core import fencing
 from mselastic.core.waits import first
-from mselastic.core.model import CordonRecord, Event, FailureRecord, JobStatus, LeaderRecord, Plan
-from mselastic.core.kinds import EventKind, RelaunchReason
-from mselastic.core.model import MalformedRecord
+from mselastic.core.kinds import EventKind
+from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
 from mselastic.core.planner import Action, Decision, PortRange, decide
-from mselastic.core.states import FailureCause, JobState
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
 from mselastic.store.lease import Election, Term
 from mselastic.store.views import ClusterView, JobView, read_cluster
 from mselastic.daemon import admission
 from mselastic.daemon.agents import Agents
+from mselastic.daemon.apply import Applier
 from mselastic.daemon.history import History, Keep
-from mselastic.daemon.memo import PRUNE_EVERY_S, JobMemo
+from mselastic.daemon.memo import JobMemo
 from mselastic.daemon.presence import Presence
 from mselastic.daemon.statuses import Fenced, Statuses
 from mselastic.daemon.workqueue import WorkQueue
@@ -119,6 +119,8 @@ class Coordinator:
         self.statuses = Statuses(store)
         self.history = History(store, Keep(cfg.progress_interval_s, cfg.keep_events, cfg.keep_events_s),
                                self.statuses, self._memo)
+        self.applier = Applier(store, cfg, self.agents, self.statuses, self.history, self.presence, self._memo,
+                               self._not_inflight)
 
     # -- leadership ----------------------------------------------------------
 
@@ -246,9 +248,12 @@ class Coordinator:
             if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
                 admission.hold(held, view.name, decision.plan)
                 self._inflight[view.name] = decision.plan
-            self._start(view.name, self._apply(term, view, decision, slot_wait=for_slots))
+            self._start(view.name, self.applier.apply(term, view, decision, slot_wait=for_slots))
         self._queued = queued
         await self._finish_drains(term, cluster, held)
+
+    def _not_inflight(self, job: str) -> None:
+        self._inflight.pop(job, None)
 
     def _memo(self, job: str) -> JobMemo:
         return self._memos.setdefault(job, JobMemo())
@@ -365,204 +370,12 @@ class Coordinator:
                               tx.mod(k.status(job).encode()) == kv.mod_revision],
                              [tx.put(k.status(job).encode(), shown.to_json().encode())])
 
-    async def _apply(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool = False) -> None:
-        try:
-            await self._apply_decision(term, view, d, slot_wait)
-        finally:  # after the decision: housekeeping never holds a job's decision back
-            memo = self._memo(view.name)
-            if time.monotonic() - memo.pruned_at >= PRUNE_EVERY_S:
-                memo.pruned_at = time.monotonic()
-                try:
-                    await self.history.prune_events(term, view.name)
-                except (TemporaryError, PermanentError) as e:
-                    log.warning("events not pruned: %s", e, extra=dict(job=view.name))
-
-    async def _apply_decision(self, term: Term, view: JobView, d: Decision | None, slot_wait: bool) -> None:
-        if d is None:
-            if not view.status.state.terminal:
-                await self.statuses.set(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
-            await self._restop(view, grace_s=10.0)
-            return
-        assert view.spec is not None
-        if view.status.state.terminal:
-            await self.history.note_recovery(term, view)  # a job may end before its recovery was recorded
-            await self.history.note_stopped_at(term, view)
-            await self._restop(view, view.spec.stop_grace_period_s)
-            return
-        if d.action is Action.LAUNCH:
-            assert d.plan is not None
-            if d.plan.planned and view.plan is not None:
-                # The step the running generation stops at goes in the plan: the members that go on
-                # read it from their Launch, the dropped ones from their Stop; all the ranks stop there.
-                at = await self.agents.stop_step(view.name, view.plan.generation,
-                                                 {m.node_id: m.agent_address for m in view.plan.members})
-                d = dataclasses.replace(d, plan=dataclasses.replace(d.plan, stop_previous_at_step=at))
-            await self._commit_plan(term, view, d)
-        elif d.action is Action.SUCCEED:
-            await self.statuses.set(term, view, JobState.SUCCEEDED, d.reason)
-        elif d.action is Action.FAIL:
-            if await self.statuses.set(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d),
-                                      decision=d) and view.plan is not None:
-                # After a fault (restarts exhausted) the collective is broken, as at a relaunch: the
-                # ranks left could not reach a step to checkpoint at, and a grace period would only
-                # hold the node's slots (a job waiting for them) for nothing. Killed at once.
-                grace = 0.0 if d.fault is not None or d.lost_nodes else view.spec.stop_grace_period_s
-                await self.agents.stop(view.name, view.plan.generation, grace,
-                                       {m.node_id: m.agent_address for m in view.plan.members})
-        elif d.action is Action.WAIT:
-            # A wait for slots other jobs hold is a queue, not a shortage of nodes: not timed.
-            state = JobState.PENDING if view.plan is None else JobState.RESTARTING
-            since = 0.0 if slot_wait else (view.status.waiting_since or time.time())
-            if (view.status.state, view.status.message, bool(view.status.waiting_since)) != (
-                    state, d.reason, bool(since)):
-                await self.statuses.set(term, view, state, d.reason, failure=self._failure(view, d),
-                                       waiting_since=since, decision=d)
-        else:
-            await self.history.note_recovery(term, view)
-            await self._note(term, view, d)
-            await self.history.note_progress(term, view)
-            await self._repush(term, view)
-
-    async def _note(self, term: Term, view: JobView, d: Decision) -> None:
-        """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
-        old = view.status
-        if view.plan is None or old.state.terminal or (old.note, old.scale_up_nodes, old.scale_up_since) == (
-                d.note, d.scale_up_nodes, d.scale_up_since):
-            return
-        status = dataclasses.replace(self.statuses.compose(view, old.state, old.message, old.last_failure),
-                                     note=d.note, scale_up_nodes=d.scale_up_nodes, scale_up_since=d.scale_up_since)
-        event = Event(at=time.time(), kind=EventKind.NOTE, generation=view.plan.generation, message=d.note or "note cleared")
-        await self.statuses.write(term, view, status, event if d.note != old.note else None)
-
-    def _failure(self, view: JobView, d: Decision) -> FailureRecord | None:
-        if view.plan is None or (d.fault is None and not d.lost_nodes):
-            return view.status.last_failure
-        if d.fault is not None:
-            return FailureRecord(generation=view.plan.generation, node_id=d.fault.node_id, rank=d.fault.failed_rank,
-                                 reason=d.fault.reason, detected_at=d.fault.detected_at, cause=d.fault.cause)
-        return FailureRecord(generation=view.plan.generation, node_id=",".join(d.lost_nodes), rank=-1,
-                             reason="node lost (lease expired)", detected_at=time.time(), cause=FailureCause.NODE_LOST)
-
-    async def _commit_plan(self, term: Term, view: JobView, d: Decision) -> None:
-        assert d.plan is not None and view.spec is not None
-        k, tx = self.store.keys, self.store.tx
-        failure = self._failure(view, d)
-        status = self.statuses.compose(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
-        self.statuses.wrote(status)
-        # Why each lost member may be replaced (the fencing rule that let this leader go on without it).
-        fenced = "".join(f"; {n}: {v.reason}" for n in d.lost_nodes
-                         if (v := self.presence.verdict(n)) is not None and v.act)
-        event = Event(at=time.time(), kind=EventKind.PLANNED if d.plan.planned else EventKind.GENERATION, generation=d.plan.generation,
-                      message=f"generation {d.plan.generation} on {', '.join(m.node_id for m in d.plan.members)}"
-                              f" (world size {d.plan.world_size}, master port {d.plan.master_port}): {d.reason}{fenced}",
-                      node_id=d.fault.node_id if d.fault else "", rank=d.fault.failed_rank if d.fault else -1,
-                      detected_at=failure.detected_at if failure and (d.fault or d.lost_nodes) else 0.0)
-        plan_key = k.plan(view.name).encode()
-        compare = [term.guard(self.store),
-                   tx.mod(plan_key) == (view.plan_kv.mod_revision if view.plan_kv else 0),
-                   self.statuses.unchanged(view)]
-        # A pass reads two generations' reports, a restarting elasticd all of them: keep the newest few.
-        old_reports = (k.reports(view.name, 0), k.reports(view.name, max(d.plan.generation - self.cfg.keep_report_generations, 0)))
-        ok = await self.store.txn(compare, [
-            tx.put(plan_key, d.plan.to_json().encode()),
-            tx.put(k.plan_history(view.name, d.plan.generation).encode(), d.plan.to_json().encode()),
-            tx.put(k.status(view.name).encode(), status.to_json().encode()),
-            tx.put(k.event(view.name, time.time_ns()).encode(), event.to_json().encode()),
-            tx.delete(old_reports[0].encode(), old_reports[1].encode()),
-        ])
-        if not ok:
-            self._inflight.pop(view.name, None)
-            await self.statuses.check_leader(term)
-            # The watch brings the change that made the compare fail, and with it the next pass.
-            log.info("plan or status changed under us (a stop, a restart, another pass); the next pass decides "
-                     "again", extra=dict(job=view.name, generation=d.plan.generation))
-            return
-        log.info("committed generation %d: %s", d.plan.generation, d.reason,
-                 extra=dict(job=view.name, generation=d.plan.generation))
-        if failure is not None and (d.fault or d.lost_nodes):
-            self._memo(view.name).relaunched[d.plan.generation] = time.monotonic()
-        metrics.GENERATIONS.labels(view.name).inc()
-        if view.plan is not None:
-            metrics.RESTARTS.labels(view.name, (d.kind or RelaunchReason.INITIAL).value).inc()
-        # Planned: every rank of the running generation is asked (SIGTERM) to checkpoint at the plan's
-        # stop step, so the members being dropped and the ones relaunched are told at the same time.
-        # After a fault there is nothing to save: kill at once.
-        grace = view.spec.stop_grace_period_s if d.plan.planned else 0.0
-        dropped = {m.node_id: m.agent_address for m in (view.plan.members if view.plan else ())
-                   if d.plan.member(m.node_id) is None}
-        self._mark_pushed(d.plan)
-        stops = self.agents.stop(view.name, view.plan.generation, grace, dropped, d.plan.stop_previous_at_step) \
-            if view.plan and dropped else None
-        launch = asyncio.ensure_future(self.agents.launch(d.plan, extra_timeout_s=grace))
-        await asyncio.gather(launch, *([stops] if stops else []))
-        self._note_denials(d.plan, launch.result())
-
-    async def _repush(self, term: Term, view: JobView) -> None:
-        """Push the committed plan again to members that have not reported on it (missed push);
-        fail the job when a member's agent has refused it for good for ``denied_push_fail_s``."""
-        plan = view.plan
-        if plan is None or view.status.state.terminal or view.spec is None:
-            return
-        reports = view.current_reports()
-        now = time.monotonic()
-        memo = self._memo(view.name)
-        for m in plan.members:
-            since, why = memo.denied.get((plan.generation, m.node_id), (now, ""))
-            if why and m.node_id not in reports and now - since >= self.cfg.denied_push_fail_s:
-                message = (f"node {m.node_id} refused generation {plan.generation} for {now - since:.0f} s "
-                           f"({why}); resubmit once its configuration is fixed")
-                if await self.statuses.set(term, view, JobState.FAILED, message):
-                    await self.agents.stop(view.name, plan.generation, view.spec.stop_grace_period_s,
-                                           {m.node_id: m.agent_address for m in plan.members})
-                return
-        missing = [m for m in plan.members if m.node_id not in reports
-                   and now - memo.pushed.get((plan.generation, m.node_id), 0) > self.cfg.repush_after_s]
-        if missing:
-            self._mark_pushed(plan, {m.node_id for m in missing})
-            self._note_denials(plan, await self.agents.launch(plan, only={m.node_id for m in missing}))
-
-    def _note_denials(self, plan: Plan, answers: dict[str, str]) -> None:
-        """Remember since when each member's agent refuses the pushes for good (see ``_repush``)."""
-        now, memo = time.monotonic(), self._memo(plan.job)
-        memo.denied = {k: v for k, v in memo.denied.items() if k[0] == plan.generation}
-        for node_id, why in answers.items():
-            key = (plan.generation, node_id)
-            if not why:
-                memo.denied.pop(key, None)
-            elif key not in memo.denied:
-                memo.denied[key] = (now, why)
-
-    async def _restop(self, view: JobView, grace_s: float) -> None:
-        """A job that is over but whose generation still starts, runs or stops somewhere (by the
-        reports): its Stop was lost (an agent was unreachable for a moment). Send it again, to those
-        nodes only, at most every ``repush_after_s``."""
-        now, restopped = time.monotonic(), self._memo(view.name).restopped
-        for generation, reps in view.reports.items():
-            nodes = {}
-            for node_id, rep in reps.items():
-                member = view.plan.member(node_id) if view.plan else None
-                key = (generation, node_id)
-                if rep.state.terminal or member is None or now - restopped.get(key, 0.0) < self.cfg.repush_after_s:
-                    continue
-                restopped[key] = now
-                nodes[node_id] = member.agent_address
-            if nodes:
-                log.warning("stopping generation %d again on %s: the job is %s", generation, ", ".join(sorted(nodes)),
-                            view.status.state.value, extra=dict(job=view.name, generation=generation))
-                await self.agents.stop(view.name, generation, grace_s, nodes)
-
     def forget(self, job: str) -> None:
         """A deleted job: drop what this leader keeps about it, and its metrics."""
         self._memos.pop(job, None)
         self.queue.forget(job)
         self._queued.discard(job)
         metrics.forget_job(job)
-
-    def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:
-        now, pushed = time.monotonic(), self._memo(plan.job).pushed
-        for m in plan.members:
-            if only is None or m.node_id in only:
-                pushed[(plan.generation, m.node_id)] = now
 
     async def write_status(self, term: Term, view: JobView, status: JobStatus, event: Event | None) -> bool:
         """See :meth:`Statuses.write`."""

@@ -42,7 +42,8 @@ checkpoints are kept.
 
 The files' names, the manifest and the atomic writes are :mod:`mselastic.trainer.layout`'s; what
 a checkpoint holds of MindSpore's (parameters, dtypes, the random state),
-:mod:`mselastic.trainer.tensors`'s.
+:mod:`mselastic.trainer.tensors`'s; how the ranks agree on the one to resume from,
+:mod:`mselastic.trainer.agreement`'s.
 """
 
 from __future__ import annotations
@@ -61,18 +62,13 @@ import zlib
 from typing import Any, NoReturn
 
 from mselastic.core.contract import LATEST_CHECKPOINT
+from mselastic.trainer import agreement
 from mselastic.trainer.layout import MANIFEST, Manifest, Resumed, file_stem, fsync_file, sha256, write_atomic
 from mselastic.trainer.tensors import as_tensors, host_copy, numpy_dtype, parameters_of, rng_state
 
 log = logging.getLogger("mselastic.trainer")
-#: Candidates rank 0 proposes, newest first, before the ranks give up agreeing on one.
-MAX_CANDIDATES = 8
-#: Steps and generations travel through the (float32) allreduce as two halves below 2**20: exact.
-_HALF = 1 << 20
 #: A snapshot is written (and its CRC computed) this many bytes at a time.
 _CHUNK = 1 << 20
-#: Errors that make a checkpoint unusable (the next older one is tried).
-_UNUSABLE = (OSError, ValueError, TypeError, RuntimeError, KeyError)
 
 
 class Checkpointer:
@@ -350,7 +346,7 @@ class Checkpointer:
             if not self._publish(stem + ".json"):
                 raise ValueError("a newer generation owns the folder")
             fsync_file(self.dir)
-        except _UNUSABLE as e:
+        except agreement.UNUSABLE as e:
             for litter in (tmp, tmp[: -len(".ckpt")] + ".tmp"):  # (MindSpore writes <name>.tmp first)
                 with contextlib.suppress(OSError):
                     os.remove(litter)
@@ -434,7 +430,7 @@ class Checkpointer:
 
     def _read(self, name: str) -> tuple[Manifest, dict[str, Any]]:
         """The manifest ``name`` and its parameters, checked (job, size, sha256, CRC); raises one of
-        ``_UNUSABLE``."""
+        ``agreement.UNUSABLE``."""
         import mindspore as ms
 
         with open(os.path.join(self.dir, name)) as f:
@@ -467,7 +463,7 @@ class Checkpointer:
         for name in order:
             try:
                 return self._resumed(*self._read(name), skipped)
-            except _UNUSABLE as e:
+            except agreement.UNUSABLE as e:
                 log.warning("checkpoint %s unusable (%s); trying the previous one", name, e)
                 skipped.append((name, str(e)))
         if skipped:
@@ -475,36 +471,16 @@ class Checkpointer:
         return None
 
     def _load_agreed(self, order: list[str]) -> Resumed | None:
-        """Rank 0 proposes, every rank tries, the first checkpoint all of them loaded is taken."""
-        ctx, world = self.ctx, self.ctx.world_size
-        seen = ctx.allreduce([1.0 if order else 0.0])[0]
-        skipped: list[tuple[str, str]] = []
-        for i in range(MAX_CANDIDATES):
-            proposal = [0.0] * 5
-            if self.rank == 0 and i < len(order):
-                found = MANIFEST.match(order[i])
-                assert found is not None
-                step, gen = int(found.group(1)), int(found.group(2)) + 1 if found.group(2) else 0
-                proposal = [1.0, step // _HALF, step % _HALF, gen // _HALF, gen % _HALF]
-            got = [int(v) for v in ctx.allreduce(proposal)]
-            if not got[0]:
-                break
-            gen = got[3] * _HALF + got[4]
-            name = file_stem(got[1] * _HALF + got[2], gen - 1 if gen else None) + ".json"
-            loaded, why = None, ""
-            try:
-                loaded = self._read(name)
-            except _UNUSABLE as e:
-                why = str(e) or type(e).__name__
-                log.warning("rank %d cannot load checkpoint %s (%s): the ranks try the previous one", self.rank, name, why)
-            ok = int(ctx.allreduce([1.0 if loaded else 0.0])[0])
-            if ok == world and loaded is not None:
-                return self._resumed(*loaded, skipped)
-            skipped.append((name, f"rank {self.rank}: {why}" if why else f"{world - ok} of {world} rank(s) could not "
-                                                                          f"load it"))
+        """Rank 0 proposes, every rank tries, the first checkpoint all of them loaded is taken
+        (:func:`mselastic.trainer.agreement.agree`)."""
+        assert self.ctx is not None
+        world = self.ctx.world_size
+        loaded, skipped, seen = agreement.agree(self.ctx.allreduce, self.rank, world, order, self._read)
+        if loaded is not None:
+            return self._resumed(*loaded, skipped)
         if seen:
             if not skipped:
-                skipped.append(("-", f"rank 0 sees no checkpoint of the job, {int(seen)} of {world} rank(s) do: "
+                skipped.append(("-", f"rank 0 sees no checkpoint of the job, {seen} of {world} rank(s) do: "
                                      f"checkpoint_dir is not the same directory on every node"))
             self._none_usable(skipped)
         return None

@@ -19,9 +19,9 @@ from mselastic.agent import observe, procs
 from mselastic.agent.launch import open_own, reachable, spawn_as_worker
 from mselastic.agent.preflight import LaunchError, preflight
 from mselastic.agent.supervisor import Generation
-from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState
+from tests.builders import local_plan, local_spec
 from tests.harness import wait_for
 
 
@@ -31,10 +31,7 @@ def test_busy_master_port_fails_the_generation_without_starting_msrun(tmp_path: 
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        plan = Plan(job="j", generation=4, members=(Member("n0", 0, 2, "127.0.0.1:1", "127.0.0.1"),),
-                    world_size=2, master_addr="127.0.0.1", master_port=port, restart_count=0, reason="t")
-        spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
-                       workers_per_node=2)
+        plan, spec = local_plan(generation=4, master_port=port), local_spec(tmp)
         open(spec.script, "w").close()
         changes: list[GenerationState] = []
 
@@ -118,10 +115,7 @@ def test_mindspore_heartbeats_every_second_unless_the_job_or_the_admin_says_othe
     tmp = str(tmp_path)
 
     def env(world: int, job_env: dict[str, str]) -> dict[str, str]:
-        plan = Plan(job="j", generation=1, members=(Member("n0", 0, 2, "127.0.0.1:1", "127.0.0.1"),),
-                    world_size=world, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
-        spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
-                       workers_per_node=2, env=job_env)
+        plan, spec = local_plan(world_size=world), local_spec(tmp, env=job_env)
         return Generation(plan, spec, "n0", tmp, lambda g, urgent: None).launch_env.env()
 
     fast = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
@@ -195,11 +189,7 @@ def test_a_worker_death_only_msruns_log_tells_is_blamed_on_its_rank(tmp_path: os
     pid was never learned. A pid still running, or a log that names no rank of ours (msrun failed by
     itself), blames none; what the worker user puts at the log's path is not read."""
     tmp = str(tmp_path)
-    plan = Plan(job="j", generation=2, members=(Member("n0", 0, 1, "127.0.0.1:1", "127.0.0.1"),
-                                                Member("n1", 1, 2, "127.0.0.1:2", "127.0.0.2")),
-                world_size=3, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
-    spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
-                   workers_per_node=2)
+    plan, spec = local_plan(generation=2, workers=(1, 2), node_ids=("n0", "n1")), local_spec(tmp)
     gen = Generation(plan, spec, "n1", tmp, lambda g, urgent: None)
     os.makedirs(gen.log_dir)
     log = os.path.join(gen.log_dir, "msrun.log")
@@ -295,10 +285,7 @@ def test_a_rank_killed_from_outside_is_seen_at_once_not_at_the_watchs_next_look(
     its signal, within a second; its launch (a stand-in for msrun, the rank's parent) is stopped,
     and the pidfds are closed."""
     tmp = str(tmp_path)
-    plan = Plan(job="j", generation=2, members=(Member("n0", 0, 1, "127.0.0.1:1", "127.0.0.1"),),
-                world_size=1, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
-    spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
-                   workers_per_node=1)
+    plan, spec = local_plan(generation=2, workers=1), local_spec(tmp, workers=1)
     held = _pidfds()
 
     async def run() -> tuple[Generation, float, int]:

@@ -27,11 +27,12 @@ from mselastic.agent.launch import spawn_standby
 from mselastic.agent.launch_env import PER_GENERATION_ENV
 from mselastic.agent.supervisor import Generation
 from mselastic.core import contract
-from mselastic.core.model import Member, Plan
+from mselastic.core.model import Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
+from tests.builders import local_plan
 from tests.harness import REFUSED, REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, \
     lenet_spec, ms_stamps, start_node, thread_policies, thread_stats, wait_for, generation_processes, worker_pids
 
@@ -39,9 +40,7 @@ JOB = "lenet"
 
 
 def plan(generation: int, port: int, workers: int = 2) -> Plan:
-    return Plan(job="j", generation=generation, members=(Member("n0", 0, workers, "127.0.0.1:1", "127.0.0.1"),),
-                world_size=workers, master_addr="127.0.0.1", master_port=port, restart_count=generation - 1,
-                reason="t")
+    return local_plan(generation=generation, workers=workers, master_port=port, restart_count=generation - 1)
 
 
 def test_the_kernels_view_of_a_handed_over_environment_is_the_generations() -> None:

@@ -16,9 +16,8 @@ from mselastic.agent.supervisor import Generation
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.batching import batch_layout
-from mselastic.core.model import Member, Plan
-from mselastic.core.spec import JobSpec
 from mselastic.trainer.context import ElasticContext
+from tests.builders import local_plan, local_spec
 
 
 def context(stop_file: str, interval: int = 1000) -> ElasticContext:
@@ -126,12 +125,8 @@ def test_a_signalled_rank_counts_at_the_backstop_before_its_named_step(tmp_path:
 
 
 def generation(tmp: str, members: int = 1) -> Generation:
-    plan = Plan(job="j", generation=3, members=tuple(Member(f"n{i}", i, 2, f"127.0.0.1:{i + 1}", "127.0.0.1")
-                                                     for i in range(members)),
-                world_size=2 * members, master_addr="127.0.0.1", master_port=1, restart_count=0, reason="t")
-    spec = JobSpec(name="j", script=os.path.join(tmp, "train.py"), checkpoint_dir=os.path.join(tmp, "c"),
-                   workers_per_node=2)
-    return Generation(plan, spec, "n0", tmp, lambda g, urgent: None)
+    plan = local_plan(generation=3, node_ids=tuple(f"n{i}" for i in range(members)))
+    return Generation(plan, local_spec(tmp), "n0", tmp, lambda g, urgent: None)
 
 
 def test_the_agent_names_a_step_ahead_of_its_ranks_and_writes_it_for_the_worker_user(
