@@ -37,7 +37,7 @@ from mselastic.core import fencing
 from mselastic.core.waits import first
 from mselastic.core.model import JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import GenerationState
+from mselastic.core.states import FailureCause, GenerationState
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
 from mselastic.tls import TlsFiles
@@ -76,6 +76,8 @@ class AgentConfig:
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
 #: before the registration is revoked (well within the unit's TimeoutStopSec at the default grace).
 SHUTDOWN_MARGIN_S = 20.0
+#: On a planned shutdown, how long the final reports may take to reach etcd.
+SHUTDOWN_REPORT_S = 5.0
 
 
 class _StallGuard:
@@ -122,6 +124,9 @@ class NodeAgent:
         self._background: set[asyncio.Task[None]] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
+        self._written: dict[tuple[str, int], str] = {}  # the last report written of each generation
+        #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
+        self._shutting_down = False
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -223,8 +228,11 @@ class NodeAgent:
         with _StallGuard(self, fencing.watchdog_s(self.cfg.lease_ttl_s)):
             if not await self._workers_gone(wait):
                 log.error("workers still running %.0fs into the shutdown; killing them", wait, extra=self._ctx)
-                await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True)
+                await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True,
+                                              cause=FailureCause.AGENT_SHUTDOWN)
                                        for g in self.generations.values() if not g.done.is_set()))
+        if self._shutting_down:
+            await self._flush_reports(SHUTDOWN_REPORT_S)
         await lease.release()
 
     async def _guard_shutdown(self, lease: KeptLease) -> None:
@@ -492,7 +500,8 @@ class NodeAgent:
                 # (its Launch not here yet): the step the other members stop at is in that plan.
                 stop_at = await self._successor_stop_step(job, gen.plan.generation) if generation and grace_s > 0 \
                     else 0
-            left = await gen.stop(grace_s, stop_at, reason)
+            left = await gen.stop(grace_s, stop_at, reason,
+                                  cause=FailureCause.AGENT_SHUTDOWN if self._shutting_down else FailureCause.NONE)
             self._changed(gen)
             return left
 
@@ -505,9 +514,12 @@ class NodeAgent:
             return 0
         return plan.stop_previous_at_step if plan is not None and plan.generation == generation + 1 else 0
 
-    async def stop_all(self, grace_s: float, reason: str = "") -> list[int]:
-        """Stop every job's generation, side by side: each gets the whole grace."""
-        lefts = await asyncio.gather(*(self.stop(job, 0, grace_s, reason=reason) for job in list(self.generations)))
+    async def shut_down(self, grace_s: float) -> list[int]:
+        """elasticd is stopping on request: stop every job's generation side by side, each with
+        the whole grace (the ranks checkpoint at a step first), reported as a planned stop
+        (AGENT_SHUTDOWN: no fault of the job or the node). Returns the pids left."""
+        self._shutting_down = True
+        lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)))
         return [pid for left in lefts for pid in left]
 
     def _tell_peers_joined(self, gen: Generation) -> None:
@@ -569,29 +581,48 @@ class NodeAgent:
         Progress (a beat every step) is written at most once per ``report_interval_s``;
         state changes (first step, failure, success) are written at once.
         """
-        last: dict[tuple[str, int], str] = {}
         while not stop.is_set():
             await self._wake.wait()
             self._wake.clear()
             self._urgent.clear()
-            for key, gen in sorted(self._dirty.items()):
-                del self._dirty[key]
-                rep = gen.report()
-                body = rep.to_json()
-                if last.get(key) == body:
-                    continue
-                try:
-                    await self.store.put(self.store.keys.report(key[0], key[1], self.cfg.node_id), body)
-                    last = {k: v for k, v in last.items() if k[0] != key[0] or k[1] >= key[1] - 1}
-                    last[key] = body
-                except (TemporaryError, PermanentError) as e:
-                    log.warning("report not written (%s); will retry", e, extra=self._ctx)
-                    self._dirty.setdefault(key, gen)
-                    self._wake.set()
+            await self._write_reports()
             try:
                 await asyncio.wait_for(self._urgent.wait(), timeout=self.cfg.report_interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def _write_reports(self) -> None:
+        """Write the reports changed since the last time (a failed write is kept for the next)."""
+        last = self._written
+        for key in sorted(self._dirty):
+            gen = self._dirty.pop(key, None)
+            if gen is None:  # (written meanwhile by the final flush)
+                continue
+            rep = gen.report()
+            body = rep.to_json()
+            if last.get(key) == body:
+                continue
+            try:
+                await self.store.put(self.store.keys.report(key[0], key[1], self.cfg.node_id), body)
+                last = self._written = {k: v for k, v in last.items() if k[0] != key[0] or k[1] >= key[1] - 1}
+                last[key] = body
+            except (TemporaryError, PermanentError) as e:
+                log.warning("report not written (%s); will retry", e, extra=self._ctx)
+                self._dirty.setdefault(key, gen)
+                self._wake.set()
+
+    async def _flush_reports(self, within_s: float) -> None:
+        """On a planned shutdown, once the workers are gone: their final reports (stopped, and at
+        which step) reach etcd before the registration goes, so that the restart is not taken for a
+        crash. Bounded: etcd may be away (the successor then closes them as a crash's)."""
+        try:
+            await asyncio.wait_for(self._write_reports(), within_s)
+        except asyncio.TimeoutError:
+            log.warning("final reports not written within %.0fs: the restart counts as a crash", within_s,
+                        extra=self._ctx)
+        if self._dirty:
+            log.warning("final reports of %s not written: the restart counts as a crash",
+                        ", ".join(f"{job} g{g}" for job, g in sorted(self._dirty)), extra=self._ctx)
 
     def status(self) -> list[Generation]:
         return list(self.generations.values())

@@ -57,7 +57,8 @@ def note_beat(rs: RankState, beat: Beat, now: float) -> None:
     reach(rs, len(Beat.PHASES), now)
     rs.last_beat = now
     rs.step = max(rs.step, beat.step)
-    rs.loss = beat.loss
+    if beat.kind == BeatKind.STEP or (beat.kind == BeatKind.FINISHED and beat.loss):
+        rs.loss = beat.loss  # (the other beats carry none: a stop's must not turn the last loss into 0)
     if beat.kind == BeatKind.START:
         rs.resumed_step = beat.resumed_step
     elif beat.kind == BeatKind.FATAL:

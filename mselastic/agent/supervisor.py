@@ -236,10 +236,12 @@ class Generation:
         self.started_mono = time.monotonic()  # the ranks' start-up timeout counts from the handover
         return True
 
-    async def stop(self, grace_s: float, stop_at: int = 0, reason: str = "", now: bool = False) -> list[int]:
+    async def stop(self, grace_s: float, stop_at: int = 0, reason: str = "", now: bool = False,
+                   cause: FailureCause = FailureCause.NONE) -> list[int]:
         """Stop every process of this generation. Returns leftovers. ``reason``: why, for the
-        report (else what the ranks' exits say). ``now``: kill at once, even ranks already
-        leaving and beside a planned stop under way (a fence must end within fencing.KILL_S).
+        report (else what the ranks' exits say); ``cause``: the report's cause (AGENT_SHUTDOWN:
+        elasticd is stopping on request). ``now``: kill at once, even ranks already leaving and
+        beside a planned stop under way (a fence must end within fencing.KILL_S).
 
         With ``grace_s`` > 0 (a planned stop) the ranks alone get SIGTERM first, after the step
         they stop at is in the stop file: ``stop_at``, which the coordinator chose for every
@@ -274,6 +276,11 @@ class Generation:
         if not self.state.terminal:
             self._drain_beats()
             self.exit_step = rank_rules.exit_step(self.ranks.values())
+            if self.exit_step >= 0:  # (the step they named may not be the one they reached: say which)
+                log.info("the ranks checkpointed at step %d and exited%s", self.exit_step,
+                         f" (asked to stop at step {self.stop_at})" if self.stop_at not in (0, self.exit_step) else "",
+                         extra=self._ctx)
+            self.cause = cause
             self._set(GenerationState.STOPPED, reason=reason or (self._exit_reason(asked=grace_s > 0)
                       if self.exit_step >= 0 else "stopped on request"))
         self._close()
@@ -310,7 +317,7 @@ class Generation:
             log.warning("stop step %d is not ahead of rank step %d: a rank already past it cannot stop there",
                         step, top, extra=self._ctx)
         else:
-            log.info("the ranks stop at step %d (highest step now %d)", step, top, extra=self._ctx)
+            log.info("the ranks are asked to stop at step %d (highest step now %d)", step, top, extra=self._ctx)
 
     async def _ask_ranks_to_stop(self, grace_s: float) -> None:
         self._signal_ranks()

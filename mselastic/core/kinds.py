@@ -23,6 +23,7 @@ class RelaunchReason(str, enum.Enum):
     SCALE_UP = "scale_up"
     SCALE_DOWN = "scale_down"
     RESTART = "restart"
+    ELASTICD_RESTART = "elasticd_restart"  # a member's elasticd was stopped on request (planned)
 
 
 class EventKind(str, enum.Enum):

@@ -17,6 +17,9 @@ Rules, in order:
    script or checkpoint_dir unusable) fails the job at once: a relaunch cannot help.
 4. Every member reported SUCCEEDED: the job succeeded.
 5. Waiting for ``min_nodes`` for longer than ``min_nodes_timeout_s``: fail the job.
+3a. Before that: a member whose elasticd was stopped on request (its report: AGENT_SHUTDOWN)
+   is no fault: a planned relaunch once enough members are registered (see
+   :func:`elasticd_restart`), counted neither as a restart nor against the node.
 6. A healthy generation asked to restart (``elasticctl restart``), with more members
    than ``max_nodes`` (``elasticctl scale``), with a member being drained, or with
    joined nodes that give a larger valid world size and no further join for
@@ -297,6 +300,27 @@ def mixed_resume(s: Situation) -> Decision | None:
                     kind=RelaunchReason.RANK_FAILURE)
 
 
+def elasticd_restart(s: Situation) -> Decision | None:
+    """A member's elasticd was stopped on request (SIGTERM, ``systemctl restart``): it stopped its
+    ranks at a step first and its report says so (AGENT_SHUTDOWN), then its registration went.
+    Not a fault: a planned relaunch on the members registered now (that node's own once it is
+    back), counted neither against ``max_restarts`` nor against the node. The other members' ranks,
+    which stopped at the same step (their SIGTERM), go along. Anything else failed or lost: a fault."""
+    if s.plan is None or not s.failed:
+        return None
+    shut = {r.node_id for r in s.failed if r.state is GenerationState.STOPPED
+            and r.cause is FailureCause.AGENT_SHUTDOWN}
+    along = all(r.state is GenerationState.STOPPED and r.cause in (FailureCause.AGENT_SHUTDOWN, FailureCause.SIGTERM)
+                for r in s.failed)
+    if not shut or not along or set(s.lost) - shut:
+        return None
+    reason = f"planned: elasticd stopped on request on {', '.join(sorted(shut))}"
+    if not s.spec.node_count(len(s.pool)):
+        return s.wait(f"{reason}; {_short(s.spec, len(s.pool))}")
+    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.ELASTICD_RESTART),
+                    kind=RelaunchReason.ELASTICD_RESTART)
+
+
 def relaunch_after_fault(s: Situation) -> Decision | None:
     """A member failed or is lost: blame a node (quarantine it after repeated blame), then
     relaunch as g+1 on the survivors in their order with joined nodes appended, cut to a valid
@@ -410,8 +434,8 @@ def scale_up(s: Situation) -> Decision:
 
 #: The planner's rules, in order (see the module docstring): the first step that returns a decision wins.
 STEPS: tuple[Callable[[Situation], Decision | None], ...] = (
-    first_launch, launch_error, cannot_go_on, mixed_resume, relaunch_after_fault, success, restart, scale_down,
-    drain, scale_up)
+    first_launch, launch_error, cannot_go_on, mixed_resume, elasticd_restart, relaunch_after_fault, success, restart,
+    scale_down, drain, scale_up)
 
 
 def _kind(fault: GenerationReport | None) -> RelaunchReason:

@@ -9,6 +9,7 @@ the field, so nothing half-valid ever reaches etcd.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -144,7 +145,9 @@ class JobSpec:
         known = {f.name: f for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:
-                raise SpecError(f"field {key!r:.80}: unknown field; known fields are {', '.join(sorted(known))}")
+                near = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise SpecError(f"field {key!r:.80}: unknown field; {hint}known fields are {', '.join(sorted(known))}")
         for required in ("name", "script", "checkpoint_dir"):
             if required not in data or data[required] in ("", None):
                 raise SpecError(f"field '{required}': required")

@@ -85,6 +85,9 @@ class FailureCause(enum.Enum):
     #: A rank said it cannot go on (no checkpoint every rank can load, the checkpoint directory full):
     #: relaunching would meet the same, the job fails with the reason.
     TRAINER_FATAL = "TRAINER_FATAL"
+    #: elasticd was stopped on request (SIGTERM, ``systemctl restart``) and stopped its ranks first,
+    #: at a step they checkpointed at: a planned restart, no fault of the job or the node.
+    AGENT_SHUTDOWN = "AGENT_SHUTDOWN"
 
 
 def check_job_transition(old: JobState, new: JobState) -> None:

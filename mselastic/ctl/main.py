@@ -7,7 +7,7 @@ Examples::
     elasticctl jobs -o yaml                    # every job, machine-readable
     elasticctl describe job lenet              # spec, members, generations, recent events
     elasticctl events lenet                    # the timeline: generations, faults, detection and recovery
-    elasticctl logs lenet --rank 1 -f          # a rank's log, streamed from the node that runs it
+    elasticctl logs lenet --rank 1 -f          # a rank's log from the node that runs it (--all: MindSpore's chatter too)
     elasticctl submit examples/lenet/job.toml  # validated here first: a bad field is named, nothing sent
     elasticctl stop lenet                      # ranks checkpoint a few steps ahead, then exit
     elasticctl restart lenet                   # checkpoint a few steps ahead, relaunch, resume there
@@ -26,9 +26,10 @@ may open it; an elasticd of your own: $XDG_RUNTIME_DIR/mselastic/elasticd.sock o
 ~/.mselastic/elasticd.sock), else 127.0.0.1:7070, where without a certificate one may only look.
 
 Exit codes: 0 done; 1 refused by the cluster (unknown job or node, job exists, wrong state,
-a role the caller does not have),
-or, for watch, the job ended other than SUCCEEDED; 2 bad arguments or a bad spec (nothing
-was sent); 3 no elasticd (or no elected leader) reachable.
+a role the caller does not have), or, for watch, the job ended other than SUCCEEDED; 2 bad
+arguments or a bad spec (nothing was sent); 3 no elasticd (or no elected leader) reachable;
+4 the endpoint answers but is not an elasticd (etcd's port, an HTTP server); 5 elasticd
+answered but cannot reach etcd.
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def _global_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoints", "--endpoint", dest="endpoints",
                    default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
                        ("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), "127.0.0.1:7070"),
-                   help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default "
+                   help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default: the "
+                        "local elasticd's socket when this user may open it, else 127.0.0.1:7070; here "
                         "%(default)s)")
     p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")
     p.add_argument("--cert", default=env("ELASTICCTL_CERT", ""), help="client certificate (PEM), with --key")
@@ -215,6 +217,9 @@ def _looking(cmd: _Command) -> None:
     s.add_argument("-f", "--follow", action="store_true",
                    help="keep streaming until the generation ends (waits up to 60 s for a generation still starting)")
     s.add_argument("--tail-bytes", type=_bounded(0, INT64_MAX), default=0, help="start this many bytes before the end")
+    s.add_argument("--all", action="store_true",
+                   help="also MindSpore's own [WARNING]/[INFO] lines (left out by default: most of a log, and some "
+                        "read like failures that are not)")
 
 def _job_actions(cmd: _Command) -> None:
     """Commands that start, stop and restart jobs."""
@@ -378,16 +383,45 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
     if local and c.node_id(local) == m.node_id:
         address = local  # this node's own agent: through the socket, where logs may be read
     stream = getattr(out, "buffer", None)
+    lines = LogLines(everything=a.all)
+
+    def write(data: bytes) -> None:
+        if stream is not None:
+            stream.write(data)
+            stream.flush()
+        else:
+            out.write(data.decode(errors="replace"))
+
     try:
         for chunk in c.agent_logs(address, request):
-            if stream is not None:
-                stream.write(chunk.data)
-                stream.flush()
-            else:
-                out.write(chunk.data.decode(errors="replace"))
+            write(lines.feed(chunk.data))
+        write(lines.end())
     except CtlError as e:
         raise CtlError(f"node {m.node_id}: {e}", e.code) from None
     return EXIT_OK
+
+
+#: MindSpore's own log lines below ERROR ("[WARNING] ME(7756:1400...,MainProcess):2026-...", "[INFO]
+#: DISTRIBUTED(...)"): most of a rank's log, and some read like failures that are not ("Topology
+#: build timed out., retry(1/360)"). ``elasticctl logs`` leaves them out unless ``--all``.
+MINDSPORE_CHATTER = re.compile(rb"^\[(?:WARNING|INFO|DEBUG)\] [A-Z_]+\(\d+[:,]")
+
+
+class LogLines:
+    """A rank's log as it streams in, whole lines only, MindSpore's chatter left out unless ``everything``."""
+
+    def __init__(self, everything: bool = False) -> None:
+        self.everything, self._rest = everything, b""
+
+    def feed(self, data: bytes) -> bytes:
+        if self.everything:
+            return data
+        *whole, self._rest = (self._rest + data).split(b"\n")
+        return b"".join(line + b"\n" for line in whole if not MINDSPORE_CHATTER.match(line))
+
+    def end(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return b"" if self.everything or MINDSPORE_CHATTER.match(rest) else rest
 
 
 def cmd_submit(c: Client, a: argparse.Namespace, out: Any) -> int:

@@ -22,6 +22,18 @@ from mselastic.v1 import elastic_pb2 as pb  # noqa: E402
 SHADES = ("#dbe9f6", "#f2f2f2")
 
 
+def steps_over_time(status: pb.JobStatus, progress: list[pb.Event], end: float) -> dict[int, list[tuple[float, int]]]:
+    """Per generation, (time, step) from the progress events (written every ``progress_interval_s``),
+    and the step the job's status holds at ``end`` (its last event) when it is past the last one:
+    the line reaches where the run ended, not the last periodic record before it."""
+    by_gen: dict[int, list[tuple[float, int]]] = {}
+    for e in progress:
+        by_gen.setdefault(e.generation, []).append((e.at, e.step))
+    if status.step > max((e.step for e in progress), default=-1) and status.generation:
+        by_gen.setdefault(status.generation, []).append((end, status.step))
+    return by_gen
+
+
 def draw(res: pb.DescribeResponse, events: list[pb.Event], path: str) -> None:
     spec = json.loads(res.spec_json) if res.spec_json else {}
     t0 = min((e.at for e in events), default=0.0)
@@ -38,11 +50,8 @@ def draw(res: pb.DescribeResponse, events: list[pb.Event], path: str) -> None:
             a.axvspan(lo, hi, color=SHADES[i % 2], zorder=0)
         world = plans[g].world_size if g in plans else 0
         ax.text(lo, 1.0, f" g{g}\n w={world}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
-    by_gen: dict[int, list[pb.Event]] = {}
-    for e in progress:
-        by_gen.setdefault(e.generation, []).append(e)
-    for g, pts in sorted(by_gen.items()):
-        ax.plot([e.at - t0 for e in pts], [e.step for e in pts], marker=".", lw=1.5, label=f"generation {g}")
+    for g, pts in sorted(steps_over_time(res.status, progress, end).items()):
+        ax.plot([at - t0 for at, _ in pts], [step for _, step in pts], marker=".", lw=1.5, label=f"generation {g}")
     faults = [e for e in events if e.kind == EventKind.GENERATION.value and e.detected_at]
     for n, e in enumerate(faults):
         ax.axvline(e.detected_at - t0, color="red", lw=1.2, label="fault detected" if n == 0 else None)

@@ -173,7 +173,7 @@ class ControlService(pb_grpc.ControlServicer):
                         f"env: {', '.join(refused)} may not be set by a job (loader and interpreter variables run "
                         f"code in every worker); an admin may allow them with elasticd's allow_env")
         await self._require_leader(context)
-        await self._check_checkpoint_dir(spec, request.force, context)
+        await self._check_fit_and_dir(spec, request.force, context)
         k, tx = self.store.keys, self.store.tx
         try:
             # A job deleted under this name: continue after its last generation (agents refuse older ones).
@@ -212,12 +212,18 @@ class ControlService(pb_grpc.ControlServicer):
         self.coordinator.wake()
         return pb.SubmitResponse(job=spec.name, warning=await self._range_warning(spec))
 
-    async def _check_checkpoint_dir(self, spec: JobSpec, force: bool, context: grpc.aio.ServicerContext) -> None:
-        """Refuse a checkpoint_dir another job uses, or one already past total_steps (unless ``force``)."""
+    async def _check_fit_and_dir(self, spec: JobSpec, force: bool, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a job no registered node is large enough for, a checkpoint_dir another job uses,
+        or one already past total_steps (unless ``force``)."""
         try:
             others = await read_cluster(self.store)
         except TemporaryError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        if others.nodes and all(n.slots < spec.workers_per_node for n in others.nodes):
+            sizes = ", ".join(f"{n.node_id}: {n.slots}" for n in others.nodes[:8])
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"workers_per_node={spec.workers_per_node} is more than any registered node's slots ({sizes}"
+                        f"{', ...' if len(others.nodes) > 8 else ''}); lower it, or start a node with more slots")
         mine = os.path.normpath(spec.checkpoint_dir)
         sharing = sorted(v.name for v in others.jobs.values() if v.spec is not None and v.name != spec.name
                          and os.path.normpath(v.spec.checkpoint_dir) == mine)

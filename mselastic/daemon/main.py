@@ -277,7 +277,7 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         stop.set()
         notify.stopping()
         log.info("shutting down: stopping local workers (grace %.0fs)", s.shutdown_grace_s)
-        await agent.stop_all(s.shutdown_grace_s)
+        await agent.shut_down(s.shutdown_grace_s)
         await agent.standbys.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*checks, return_exceptions=True)

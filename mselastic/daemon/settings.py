@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import hashlib
 import ipaddress
 import os
@@ -406,7 +407,9 @@ def _read_config(path: str) -> dict[str, object]:
         raise SettingsError(f"config {path}: not valid TOML ({e})") from None
     for key in data:
         if key not in FIELDS:
-            raise SettingsError(f"{key} (from {path}): unknown key; known keys are {', '.join(FIELDS)}")
+            near = difflib.get_close_matches(key, list(FIELDS), n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise SettingsError(f"{key} (from {path}): unknown key; {hint}known keys are {', '.join(FIELDS)}")
     return data
 
 

@@ -21,6 +21,7 @@ class RelaunchReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELAUNCH_REASON_SCALE_UP: _ClassVar[RelaunchReason]
     RELAUNCH_REASON_SCALE_DOWN: _ClassVar[RelaunchReason]
     RELAUNCH_REASON_RESTART: _ClassVar[RelaunchReason]
+    RELAUNCH_REASON_ELASTICD_RESTART: _ClassVar[RelaunchReason]
 
 class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_CAUSE_LAUNCH_NODE: _ClassVar[FailureCause]
     FAILURE_CAUSE_NODE_LOST: _ClassVar[FailureCause]
     FAILURE_CAUSE_TRAINER_FATAL: _ClassVar[FailureCause]
+    FAILURE_CAUSE_AGENT_SHUTDOWN: _ClassVar[FailureCause]
 
 class GenerationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -67,6 +69,7 @@ RELAUNCH_REASON_DRAIN: RelaunchReason
 RELAUNCH_REASON_SCALE_UP: RelaunchReason
 RELAUNCH_REASON_SCALE_DOWN: RelaunchReason
 RELAUNCH_REASON_RESTART: RelaunchReason
+RELAUNCH_REASON_ELASTICD_RESTART: RelaunchReason
 FAILURE_CAUSE_UNSPECIFIED: FailureCause
 FAILURE_CAUSE_RANK_EXITED: FailureCause
 FAILURE_CAUSE_RANK_HUNG: FailureCause
@@ -79,6 +82,7 @@ FAILURE_CAUSE_LAUNCH_SPEC: FailureCause
 FAILURE_CAUSE_LAUNCH_NODE: FailureCause
 FAILURE_CAUSE_NODE_LOST: FailureCause
 FAILURE_CAUSE_TRAINER_FATAL: FailureCause
+FAILURE_CAUSE_AGENT_SHUTDOWN: FailureCause
 GENERATION_STATE_UNSPECIFIED: GenerationState
 GENERATION_STATE_STARTING: GenerationState
 GENERATION_STATE_RUNNING: GenerationState

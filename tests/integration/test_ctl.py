@@ -65,13 +65,19 @@ def test_unknown_job_and_unreachable_endpoint(endpoint: str, tmp_path: os.PathLi
 
 def test_duplicate_submit_and_stop(endpoint: str, etcd: Etcd, tmp_path: os.PathLike[str]) -> None:
     tmp = str(tmp_path)
-    # A job that cannot start (needs 4 slots per node): it stays PENDING, so it can be stopped.
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), "big", tmp, tmp, total_steps=10, workers=4)
+    # A job more nodes than there are are needed for (one node here): it stays PENDING, so it can be stopped.
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "big", tmp, tmp, total_steps=10, min_nodes=2, max_nodes=2)
     r = elasticctl("submit", spec, endpoint=endpoint)
     # Accepted, with a warning that names why it cannot start (exit 0: it waits for nodes).
-    assert r.returncode == 0 and "warning: only 0 registered node(s) can run it" in r.stderr, r.stderr
-    r = elasticctl("scale", "big", "--min", "2", "--max", "2", endpoint=endpoint)
-    assert r.returncode == 0 and "warning: only 0 registered node(s)" in r.stderr and "min_nodes=2" in r.stderr
+    assert r.returncode == 0 and "warning: only 1 registered node(s) can run it" in r.stderr, r.stderr
+    r = elasticctl("scale", "big", "--min", "4", "--max", "4", endpoint=endpoint)
+    assert r.returncode == 0 and "warning: only 1 registered node(s)" in r.stderr and "min_nodes=4" in r.stderr
+    # One that no node is large enough for (4 workers, 2 slots) is refused, naming the sizes.
+    wide = lenet_spec(os.path.join(tmp, "wide.toml"), "wide", tmp, os.path.join(tmp, "w"), total_steps=10, workers=4)
+    r = elasticctl("submit", wide, endpoint=endpoint)
+    assert r.returncode == 1 and "workers_per_node=4 is more than any registered node's slots (n0: 2)" in r.stderr, \
+        r.stderr
+    assert etcd.status("wide") is None
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 1 and "already exists" in r.stderr
     wait_for("waiting message", lambda: (s := etcd.status("big")) and "waiting for nodes" in s.message, 10)
@@ -91,12 +97,12 @@ def test_a_resubmission_already_past_total_steps_is_refused(endpoint: str, etcd:
         json.dump({"step": 1487, "file": "ckpt-00001487.ckpt"}, f)
     with open(os.path.join(ckpt, "latest.json"), "w") as f:
         json.dump({"manifest": "ckpt-00001487.json"}, f)
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), "again", tmp, ckpt, total_steps=300, workers=4)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "again", tmp, ckpt, total_steps=300, min_nodes=2, max_nodes=2)
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "checkpoint at step 1487, at or past total_steps=300" in r.stderr and "--force" in r.stderr, r.stderr
     assert etcd.status("again") is None  # nothing written
-    more = lenet_spec(os.path.join(tmp, "more.toml"), "again", tmp, ckpt, total_steps=3000, workers=4)
+    more = lenet_spec(os.path.join(tmp, "more.toml"), "again", tmp, ckpt, total_steps=3000, min_nodes=2, max_nodes=2)
     assert elasticctl("submit", more, endpoint=endpoint).returncode == 0  # more steps: a resume
     assert elasticctl("stop", "again", endpoint=endpoint).returncode == 0
     assert elasticctl("delete", "again", endpoint=endpoint).returncode == 0
@@ -108,7 +114,8 @@ def test_json_and_yaml_have_numbers_and_every_field(endpoint: str, etcd: Etcd, t
     import yaml
 
     tmp = str(tmp_path)
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), "big", tmp, tmp, total_steps=10, workers=4)  # stays PENDING
+    # (min_nodes=2 on one node: it stays PENDING)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "big", tmp, tmp, total_steps=10, min_nodes=2, max_nodes=2)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     for fmt, parse in (("json", json.loads), ("yaml", yaml.safe_load)):
         r = elasticctl("status", "-o", fmt, endpoint=endpoint)
@@ -147,9 +154,10 @@ def test_a_second_job_with_the_same_checkpoint_dir_is_refused(endpoint: str, etc
                                                                tmp_path: os.PathLike[str]) -> None:
     tmp = str(tmp_path)
     ckpt = os.path.join(tmp, "ckpt")
-    first = lenet_spec(os.path.join(tmp, "a.toml"), "first", tmp, ckpt, total_steps=10, workers=4)  # stays PENDING
+    # (min_nodes=2 on one node: it stays PENDING)
+    first = lenet_spec(os.path.join(tmp, "a.toml"), "first", tmp, ckpt, total_steps=10, min_nodes=2, max_nodes=2)
     assert elasticctl("submit", first, endpoint=endpoint).returncode == 0
-    copy = lenet_spec(os.path.join(tmp, "b.toml"), "copy", tmp, ckpt + "/", total_steps=10, workers=4)
+    copy = lenet_spec(os.path.join(tmp, "b.toml"), "copy", tmp, ckpt + "/", total_steps=10, min_nodes=2, max_nodes=2)
     r = elasticctl("submit", copy, endpoint=endpoint)
     assert r.returncode == 1 and f"checkpoint_dir {ckpt}/ belongs to job first" in r.stderr, r.stderr
     assert etcd.status("copy") is None
@@ -160,7 +168,7 @@ def test_a_second_job_with_the_same_checkpoint_dir_is_refused(endpoint: str, etc
     # exactly one of them gets it, however the two interleave.
     for i in range(3):
         specs = [lenet_spec(os.path.join(tmp, f"race{i}{j}.toml"), f"race{i}{j}", tmp, os.path.join(tmp, f"dir{i}"),
-                            total_steps=10, workers=4) for j in range(2)]
+                            total_steps=10, min_nodes=2, max_nodes=2) for j in range(2)]
         cmds = [subprocess.Popen([os.path.join(VENV_BIN, "elasticctl"), "--endpoint", endpoint, "submit", spec],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in specs]
         codes = [c.wait(timeout=60) for c in cmds]
@@ -182,7 +190,8 @@ def test_a_week_of_events_is_pruned_and_reads_stay_quick(procs: Processes, etcd:
     d = procs.start("elasticd-n0", cmd)
     wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
     endpoint = "unix:" + local_socket(os.path.join(tmp, "w"))
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), "old", tmp, tmp, total_steps=10, workers=4)  # stays PENDING
+    # (min_nodes=2 on one node: it stays PENDING)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), "old", tmp, tmp, total_steps=10, min_nodes=2, max_nodes=2)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     d.terminate()
     d.wait(timeout=30)

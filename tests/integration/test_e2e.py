@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from mselastic.core.model import AGENT_RESTARTED
-from mselastic.core.states import GenerationState, JobState
+from mselastic.core.kinds import RelaunchReason
+from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.store.embedded import free_port
 from tests.harness import DATA_DIR, Etcd, Pace, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec, \
     local_socket, start_node, still_running, wait_for, worker_pids
@@ -183,3 +184,43 @@ def test_sigkilled_elasticd_leaves_no_worker_behind_and_its_successor_relaunches
     assert second.resumed_step >= 0 and len(worker_pids(procs, 2)) == 2
     r = elasticctl("stop", JOB, endpoint=endpoint)
     assert r.returncode == 0, r.stderr
+
+
+def test_clean_restarts_of_elasticd_are_planned_relaunches_not_failures(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+    """Five orderly restarts of elasticd under a running job, as ``systemctl restart`` makes them
+    (a real SIGTERM to elasticd, then elasticd started again): each time the ranks checkpoint at a
+    step and exit, elasticd's last report says so before its registration goes, and the job
+    resumes from exactly that step as a planned relaunch. At the end: SUCCEEDED at total_steps
+    (max_restarts is 3), no restart counted, the node never blamed nor quarantined. The pause each
+    restart costs (SIGTERM to the next generation's first step) is printed."""
+    tmp = str(tmp_path)
+    work, out = os.path.join(tmp, "work"), os.path.join(tmp, "out")
+    endpoint = start_node(procs, etcd, namespace, work)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=150)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    pauses = []
+    for restart in range(5):
+        g = etcd.plan(JOB).generation  # type: ignore[union-attr]
+        running = wait_for(f"generation {g} training", lambda: (r := etcd.report(JOB, g, "n0")) and
+                           r.step >= max(r.resumed_step, 0) + 5 and r, 120, 0.2)
+        daemon = procs.started[-1]
+        t0 = time.monotonic()
+        os.kill(daemon.pid, signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+        stopped = etcd.report(JOB, g, "n0")
+        assert stopped is not None and stopped.state is GenerationState.STOPPED, stopped
+        assert stopped.cause is FailureCause.AGENT_SHUTDOWN and stopped.exit_step >= running.step, stopped
+        start_node(procs, etcd, namespace, work)
+        resumed = wait_for(f"generation {g + 1} first step", lambda: (r := etcd.report(JOB, g + 1, "n0"))
+                           and r.first_step_at and r, 120, 0.2)
+        pauses.append(time.monotonic() - t0)
+        plan = etcd.plan(JOB)
+        assert plan is not None and plan.planned and plan.kind is RelaunchReason.ELASTICD_RESTART, plan
+        assert plan.restart_count == 0 and resumed.resumed_step == stopped.exit_step, (restart, resumed)
+    status = wait_for("the job to finish", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.restart_count == 0 and status.generation == 6
+    assert not status.node_failures and not status.quarantined_until, status
+    print(f"PAUSES per clean restart (SIGTERM -> next first step): {', '.join(f'{p:.1f}s' for p in pauses)}")
+

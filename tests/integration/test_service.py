@@ -93,7 +93,7 @@ def test_settings_precedence_defaults_file_environment_flags(tmp_path: os.PathLi
 @pytest.mark.parametrize("content, env, words", [
     ("slots = -1\n", {}, "slots (from CONFIG): must be >= 0 (got -1)"),
     ("slots = 'two'\n", {}, "slots (from CONFIG): must be an integer (got 'two')"),
-    ("sloots = 2\n", {}, "sloots (from CONFIG): unknown key"),
+    ("sloots = 2\n", {}, "sloots (from CONFIG): unknown key; did you mean slots?"),
     ("slots = [\n", {}, "not valid TOML"),
     ("", {"ELASTICD_LEASE_TTL_S": "1"}, "lease_ttl_s (from $ELASTICD_LEASE_TTL_S): must be >= 2"),
     ("", {"ELASTICD_LISTEN": "7070"}, "listen (from $ELASTICD_LISTEN): '7070' must be host:port"),

@@ -297,8 +297,8 @@ def test_the_steps_in_order_and_each_one_alone() -> None:
     from mselastic.core import planner
 
     assert [f.__name__ for f in planner.STEPS] == ["first_launch", "launch_error", "cannot_go_on", "mixed_resume",
-                                                   "relaunch_after_fault", "success", "restart", "scale_down", "drain",
-                                                   "scale_up"]
+                                                   "elasticd_restart", "relaunch_after_fault", "success", "restart",
+                                                   "scale_down", "drain", "scale_up"]
 
     def situation(plan: Plan | None, reports: list[GenerationReport], nodes: list[NodeRecord],
                   status: JobStatus | None = None) -> planner.Situation:
@@ -327,3 +327,41 @@ def test_the_steps_in_order_and_each_one_alone() -> None:
     for name, s in cases.items():
         first = next(step for step in planner.STEPS if step(s) is not None)
         assert first.__name__ == name, (name, first.__name__)
+
+
+def shut_down(i: int, cause: FailureCause = FailureCause.AGENT_SHUTDOWN) -> GenerationReport:
+    """Node n<i>'s report once its elasticd stopped its ranks at step 40 (SIGTERM to elasticd, or
+    with SIGTERM: its ranks stopped at the step another node's elasticd named)."""
+    return dataclasses.replace(rep(i, G.STOPPED), cause=cause, exit_step=40, reason="checkpointed at step 40")
+
+
+def test_a_restarted_elasticd_is_a_planned_relaunch_counted_neither_as_a_restart_nor_against_the_node() -> None:
+    # One node: back and registered, its report says it was stopped on request.
+    d = decide(SPEC, J.RUNNING, plan_on(0, restarts=1), {"n0": shut_down(0)}, [node(0)], now=10)
+    assert d.action is Action.LAUNCH and d.plan is not None and d.plan.planned, d.reason
+    assert d.plan.restart_count == 1 and d.plan.kind == "elasticd_restart"
+    assert d.node_failures is None and d.quarantined_until is None and d.fault is None
+    assert d.reason == "planned: elasticd stopped on request on n0"
+    # Two nodes, n1's elasticd restarting (gone for now), n0's ranks stopped at the same step: wait, blaming nobody.
+    d = decide(SPEC, J.RUNNING, plan_on(0, 1), {"n0": shut_down(0, FailureCause.SIGTERM), "n1": shut_down(1)},
+               [node(0)], now=10, status=st(J.RUNNING))
+    assert d.action is Action.LAUNCH and d.plan is not None and [m.node_id for m in d.plan.members] == ["n0"], d.reason
+    assert d.plan.restart_count == 0 and d.node_failures is None
+    big = dataclasses.replace(SPEC, min_nodes=2)
+    d = decide(big, J.RUNNING, plan_on(0, 1, spec=big), {"n0": shut_down(0, FailureCause.SIGTERM), "n1": shut_down(1)},
+               [node(0)], now=10, status=st(J.RUNNING))
+    assert d.action is Action.WAIT and d.node_failures is None, d.reason
+
+
+@pytest.mark.parametrize("case, reports, nodes", [
+    ("a crash (its successor closed the report)", {"n0": dataclasses.replace(rep(0, G.FAILED),
+                                                                          cause=FailureCause.AGENT_RESTARTED)}, [0]),
+    ("a rank's own SIGTERM, no elasticd stopped", {"n0": shut_down(0, FailureCause.SIGTERM)}, [0]),
+    ("a stopped elasticd beside a failed rank", {"n0": shut_down(0), "n1": rep(1, G.FAILED, rank=2)}, [0, 1]),
+    ("a stopped elasticd beside a node lost without a word", {"n0": shut_down(0)}, [0]),
+])
+def test_anything_but_a_stopped_elasticd_is_still_a_fault(case: str, reports: dict[str, GenerationReport],
+                                                          nodes: list[int]) -> None:
+    members = (0, 1) if "lost" in case or "beside" in case else (0,)
+    d = decide(SPEC, J.RUNNING, plan_on(*members), reports, [node(i) for i in nodes], now=10)
+    assert d.kind != "elasticd_restart" and d.node_failures, (case, d)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 
 import pytest
@@ -87,3 +89,12 @@ def test_valid_world_sizes_and_layouts() -> None:
     layout = spec.layout(6)
     assert layout is not None and (layout.micro_batch, layout.accumulation_steps) == (8, 1)
     assert spec.node_count(4) == 3 and spec.node_count(0) == 0
+
+
+def test_a_typo_is_answered_with_the_field_it_was_meant_to_be() -> None:
+    good = json.loads(JobSpec(name="j", script="/s.py", checkpoint_dir="/c").to_json())
+    with pytest.raises(SpecError, match="field 'workers_per_nod': unknown field; did you mean 'workers_per_node'"):
+        JobSpec.from_json(json.dumps({**good, "workers_per_nod": 2}))
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_json(json.dumps({**good, "zzz": 2}))
+    assert "did you mean" not in str(e.value) and "known fields are" in str(e.value)

@@ -1,0 +1,62 @@
+"""elasticctl without a cluster: its help and the README agree with the code (exit codes, the
+default endpoint), a rank's log as it shows it, the report's line. Nothing runs."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from mselastic.ctl import main as ctl
+from tests.harness import REPO
+
+
+def _codes(text: str) -> set[int]:
+    """The exit codes a text lists ("Exit codes: 0 done; 1 ...; 2 ...", up to its paragraph's end)."""
+    listing = text.split("Exit codes:", 1)[1].split("\n\n", 1)[0].split("Errors are", 1)[0]
+    return {int(n) for n in re.findall(r"(?:^|;)\s*(\d)\s", listing)}
+
+
+def test_elasticctl_help_and_the_readme_list_every_exit_code() -> None:
+    codes = {ctl.EXIT_OK, ctl.EXIT_REFUSED, ctl.EXIT_USAGE, ctl.EXIT_UNREACHABLE, ctl.EXIT_NOT_ELASTICD,
+             ctl.EXIT_ETCD_DOWN}
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    assert _codes(ctl.__doc__ or "") == codes
+    assert _codes(readme) == codes
+
+
+def test_the_default_endpoint_is_said_the_same_way_everywhere() -> None:
+    endpoints = next(a for a in ctl.build_parser()._actions if "--endpoints" in a.option_strings)
+    assert "local elasticd's socket" in (endpoints.help or "") and "127.0.0.1:7070" in (endpoints.help or "")
+    assert "the local elasticd's socket" in (ctl.__doc__ or "") and "else 127.0.0.1:7070" in (ctl.__doc__ or "")
+
+
+def test_a_ranks_log_leaves_out_mindspores_chatter_unless_asked() -> None:
+    """As `elasticctl logs` shows it: the rank's own lines and MindSpore's errors, whole lines even
+    when a line arrives in two chunks; with --all, everything as it came."""
+    log = (b"[WARNING] ME(7756:140084068449152,MainProcess):2026-12-02-19:56:22.100.000 [mindspore/x.py:1] "
+           b"Topology build timed out., retry(1/360)\n"
+           b"[INFO] DISTRIBUTED(7756,7f,python):2026-12-02-19:56:22 [cluster.cc:9] joined\n"
+           b"step 10 loss 0.51\n"
+           b"[ERROR] ME(7756:140084068449152,MainProcess):2026-12-02 [x.py:2] a real error\n"
+           b"[WARNING] the script's own warning\n"
+           b"step 11 loss 0.50")
+    lines = ctl.LogLines()
+    shown = lines.feed(log[:150]) + lines.feed(log[150:]) + lines.end()
+    assert shown == (b"step 10 loss 0.51\n[ERROR] ME(7756:140084068449152,MainProcess):2026-12-02 [x.py:2] a real "
+                     b"error\n[WARNING] the script's own warning\nstep 11 loss 0.50")
+    everything = ctl.LogLines(everything=True)
+    assert everything.feed(log[:150]) + everything.feed(log[150:]) + everything.end() == log
+
+
+def test_the_report_draws_the_run_to_where_it_ended() -> None:
+    """Progress events come every progress_interval_s: the last one may be at step 283 of a job
+    that reached 300; the line goes on to the status's step at the last event's time."""
+    from mselastic.ctl.report import steps_over_time
+    from mselastic.v1 import elastic_pb2 as pb
+
+    progress = [pb.Event(at=10.0, kind="progress", generation=1, step=100),
+                pb.Event(at=20.0, kind="progress", generation=2, step=283)]
+    done = pb.JobStatus(generation=2, step=300)
+    assert steps_over_time(done, progress, end=25.0) == {1: [(10.0, 100)], 2: [(20.0, 283), (25.0, 300)]}
+    assert steps_over_time(pb.JobStatus(generation=2, step=283), progress, end=25.0)[2] == [(20.0, 283)]

@@ -1,0 +1,35 @@
+"""What a rank's beats say of it (mselastic.agent.ranks), as a table. No processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from mselastic.agent import ranks
+from mselastic.core.contract import Beat, BeatKind
+
+
+def beat(kind: str, step: int, loss: float = 0.0, **kw: object) -> Beat:
+    return Beat(kind=kind, rank=0, pid=1, generation=1, step=step, loss=loss, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("last, loss", [
+    (beat(BeatKind.PLANNED_EXIT, 12), 0.25),  # a planned stop says no loss: the last step's stays
+    (beat(BeatKind.STOP_REQUESTED, 12), 0.25),
+    (beat(BeatKind.FINISHED, 12), 0.25),
+    (beat(BeatKind.FINISHED, 12, 0.125), 0.125),
+    (beat(BeatKind.STEP, 13, 0.5), 0.5),
+])
+def test_the_loss_shown_is_the_last_steps(last: Beat, loss: float) -> None:
+    rs = ranks.RankState(0)
+    ranks.note_beat(rs, beat(BeatKind.STEP, 12, 0.25), now=1.0)
+    ranks.note_beat(rs, last, now=2.0)
+    assert rs.loss == loss and rs.step == last.step
+
+
+def test_exit_step_and_exit_codes_sum_the_ranks_up() -> None:
+    a, b = ranks.RankState(0, exit_step=40, exit_code=0), ranks.RankState(1, exit_step=40, exit_code=0)
+    assert ranks.exit_step([a, b]) == 40 and ranks.exited_on_sigterm([a, b])
+    b.exit_step = -1
+    assert ranks.exit_step([a, b]) == -1 and not ranks.exited_on_sigterm([a, b])
+    assert ranks.exit_codes([a, b]) == "exited with code 0"
+    assert ranks.steps_per_s([(0.0, 10), (2.0, 30)]) == 10.0 and ranks.steps_per_s([(0.0, 10)]) == 0.0
