@@ -32,25 +32,24 @@ async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event) -
     the current generation would only be relaunched once the other ranks' hang timeout
     fired: they are rewritten as FAILED (a lost node), unless changed meanwhile.
     """
-    k, tx = store.keys, store.tx
+    def closed(rep: GenerationReport) -> GenerationReport | None:
+        now = time.time()
+        return None if rep.state.terminal else dataclasses.replace(
+            rep, state=GenerationState.FAILED, reason=AGENT_RESTARTED, cause=FailureCause.AGENT_RESTARTED,
+            detected_at=now, stopped_at=now)
+
+    k = store.keys
     async for attempt in store.retry.reconnecting(stop):
         with attempt:
-            _, kvs = await store.get_prefix(k.all_reports)
-            for kv in kvs:
-                parsed = k.parse_report_key(kv.key)
+            for key in await store.keys_under(k.all_reports):
+                parsed = k.parse_report_key(key)
                 if parsed is None or parsed[2] != node_id:
                     continue
                 try:
-                    rep = GenerationReport.from_json(kv.value)
+                    rep = await store.update(key, GenerationReport.from_json, closed)
                 except MalformedRecord:
                     continue
-                if rep.state.terminal:
-                    continue
-                now = time.time()
-                closed = dataclasses.replace(rep, state=GenerationState.FAILED, reason=AGENT_RESTARTED,
-                                             cause=FailureCause.AGENT_RESTARTED, detected_at=now, stopped_at=now)
-                if await store.txn([tx.mod(kv.key.encode()) == kv.mod_revision],
-                                        [tx.put(kv.key.encode(), closed.to_json().encode())]):
+                if rep is not None:
                     log.warning("closed the report of generation %d left open by the previous elasticd",
                                 rep.generation, extra=dict(node=node_id, job=rep.job, generation=rep.generation))
 

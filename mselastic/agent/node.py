@@ -29,6 +29,7 @@ from mselastic import __version__
 from mselastic.agent import committed
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
+from mselastic.agent.reports import Reports
 from mselastic.agent.launch import spawn_standby
 from mselastic.agent.snapshots import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.supervisor import Generation
@@ -123,12 +124,10 @@ class NodeAgent:
         self.standbys = WarmPools(cfg.node_id)
         self._background: set[asyncio.Task[None]] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
-        self._dirty: dict[tuple[str, int], Generation] = {}  # reports to write, the replaced generations' too
-        self._written: dict[tuple[str, int], str] = {}  # the last report written of each generation
+        #: This node's reports in etcd, written when a generation changes.
+        self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
         #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
         self._shutting_down = False
-        self._wake = asyncio.Event()
-        self._urgent = asyncio.Event()
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: KeptLease | None = None
         self.peers = Peers(store, cfg.node_id, cfg.lease_ttl_s, cfg.tls)
@@ -161,7 +160,7 @@ class NodeAgent:
     # -- registration ------------------------------------------------------
 
     async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
-        reporter = asyncio.create_task(self._report_loop(stop), name="reporter")
+        reporter = asyncio.create_task(self.reports.run(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
         deadline = asyncio.create_task(self._deadline_loop(), name="fence-deadline")
         try:
@@ -232,7 +231,7 @@ class NodeAgent:
                                               cause=FailureCause.AGENT_SHUTDOWN)
                                        for g in self.generations.values() if not g.done.is_set()))
         if self._shutting_down:
-            await self._flush_reports(SHUTDOWN_REPORT_S)
+            await self.reports.flush(SHUTDOWN_REPORT_S)
         await lease.release()
 
     async def _guard_shutdown(self, lease: KeptLease) -> None:
@@ -563,10 +562,8 @@ class NodeAgent:
             await remove_snapshot_folder(gen.snapshot_dir, self.cfg.worker_user)
 
     def _changed(self, gen: Generation, urgent: bool = True) -> None:
-        self._dirty[(gen.plan.job, gen.plan.generation)] = gen
-        self._wake.set()
+        self.reports.changed(gen, urgent)
         if urgent:
-            self._urgent.set()
             if gen.state is GenerationState.RUNNING:
                 self._keep_standbys(gen)
             elif gen.state.terminal:
@@ -574,55 +571,6 @@ class NodeAgent:
                 if gen.state is GenerationState.SUCCEEDED and gen.snapshot_dir:
                     # The job is done: its snapshots are memory nobody will read again.
                     self._spawn(self._remove_snapshots_after(gen))
-
-    async def _report_loop(self, stop: asyncio.Event) -> None:
-        """Write changed reports; etcd errors are retried on the next round, training goes on.
-
-        Progress (a beat every step) is written at most once per ``report_interval_s``;
-        state changes (first step, failure, success) are written at once.
-        """
-        while not stop.is_set():
-            await self._wake.wait()
-            self._wake.clear()
-            self._urgent.clear()
-            await self._write_reports()
-            try:
-                await asyncio.wait_for(self._urgent.wait(), timeout=self.cfg.report_interval_s)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _write_reports(self) -> None:
-        """Write the reports changed since the last time (a failed write is kept for the next)."""
-        last = self._written
-        for key in sorted(self._dirty):
-            gen = self._dirty.pop(key, None)
-            if gen is None:  # (written meanwhile by the final flush)
-                continue
-            rep = gen.report()
-            body = rep.to_json()
-            if last.get(key) == body:
-                continue
-            try:
-                await self.store.put(self.store.keys.report(key[0], key[1], self.cfg.node_id), body)
-                last = self._written = {k: v for k, v in last.items() if k[0] != key[0] or k[1] >= key[1] - 1}
-                last[key] = body
-            except (TemporaryError, PermanentError) as e:
-                log.warning("report not written (%s); will retry", e, extra=self._ctx)
-                self._dirty.setdefault(key, gen)
-                self._wake.set()
-
-    async def _flush_reports(self, within_s: float) -> None:
-        """On a planned shutdown, once the workers are gone: their final reports (stopped, and at
-        which step) reach etcd before the registration goes, so that the restart is not taken for a
-        crash. Bounded: etcd may be away (the successor then closes them as a crash's)."""
-        try:
-            await asyncio.wait_for(self._write_reports(), within_s)
-        except asyncio.TimeoutError:
-            log.warning("final reports not written within %.0fs: the restart counts as a crash", within_s,
-                        extra=self._ctx)
-        if self._dirty:
-            log.warning("final reports of %s not written: the restart counts as a crash",
-                        ", ".join(f"{job} g{g}" for job, g in sorted(self._dirty)), extra=self._ctx)
 
     def status(self) -> list[Generation]:
         return list(self.generations.values())

@@ -10,11 +10,12 @@ import errno
 import logging
 import os
 import re
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import psutil
 
-from mselastic.agent import procs
+from mselastic.agent import procs, verdict
+from mselastic.agent.forkserver import Standby
 from mselastic.agent.ranks import RankState
 
 log = logging.getLogger(__name__)
@@ -173,3 +174,36 @@ def learn_pid(msrun_pid: int, rs: RankState, pid: int, seen: set[int]) -> None:
         if d is not None and d.role == "MS_WORKER" and d.rank == rs.rank:  # (as discover checks)
             rs.pid, rs.create_time = pid, d.create_time
             seen.add(pid)
+
+
+def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, scheduler: Standby | None,
+         cold: bool, msrun_exits: Callable[[], dict[int, int]], drain: Callable[[], None]) -> verdict.Look:
+    """Look at the ranks once, at ``now`` (monotonic): which are dead (a rank's last beat,
+    finished, a planned exit or fatal, comes just before it exits, and its exit wakes the watch
+    at once: the queued beats are read (``drain``) and the ranks looked at again), which msrun
+    reaped (``cold``), how they exited as far as known (``msrun_exits``: msrun's log, for those it
+    reaped first), which are stopped (state T) and since when; the warm ``scheduler``'s exit."""
+    def dead() -> set[int]:
+        return {rs.rank for rs in ranks.values()
+                if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)}
+
+    gone = dead()
+    if gone:
+        drain()
+        gone = dead()
+    scheduler_exit = scheduler.proc.returncode if scheduler is not None else None
+    if scheduler_exit is not None:
+        drain()  # (a rank's finished beat may be queued)
+    saw = msrun_exits() if any(ranks[r].exit_code is None for r in gone) else {}
+    for rs in ranks.values():
+        stopped = bool(rs.pid) and rs.rank not in gone and procs.stopped(rs.pid, rs.create_time)
+        rs.stopped_since = (rs.stopped_since or now) if stopped else 0.0
+    return verdict.Look(now=now, started=started, scheduler_exit=scheduler_exit,
+                        scheduler_pid=scheduler.pid if scheduler is not None else 0, log_dir=log_dir,
+                        ranks={rs.rank: verdict.RankLook(
+                            rank=rs.rank, pid=rs.pid, dead=rs.rank in gone,
+                            reaped=rs.rank in gone and cold and procs.gone(rs.pid),
+                            exit_code=rs.exit_code if rs.exit_code is not None else saw.get(rs.pid),
+                            last_beat=rs.last_beat, finished=rs.finished, exit_step=rs.exit_step, fatal=rs.fatal,
+                            stopped_since=rs.stopped_since, phase=rs.phase, phase_at=dict(rs.phase_at))
+                            for rs in ranks.values()})

@@ -506,38 +506,10 @@ class Generation:
         return fault.rank, fault.reason, fault.cause
 
     def _look(self) -> verdict.Look:
-        """Look at the ranks once: which are dead (a rank's last beat, finished, a planned exit or
-        fatal, comes just before it exits, and its exit wakes the watch at once: the queued beats
-        are read and the ranks looked at again), which msrun reaped, how they exited as far as
-        known (msrun's log for those it reaped first), which are stopped (state T) and since when."""
-        now = time.monotonic()
-
-        def dead() -> set[int]:
-            return {rs.rank for rs in self.ranks.values()
-                    if not rs.finished and rs.exit_step < 0 and rs.pid and not procs.alive(rs.pid, rs.create_time)}
-
-        gone = dead()
-        if gone:
-            self._drain_beats()
-            gone = dead()
-        scheduler = self.launch.warm_scheduler()
-        scheduler_exit = scheduler.proc.returncode if scheduler is not None else None
-        if scheduler_exit is not None:
-            self._drain_beats()  # (a rank's finished beat may be queued)
-        saw = self.launch.msrun_exits() if any(self.ranks[r].exit_code is None for r in gone) else {}
-        for rs in self.ranks.values():
-            stopped = bool(rs.pid) and rs.rank not in gone and procs.stopped(rs.pid, rs.create_time)
-            rs.stopped_since = (rs.stopped_since or now) if stopped else 0.0
-        cold = self.launch.msrun is not None
-        return verdict.Look(now=now, started=self.started_mono, scheduler_exit=scheduler_exit,
-                            scheduler_pid=scheduler.pid if scheduler is not None else 0, log_dir=self.log_dir,
-                            ranks={rs.rank: verdict.RankLook(
-                                rank=rs.rank, pid=rs.pid, dead=rs.rank in gone,
-                                reaped=rs.rank in gone and cold and procs.gone(rs.pid),
-                                exit_code=rs.exit_code if rs.exit_code is not None else saw.get(rs.pid),
-                                last_beat=rs.last_beat, finished=rs.finished, exit_step=rs.exit_step, fatal=rs.fatal,
-                                stopped_since=rs.stopped_since, phase=rs.phase, phase_at=dict(rs.phase_at))
-                                for rs in self.ranks.values()})
+        """One look at the ranks (see :func:`mselastic.agent.observe.look`)."""
+        return observe.look(self.ranks, time.monotonic(), self.started_mono, self.log_dir,
+                            self.launch.warm_scheduler(), self.launch.msrun is not None, self.launch.msrun_exits,
+                            self._drain_beats)
 
     async def _stopped_unasked(self) -> None:
         """The ranks exited on a SIGTERM this agent did not send (an operator, another node's

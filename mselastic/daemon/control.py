@@ -219,11 +219,12 @@ class ControlService(pb_grpc.ControlServicer):
             others = await read_cluster(self.store)
         except TemporaryError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
-        if others.nodes and all(n.slots < spec.workers_per_node for n in others.nodes):
-            sizes = ", ".join(f"{n.node_id}: {n.slots}" for n in others.nodes[:8])
+        workers = [n for n in others.nodes if n.slots > 0]  # (a node of 0 slots only coordinates)
+        if workers and all(n.slots < spec.workers_per_node for n in workers):
+            sizes = ", ".join(f"{n.node_id}: {n.slots}" for n in workers[:8])
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         f"workers_per_node={spec.workers_per_node} is more than any registered node's slots ({sizes}"
-                        f"{', ...' if len(others.nodes) > 8 else ''}); lower it, or start a node with more slots")
+                        f"{', ...' if len(workers) > 8 else ''}); lower it, or start a node with more slots")
         mine = os.path.normpath(spec.checkpoint_dir)
         sharing = sorted(v.name for v in others.jobs.values() if v.spec is not None and v.name != spec.name
                          and os.path.normpath(v.spec.checkpoint_dir) == mine)

@@ -25,6 +25,7 @@ recovery times, pruning) is :mod:`~mselastic.daemon.history`'s; applying a decis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -263,22 +264,17 @@ class Coordinator:
         generations) but no longer shows Draining. Compare-and-set on the cordon record, so an
         uncordon meanwhile is not undone."""
         busy = {node_id for nodes in held.values() for node_id in nodes}
-        k, tx = self.store.keys, self.store.tx
         for node in cluster.nodes:
             if not node.draining or node.node_id in busy:
                 continue
-            kv = await self.store.get(k.cordon(node.node_id))
-            if kv is None:
-                continue
             try:
-                rec = CordonRecord.from_json(kv.value)
+                done = await self.store.update(self.store.keys.cordon(node.node_id), CordonRecord.from_json,
+                                               lambda rec: dataclasses.replace(rec, drain=False),
+                                               [term.guard(self.store)])
             except MalformedRecord as e:  # logged by the view already; must not stop the pass
                 log.debug("cordon record of %s unreadable: %s", node.node_id, e)
                 continue
-            done = dataclasses.replace(rec, drain=False)
-            if await self.store.txn([term.guard(self.store),
-                                     tx.mod(k.cordon(node.node_id).encode()) == kv.mod_revision],
-                                    [tx.put(k.cordon(node.node_id).encode(), done.to_json().encode())]):
+            if done is not None:
                 log.info("node %s drained: no job runs there; it stays cordoned", node.node_id,
                          extra=dict(node=node.node_id))
 
@@ -355,20 +351,11 @@ class Coordinator:
     async def _show_error(self, term: Term, job: str, message: str) -> None:
         """The error as the job's status message too, state unchanged (compare-and-set), when the
         status can be read: it may be the very record that is malformed, then the event alone says it."""
-        k, tx = self.store.keys, self.store.tx
-        kv = await self.store.get(k.status(job))
-        if kv is None:
-            return
-        try:
-            status = JobStatus.from_json(kv.value)
-        except MalformedRecord:
-            return
-        if status.state.terminal:
-            return
-        shown = dataclasses.replace(status, message=message, updated_at=time.time())
-        await self.store.txn([term.guard(self.store),
-                              tx.mod(k.status(job).encode()) == kv.mod_revision],
-                             [tx.put(k.status(job).encode(), shown.to_json().encode())])
+        with contextlib.suppress(MalformedRecord):
+            await self.store.update(self.store.keys.status(job), JobStatus.from_json,
+                                    lambda st: None if st.state.terminal else
+                                    dataclasses.replace(st, message=message, updated_at=time.time()),
+                                    [term.guard(self.store)])
 
     def forget(self, job: str) -> None:
         """A deleted job: drop what this leader keeps about it, and its metrics."""

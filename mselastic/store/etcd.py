@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 import aetcd
 import aetcd.client
@@ -27,6 +27,15 @@ from mselastic.store.keys import Keys
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Record(Protocol):
+    """A record kept as JSON in etcd (mselastic.core.model's)."""
+
+    def to_json(self) -> str: ...
+
+
+R = TypeVar("R", bound=Record)
 
 
 class TemporaryError(Exception):
@@ -280,6 +289,23 @@ class Store:
     async def txn(self, compare: list[Any], success: list[Any]) -> bool:
         ok, _ = await self.call(lambda: self.client.transaction(compare=compare, success=success, failure=[]))
         return bool(ok)
+
+    async def update(self, key: str, decode: Callable[[bytes], R], change: Callable[[R], R | None],
+                     guard: Sequence[Any] = ()) -> R | None:
+        """Compare-and-set one record: read ``key``, ``decode`` it, ``change`` it (None: leave it
+        as it is), and write the change only if nobody wrote the key meanwhile and every ``guard``
+        holds (a leader's term: :meth:`mselastic.store.lease.Term.guard`). Returns what was written;
+        None when the key is absent, left as it was, or changed meanwhile (nothing written).
+        ``decode``'s errors (a malformed record) are raised."""
+        kv = await self.get(key)
+        if kv is None:
+            return None
+        new = change(decode(kv.value))
+        if new is None:
+            return None
+        written = await self.txn([*guard, self.tx.mod(key.encode()) == kv.mod_revision],
+                                 [self.tx.put(key.encode(), new.to_json().encode())])
+        return new if written else None
 
     async def txn_get(self, compare: list[Any], success: list[Any], key: str) -> KV | None:
         """``txn``, then ``key`` as the transaction left it (for the next compare-and-set on its

@@ -42,8 +42,8 @@ checkpoints are kept.
 
 The files' names, the manifest and the atomic writes are :mod:`mselastic.trainer.layout`'s; what
 a checkpoint holds of MindSpore's (parameters, dtypes, the random state),
-:mod:`mselastic.trainer.tensors`'s; how the ranks agree on the one to resume from,
-:mod:`mselastic.trainer.agreement`'s.
+:mod:`mselastic.trainer.tensors`'s; the snapshots' bytes, :mod:`mselastic.trainer.snapshots`'; how
+the ranks agree on the one to resume from, :mod:`mselastic.trainer.agreement`'s.
 """
 
 from __future__ import annotations
@@ -58,17 +58,14 @@ import logging
 import os
 import shutil
 import uuid
-import zlib
 from typing import Any, NoReturn
 
 from mselastic.core.contract import LATEST_CHECKPOINT
-from mselastic.trainer import agreement
+from mselastic.trainer import agreement, snapshots
 from mselastic.trainer.layout import MANIFEST, Manifest, Resumed, file_stem, fsync_file, sha256, write_atomic
-from mselastic.trainer.tensors import as_tensors, host_copy, numpy_dtype, parameters_of, rng_state
+from mselastic.trainer.tensors import as_tensors, parameters_of, rng_state
 
 log = logging.getLogger("mselastic.trainer")
-#: A snapshot is written (and its CRC computed) this many bytes at a time.
-_CHUNK = 1 << 20
 
 
 class Checkpointer:
@@ -180,7 +177,7 @@ class Checkpointer:
              extra: dict[str, Any] | None = None, rng: dict[str, Any] | None = None) -> Manifest | None:
         """Write a checkpoint of ``obj`` at ``step``; rank 0 only. ``obj``: the optimizer, whose
         parameters are the network's plus its own state (momentum buffers, learning rate, global
-        step), so all of it is carried across relaunches; or a :func:`host_copy` (a list of
+        step), so all of it is carried across relaunches; or a :func:`~mselastic.trainer.tensors.host_copy` (a list of
         ``{"name", "data"}``, the data numpy arrays or Tensors: values copied earlier, written by
         another thread, which then passes ``rng``, MindSpore's random state taken with them)."""
         if not self.writer:
@@ -244,42 +241,13 @@ class Checkpointer:
 
     def _write_snapshot(self, params: dict[str, Any], step: int, epoch: int, cursor: int, seed: int,
                         extra: dict[str, Any], rng: dict[str, Any]) -> None:
-        """``params`` (name -> a Parameter, Tensor or numpy array) as raw bytes, then the manifest
-        that makes them a snapshot (written last: a file without one is litter)."""
-        import numpy as np
+        """``params`` (name -> a Parameter, Tensor or numpy array) kept as this rank's snapshot of ``step``."""
+        def manifest(file: str, size: int, tensors: list[dict[str, Any]], crc: int) -> Manifest:
+            return Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
+                            file=file, sha256="", size=size, cursor=cursor, seed=seed, extra=extra, job=self.job,
+                            rng=rng, lineage=self._lineage or "", tensors=tensors, crc32=crc)
 
-        name = file_stem(step, self.generation)
-        path = os.path.join(self.snapshot_dir, name + ".snap")
-        tensors, crc = [], 0
-        try:
-            with open(path, "wb") as f:
-                for key, value in params.items():
-                    # (asnumpy: the one copy, from the device; on CPU a view of the parameter's memory)
-                    array = value if isinstance(value, np.ndarray) else value.asnumpy()
-                    if not array.flags.c_contiguous:
-                        array = array.copy(order="C")  # (not np.ascontiguousarray: it makes a scalar 1-d)
-                    data = array.reshape(-1).view(np.uint8).data  # (bytes of any dtype, bfloat16's too)
-                    for at in range(0, len(data), _CHUNK):  # (each piece still in the cache for its CRC)
-                        f.write(data[at:at + _CHUNK])
-                        crc = zlib.crc32(data[at:at + _CHUNK], crc)
-                    tensors.append({"name": key, "dtype": array.dtype.name, "shape": list(array.shape)})
-                size = f.tell()
-        except BaseException:
-            with contextlib.suppress(OSError):  # (memory: a failed write must not stay, once per step)
-                os.remove(path)
-            raise
-        manifest = Manifest(step=step, epoch=epoch, world_size=self.world_size, generation=self.generation,
-                            file=name + ".snap", sha256="", size=size, cursor=cursor, seed=seed, extra=extra,
-                            job=self.job, rng=rng, lineage=self._lineage or "", tensors=tensors, crc32=crc)
-        write_atomic(os.path.join(self.snapshot_dir, name + ".json"), manifest.to_json())
-        # Kept: this generation's two newest. An older generation's can no longer be adopted (this
-        # one owns the checkpoint folder), and what a killed writer left half-written is litter.
-        mine = sorted(n[: -len(".json")] for n in os.listdir(self.snapshot_dir)
-                      if (found := MANIFEST.match(n)) and found.group(2) and int(found.group(2)) == self.generation)
-        for entry in os.listdir(self.snapshot_dir):
-            if entry.split(".", 1)[0] not in mine[-2:]:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(self.snapshot_dir, entry))
+        snapshots.write(self.snapshot_dir, file_stem(step, self.generation), params, manifest, self.generation)
 
     def _adopt_snapshot(self) -> None:
         """Rank 0 of a new generation: the newest snapshot on this node becomes a checkpoint when it
@@ -295,18 +263,8 @@ class Checkpointer:
         if owner.get("job", "") not in ("", self.job) or not owner.get("lineage"):
             return  # another job's folder, or one whose history no snapshot can continue
         owner_gen = owner.get("generation", 0)
-        for name in sorted((n for n in os.listdir(self.snapshot_dir) if MANIFEST.match(n)), reverse=True):
-            try:
-                with open(os.path.join(self.snapshot_dir, name)) as f:
-                    m = Manifest(**json.load(f))
-            except (OSError, ValueError, TypeError) as e:
-                log.warning("snapshot %s unreadable (%s)", name, e)
-                continue
-            if m.step <= newest_step:
-                return  # (newest first: none further down is newer than the checkpoints)
-            if m.job != self.job or m.generation >= self.generation or m.lineage != owner["lineage"] \
-                    or (isinstance(owner_gen, int) and m.generation < owner_gen):
-                continue  # another folder's history (the same job name elsewhere, an etcd since wiped), or fenced
+        for m in snapshots.adoptable(self.snapshot_dir, self.job, self.generation, owner["lineage"],
+                                     owner_gen if isinstance(owner_gen, int) else 0, newest_step):
             if self._persist(m):
                 return
 
@@ -314,7 +272,6 @@ class Checkpointer:
         """Write the snapshot ``m`` into the checkpoint folder as a MindSpore checkpoint, checked (size,
         CRC32) and published as a save is. False (logged, nothing left behind) when it cannot be."""
         import mindspore as ms
-        import numpy as np
 
         stem = m.file.rsplit(".", 1)[0]
         if not m.file.endswith(".snap"):
@@ -324,19 +281,7 @@ class Checkpointer:
         dst = os.path.join(self.dir, stem + ".ckpt")
         tmp = os.path.join(self.dir, f"{stem}.tmp{os.getpid()}.ckpt")  # (MindSpore loads only *.ckpt)
         try:
-            with open(os.path.join(self.snapshot_dir, m.file), "rb") as f:
-                raw = bytearray(f.read())
-            if len(raw) != m.size or zlib.crc32(raw) != m.crc32:
-                raise ValueError(f"{m.file} is damaged ({len(raw)} bytes of {m.size}, or its CRC32 differs)")
-            values, offset = [], 0
-            for t in m.tensors:
-                dtype, shape = numpy_dtype(t["dtype"]), tuple(t["shape"])
-                count = int(np.prod(shape, dtype=np.int64))
-                array = np.frombuffer(raw, dtype, count, offset).reshape(shape)
-                values.append({"name": t["name"], "data": ms.Tensor.from_numpy(array)})
-                offset += count * dtype.itemsize
-            if offset != len(raw):
-                raise ValueError(f"{m.file}: its layout covers {offset} bytes of {len(raw)}")
+            values = snapshots.tensors_of(self.snapshot_dir, m)
             ms.save_checkpoint(values, tmp, crc_check=True)
             fsync_file(tmp)
             os.replace(tmp, dst)

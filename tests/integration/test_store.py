@@ -9,13 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable
 
 import pytest
 
 from mselastic.core.kinds import EventKind
-from mselastic.core.model import Event, JobStatus, NodeRecord
+from mselastic.core.model import Event, JobStatus, MalformedRecord, NodeRecord
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import JobState
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
@@ -95,6 +96,57 @@ def test_a_restart_request_racing_a_note_written_from_an_older_read_is_kept(etcd
         stored = (await read_cluster(store)).jobs["job"].status
         assert stored.restart_requested == 1 and stored.note == ""
         await term.lease.release()
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_compare_and_set_update_writes_only_what_it_read_and_under_its_guard(etcd_server: EmbeddedEtcd,
+                                                                             namespace: str) -> None:
+    """Store.update, the one read-change-write every fenced write of a single record goes through:
+    it writes the change; writes nothing when the record is absent, left as it is, written by
+    someone else between the read and the write, or when the guard (a leader's term) fails; a
+    malformed record is raised, not overwritten."""
+    async def scenario() -> None:
+        store = Store(etcd_server.endpoint, Keys(namespace))
+        key = store.keys.status("job")
+        running = JobStatus(JobState.RUNNING, 1)
+
+        def noted(st: JobStatus) -> JobStatus:
+            return dataclasses.replace(st, note="n")
+
+        assert await store.update(key, JobStatus.from_json, noted) is None  # absent
+        await store.put(key, running.to_json())
+        assert (await store.update(key, JobStatus.from_json, noted)).note == "n"  # type: ignore[union-attr]
+        assert await store.update(key, JobStatus.from_json, lambda st: None) is None  # left as it is
+
+        def another_writer_meanwhile(st: JobStatus) -> JobStatus:
+            """Between update's read and its write, another client (its own connection) writes the key."""
+            async def put() -> None:
+                other = Store(etcd_server.endpoint, Keys(namespace))
+                await other.put(key, dataclasses.replace(running, note="other").to_json())
+                await other.close()
+
+            writer = threading.Thread(target=lambda: asyncio.run(put()))
+            writer.start()
+            writer.join(30)
+            return dataclasses.replace(st, note="late")
+
+        assert await store.update(key, JobStatus.from_json, another_writer_meanwhile) is None
+        assert JobStatus.from_json((await store.get(key)).value).note == "other"  # type: ignore[union-attr]
+        stop = asyncio.Event()
+        term = await Election(store, "a", TTL).campaign(stop)
+        assert term is not None
+        guard = [term.guard(store)]
+        assert (await store.update(key, JobStatus.from_json, noted, guard)) is not None
+        await term.lease.release()  # deposed: its guard fails, nothing is written
+        assert await store.update(key, JobStatus.from_json, lambda st: dataclasses.replace(st, note="deposed"),
+                                  guard) is None
+        assert JobStatus.from_json((await store.get(key)).value).note == "n"  # type: ignore[union-attr]
+        await store.put(key, "{not json")
+        with pytest.raises(MalformedRecord):
+            await store.update(key, JobStatus.from_json, noted)
+        assert (await store.get(key)).value == b"{not json"  # type: ignore[union-attr]
         await store.close()
 
     asyncio.run(scenario())
