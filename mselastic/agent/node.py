@@ -31,7 +31,7 @@ from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
 from mselastic.agent.reports import Reports
 from mselastic.agent.launch import spawn_standby
-from mselastic.agent.snapshots import remove_snapshot_folder, sweep_snapshot_folders
+from mselastic.agent.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.supervisor import Generation
 from mselastic.agent.users import WorkerUser
 from mselastic.core import fencing

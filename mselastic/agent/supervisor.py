@@ -31,7 +31,7 @@ from mselastic.agent.launch import MSRUN, Launch, Path
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
 from mselastic.agent.preflight import LaunchError, port_free, preflight
 from mselastic.agent.ranks import JOINED, RankState
-from mselastic.agent.snapshots import snapshot_folder
+from mselastic.agent.snapshot_folders import snapshot_folder
 from mselastic.agent.forkserver import Standby
 from mselastic.agent.stop import signal_ranks, write_stop_step
 from mselastic.agent.users import WorkerUser
