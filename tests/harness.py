@@ -285,6 +285,20 @@ def generation_processes(procs: Processes, generation: int, job: str = "lenet") 
     return found
 
 
+def standby_processes(procs: Processes) -> list[psutil.Process]:
+    """Live standby workers and fork servers started (through elasticd) by this test."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if env.get(TEST_MARK) == procs.mark and env.get(ENV_RUN_ID, "").startswith("standby.") \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def agent_status(endpoint: str) -> Any:
     """The node agent's ``Agent.Status`` at ``endpoint`` (its local socket, or TCP where it is plaintext)."""
     import grpc

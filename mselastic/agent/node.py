@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -124,6 +125,7 @@ class NodeAgent:
         self.standbys = WarmPools(cfg.node_id)
         self._background: set[asyncio.Task[None]] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
+        self._ended: set[str] = set()  # jobs the leader said end here (a final Stop): nothing relaunches them
         #: This node's reports in etcd, written when a generation changes.
         self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
         #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
@@ -485,14 +487,23 @@ class NodeAgent:
                                                    | {plan.job}))
             gen.on_joined = self._tell_peers_joined
             self.generations[plan.job] = gen
+            self._ended.discard(plan.job)  # submitted again
             await gen.start()
             self._changed(gen)
             return "launched"
 
-    async def stop(self, job: str, generation: int, grace_s: float, stop_at: int = 0, reason: str = "") -> list[int]:
+    async def stop(self, job: str, generation: int, grace_s: float, stop_at: int = 0, reason: str = "",
+                   final: bool = False) -> list[int]:
+        """Stop ``job``'s ``generation`` (0: whatever runs). ``final``: the job ends here, no relaunch
+        follows: its standbys and snapshot folder go once nothing of it runs."""
         async with self._lock(job):
             gen = self.generations.get(job)
-            if gen is None or (generation and gen.plan.generation > generation):
+            newer = gen is not None and generation and gen.plan.generation > generation  # (resubmitted meanwhile)
+            if final and not newer:
+                self._ended.add(job)
+                if gen is None or gen.done.is_set():
+                    self._let_go(job)
+            if gen is None or newer:
                 return []
             if gen.plan.generation != generation:
                 # A Stop of the planned successor reaching a node still running its predecessor
@@ -519,6 +530,11 @@ class NodeAgent:
         (AGENT_SHUTDOWN: no fault of the job or the node). Returns the pids left."""
         self._shutting_down = True
         lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)))
+        if self._background:  # (folders being removed; bounded: elasticd must stop)
+            await asyncio.wait(list(self._background), timeout=SHUTDOWN_REPORT_S)
+        if self.cfg.snapshot_root:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.cfg.snapshot_root)  # only when empty: nothing kept for a job
         return [pid for left in lefts for pid in left]
 
     def _tell_peers_joined(self, gen: Generation) -> None:
@@ -538,12 +554,26 @@ class NodeAgent:
             self.standbys.keep(gen.plan.job, gen.launch_env.launch_key(), gen.member.local_workers + 1,
                                functools.partial(spawn_standby, gen.launch_env))
 
-    def _retire_standbys(self, gen: Generation) -> None:
-        def running() -> bool:
-            current = self.generations.get(gen.plan.job)
-            return current is not None and not current.state.terminal
+    def _running(self, job: str) -> bool:
+        current = self.generations.get(job)
+        return current is not None and not current.state.terminal
 
-        self.standbys.retire(gen.plan.job, gen.state is GenerationState.SUCCEEDED, running)
+    def _let_go(self, job: str) -> None:
+        """``job`` ended (nothing of it runs here): its standbys and its snapshot folder go now.
+        Called holding the job's lock: the folder is moved aside at once, so that a launch of the
+        job right after makes a new one, and removed in the background."""
+        self.standbys.retire(job, True, functools.partial(self._running, job))
+        if self.cfg.snapshot_root:
+            path = os.path.join(self.cfg.snapshot_root, job)
+            gone = os.path.join(self.cfg.snapshot_root, f".gone-{job}-{os.urandom(4).hex()}")
+            try:
+                os.rename(path, gone)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                log.warning("snapshot folder %s not removed: %s", path, e, extra=dict(job=job))
+                return
+            self._spawn(remove_snapshot_folder(gone, self.cfg.worker_user))
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
@@ -557,9 +587,10 @@ class NodeAgent:
 
     async def _remove_snapshots_after(self, gen: Generation) -> None:
         await gen.done.wait()  # every process of it gone first
-        current = self.generations.get(gen.plan.job)
-        if current is None or current is gen or current.done.is_set():
-            await remove_snapshot_folder(gen.snapshot_dir, self.cfg.worker_user)
+        async with self._lock(gen.plan.job):
+            current = self.generations.get(gen.plan.job)
+            if current is None or current is gen or current.done.is_set():
+                self._let_go(gen.plan.job)
 
     def _changed(self, gen: Generation, urgent: bool = True) -> None:
         self.reports.changed(gen, urgent)
@@ -567,9 +598,11 @@ class NodeAgent:
             if gen.state is GenerationState.RUNNING:
                 self._keep_standbys(gen)
             elif gen.state.terminal:
-                self._retire_standbys(gen)
-                if gen.state is GenerationState.SUCCEEDED and gen.snapshot_dir:
-                    # The job is done: its snapshots are memory nobody will read again.
+                # The job is done (it succeeded, or the leader said it ends): its standbys go now and
+                # its snapshots are memory nobody will read again. Otherwise a relaunch may use them.
+                over = gen.state is GenerationState.SUCCEEDED or gen.plan.job in self._ended
+                self.standbys.retire(gen.plan.job, over, functools.partial(self._running, gen.plan.job))
+                if over and gen.snapshot_dir:
                     self._spawn(self._remove_snapshots_after(gen))
 
     def status(self) -> list[Generation]:

@@ -66,11 +66,18 @@ class Reports:
         """On a planned shutdown, once the workers are gone: their final reports (stopped, and at
         which step) reach etcd before the registration goes, so that the restart is not taken for a
         crash. Bounded: etcd may be away (the successor then closes them as a crash's)."""
+        async def write_all() -> None:  # (a generation may change again while a round writes)
+            while self._dirty:
+                await self._write()
+                if self._dirty:
+                    await asyncio.sleep(0.1)
+
         try:
-            await asyncio.wait_for(self._write(), within_s)
+            await asyncio.wait_for(write_all(), within_s)
         except asyncio.TimeoutError:
             log.warning("final reports not written within %.0fs: the restart counts as a crash", within_s,
                         extra=self._ctx)
-        if self._dirty:
+        unwritten = sorted(k for k, gen in self._dirty.items() if self._written.get(k) != gen.report().to_json())
+        if unwritten:
             log.warning("final reports of %s not written: the restart counts as a crash",
-                        ", ".join(f"{job} g{g}" for job, g in sorted(self._dirty)), extra=self._ctx)
+                        ", ".join(f"{job} g{g}" for job, g in unwritten), extra=self._ctx)

@@ -15,7 +15,7 @@ import tenacity
 from mselastic.agent.node import LaunchRefused, NodeAgent
 from mselastic.wire import abort, generation_state_to_pb, plan_from_pb
 from mselastic.core.model import MalformedRecord
-from mselastic.core.spec import MAX_SECONDS, SpecError
+from mselastic.core.spec import MAX_SECONDS, SpecError, is_job_name
 from mselastic.store.etcd import TemporaryError
 from mselastic.store.keys import BadName, check_id
 from mselastic.v1 import elastic_pb2 as pb
@@ -48,11 +48,11 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.LaunchResponse(accepted=True, message=message)
 
     async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext) -> pb.StopResponse:
-        if not request.job or not 0 <= request.grace_period_s <= MAX_SECONDS:  # NaN fails too
+        if not is_job_name(request.job) or not 0 <= request.grace_period_s <= MAX_SECONDS:  # NaN fails too
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"Stop needs a job and a grace_period_s in 0..{MAX_SECONDS:.0f}")
+                        f"Stop needs a job's name and a grace_period_s in 0..{MAX_SECONDS:.0f}")
         left = await self.agent.stop(request.job, request.generation, request.grace_period_s,
-                                     request.stop_at_step)
+                                     request.stop_at_step, final=request.final)
         return pb.StopResponse(leftover_pids=left)
 
     async def Status(self, request: pb.AgentStatusRequest, context: grpc.aio.ServicerContext) -> pb.AgentStatusResponse:

@@ -21,6 +21,11 @@ from mselastic.core.batching import BatchLayout, batch_layout, node_count, valid
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
+
+def is_job_name(name: str) -> bool:
+    """A name a job may have (lowercase letters, digits and '-', at most 63): never a path."""
+    return bool(_NAME.match(name))
+
 #: Upper bounds of the numeric fields (inclusive), documented in the README. They keep every
 #: computation on a spec small (the planner, the valid world sizes) and every value inside the
 #: wire contract's int32/int64 and a float's exact integers.

@@ -55,6 +55,12 @@ from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NOT_ELASTICD, EXIT_ETCD_DOWN = 0, 1, 2, 3, 4, 5
+#: Where elasticctl asks when no endpoint is given and no local socket may be opened.
+FALLBACK = "127.0.0.1:7070"
+#: How long ``nodes --wait`` waits for a node to register.
+NODE_WAIT_S = 60.0
+#: The states ``watch --until`` waits for.
+WATCHABLE = tuple(n.removeprefix("JOB_STATE_") for n in pb.JobState.keys() if not n.endswith("UNSPECIFIED"))
 ETCD_UNAVAILABLE_PREFIX = "etcd unavailable"  # the Control service's answer when it cannot read etcd
 NOT_LEADER_PREFIX = "not the leader; leader is "  # the Control service's refusal text
 
@@ -67,6 +73,24 @@ class CtlError(Exception):
 
 class _NoLeaderYet(Exception):
     pass
+
+
+def _socket_within(timeout_s: float) -> str | None:
+    """The first default socket this user may open, waiting up to ``timeout_s`` for one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = next(("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), None)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def local_only(address: str, via: str, what: str) -> None:
+    """A ``unix:`` address (the nodes of a cluster on one machine register their sockets) names a
+    socket on that machine: followed only by an elasticctl that came through a socket itself."""
+    if address.startswith("unix:") and not via.startswith("unix:"):
+        raise CtlError(f"{what} is reached through its socket ({address}) on its own machine: run elasticctl "
+                       f"there", EXIT_REFUSED)
 
 
 class Client:
@@ -111,6 +135,7 @@ class Client:
                         nxt = details[len(NOT_LEADER_PREFIX):]
                         if ":" not in nxt:
                             raise _NoLeaderYet()
+                        local_only(nxt, endpoint, "the leader")
                         if nxt != endpoint:
                             endpoint = nxt
                             continue
@@ -181,12 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _global_options(p: argparse.ArgumentParser) -> None:
     """Where elasticd is and how to prove who we are."""
     env = os.environ.get
-    p.add_argument("--endpoints", "--endpoint", dest="endpoints",
-                   default=env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
-                       ("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), "127.0.0.1:7070"),
-                   help="comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default: the "
-                        "local elasticd's socket when this user may open it, else 127.0.0.1:7070; here "
-                        "%(default)s)")
+    default = env("ELASTICCTL_ENDPOINTS") or env("ELASTICCTL_ENDPOINT") or next(
+        ("unix:" + p for p in default_sockets() if os.access(p, os.R_OK | os.W_OK)), None)
+    p.add_argument("--endpoints", "--endpoint", dest="endpoints", default=default,
+                   help=f"comma-separated elasticd host:port or unix:PATH (env ELASTICCTL_ENDPOINTS; default: the "
+                        f"local elasticd's socket when this user may open it, else {FALLBACK}; here "
+                        f"{default or FALLBACK})")
     p.add_argument("--cacert", default=env("ELASTICCTL_CACERT", ""), help="verify elasticd with this CA (PEM)")
     p.add_argument("--cert", default=env("ELASTICCTL_CERT", ""), help="client certificate (PEM), with --key")
     p.add_argument("--key", default=env("ELASTICCTL_KEY", ""), help="client key (PEM), with --cert")
@@ -197,7 +222,11 @@ def _looking(cmd: _Command) -> None:
     """Commands that show the cluster, its jobs and their logs."""
     s = cmd("status", "the leader, the nodes and every job (or one)", "elasticctl status lenet -o json")
     s.add_argument("job", nargs="?", default="")
-    cmd("nodes", "registered nodes: slots, cordoned or draining, jobs running there", "elasticctl nodes")
+    s = cmd("nodes", "registered nodes: slots, cordoned or draining, jobs running there",
+            "elasticctl nodes; elasticctl nodes --wait n1 (once n1 has registered)")
+    s.add_argument("--wait", metavar="NODE", default="",
+                   help=f"first wait until NODE has registered (up to {NODE_WAIT_S:.0f} s, for elasticd to start "
+                        f"too; exit 1 if it does not)")
     cmd("jobs", "every job: state, generation, world size, step, loss", "elasticctl jobs -o yaml")
     s = cmd("describe", "one job in detail: spec, members, generations, recent events", "elasticctl describe job lenet")
     s.add_argument("kind", choices=["job"])
@@ -275,10 +304,15 @@ def _node_actions(cmd: _Command) -> None:
 
 def _following(cmd: _Command) -> None:
     """Commands that follow a job (live view, report)."""
-    s = cmd("watch", "a live view of a job until it ends (lines when not a terminal)", "elasticctl watch lenet",
-            output=False)
+    s = cmd("watch", "a live view of a job until it ends (lines when not a terminal)",
+            "elasticctl watch lenet; elasticctl watch lenet --until-step 20 (in a script: wait for it)", output=False)
     s.add_argument("job")
     s.add_argument("--interval-s", type=float, default=1.0, help="refresh period (default %(default)s)")
+    s.add_argument("--until", metavar="STATE", default="",
+                   help="stop watching once the job is in STATE (running, restarting, ...; exit 0), or has ended "
+                        "otherwise (exit 1)")
+    s.add_argument("--until-step", metavar="N", type=int, default=0,
+                   help="stop watching once the job has reached step N (exit 0), or has ended before (exit 1)")
     s = cmd("report", "draw a job's run: step over wall time, generations, faults, world size (PNG)",
             "elasticctl report lenet -o timeline.png", output=False)
     s.add_argument("job")
@@ -309,6 +343,14 @@ def _grace(v: float) -> float:
 
 def run(argv: list[str] | None, out: Any = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
+    if args.endpoints is None and args.command == "nodes" and args.wait:  # (an elasticd starting: its socket first)
+        args.endpoints = _socket_within(NODE_WAIT_S)
+    if args.endpoints is None:
+        args.endpoints = FALLBACK
+        if args.command not in ("certs", "install-unit"):
+            # (Else nothing would say that another user's elasticd answers, over TCP, as to a viewer.)
+            print(f"elasticctl: no elasticd socket this user may open ({', '.join(default_sockets())}): asking "
+                  f"{FALLBACK} over TCP, where one may only look; --endpoint names another elasticd", file=sys.stderr)
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
     if not endpoints or any(":" not in e for e in endpoints):
         raise CtlError(f"--endpoints {args.endpoints!r} must be host:port or unix:PATH[,...]", EXIT_USAGE)
@@ -335,7 +377,20 @@ def cmd_status(c: Client, a: argparse.Namespace, out: Any) -> int:
 
 
 def cmd_nodes(c: Client, a: argparse.Namespace, out: Any) -> int:
-    res = _status(c)
+    deadline = time.monotonic() + NODE_WAIT_S
+    while True:
+        try:
+            res = _status(c)
+        except CtlError as e:  # (with --wait, an elasticd still starting may not answer yet)
+            if not a.wait or e.code not in (EXIT_UNREACHABLE, EXIT_ETCD_DOWN) or time.monotonic() > deadline:
+                raise
+        else:
+            if not a.wait or any(n.node_id == a.wait for n in res.nodes):
+                break
+        if time.monotonic() > deadline:
+            raise CtlError(f"node {a.wait} did not register within {NODE_WAIT_S:.0f} s (is its elasticd running? its "
+                           f"log says why not)", EXIT_REFUSED)
+        time.sleep(0.2)
     render.emit(out, a.output, {"nodes": [render.as_dict(n) for n in res.nodes], "leader": res.leader},
                 lambda: render.nodes_table(res))
     return EXIT_OK
@@ -382,6 +437,7 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
     local = next((e for e in c.endpoints if e.startswith("unix:")), "")
     if local and c.node_id(local) == m.node_id:
         address = local  # this node's own agent: through the socket, where logs may be read
+    local_only(address, local, f"node {m.node_id}")
     stream = getattr(out, "buffer", None)
     lines = LogLines(everything=a.all)
 
@@ -524,8 +580,15 @@ def cmd_watch(c: Client, a: argparse.Namespace, out: Any) -> int:
 
     if a.interval_s <= 0:
         raise CtlError("--interval-s must be > 0", EXIT_USAGE)
-    final = watch(lambda: _status(c, a.job), a.job, a.interval_s, out)
-    return EXIT_OK if final == "SUCCEEDED" else EXIT_REFUSED
+    until = (a.until or "").upper()
+    if until and until not in WATCHABLE:
+        raise CtlError(f"--until {a.until!r}: one of {', '.join(s.lower() for s in WATCHABLE)}", EXIT_USAGE)
+    if a.until_step < 0:
+        raise CtlError("--until-step must be >= 0", EXIT_USAGE)
+    j = watch(lambda: _status(c, a.job), a.job, a.interval_s, out, until, a.until_step)
+    if a.until_step and j.step >= a.until_step:
+        return EXIT_OK
+    return EXIT_OK if render.state(j.state) == (until or "SUCCEEDED") else EXIT_REFUSED
 
 
 def cmd_report(c: Client, a: argparse.Namespace, out: Any) -> int:

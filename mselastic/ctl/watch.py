@@ -54,11 +54,17 @@ def line(j: pb.JobStatus, samples_s: float) -> str:
     step = max(j.step, 0)
     return (f"{time.strftime('%H:%M:%S')} {j.job} {render.state(j.state)} gen={j.generation} world={j.world_size} "
             f"step={step}/{j.total_steps} ({100.0 * step / max(j.total_steps, 1):.0f}%) "
-            f"samples/s={samples_s:.1f} loss={j.loss:.4f}" + (f" note: {j.note}" if j.note else ""))
+            f"samples/s={samples_s:.1f} loss={f'{j.loss:.4f}' if j.step > 0 else '-'}"
+            + (f" note: {j.note}" if j.note else ""))
 
 
-def watch(fetch: Callable[[], pb.StatusResponse], job: str, interval_s: float, out: Any) -> str:
-    """Poll ``fetch`` until the job ends; returns its final state."""
+def watch(fetch: Callable[[], pb.StatusResponse], job: str, interval_s: float, out: Any, until: str = "",
+          until_step: int = 0) -> pb.JobStatus:
+    """Poll ``fetch`` until the job ends, is in state ``until`` or has reached ``until_step``;
+    returns it as last seen."""
+    def over(j: pb.JobStatus) -> bool:
+        return render.state(j.state) in (*TERMINAL, until) or 0 < until_step <= j.step
+
     rate = Rate()
     console = Console(file=out)
     tty = console.is_terminal
@@ -70,11 +76,11 @@ def watch(fetch: Callable[[], pb.StatusResponse], job: str, interval_s: float, o
     j, samples_s = poll()
     if tty:
         with Live(view(j, samples_s), console=console, refresh_per_second=4, transient=False) as live:
-            while render.state(j.state) not in TERMINAL:
+            while not over(j):
                 time.sleep(interval_s)
                 j, samples_s = poll()
                 live.update(view(j, samples_s))
-        return render.state(j.state)
+        return j
     last = ""
     while True:
         text = line(j, samples_s)
@@ -82,8 +88,8 @@ def watch(fetch: Callable[[], pb.StatusResponse], job: str, interval_s: float, o
         if key != last:
             print(text, file=out, flush=True)
             last = key
-        if render.state(j.state) in TERMINAL:
-            return render.state(j.state)
+        if over(j):
+            return j
         time.sleep(interval_s)
         j, samples_s = poll()
 

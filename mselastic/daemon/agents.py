@@ -145,12 +145,14 @@ class Agents:
         return contract.stop_step_ahead(steps, rate, 2 * took + STOP_MARGIN_S)
 
     async def stop(self, job: str, generation: int, grace_s: float, addresses: dict[str, str],
-                   stop_at: int | None = None) -> dict[str, list[int]]:
+                   stop_at: int | None = None, final: bool = False) -> dict[str, list[int]]:
         """Stop ``generation`` on these members; with ``grace_s`` > 0 the ranks first checkpoint at
-        ``stop_at`` (by default :meth:`stop_step` of these members)."""
+        ``stop_at`` (by default :meth:`stop_step` of these members). ``final``: the job ends here, no
+        relaunch follows (its standbys and snapshot folder go too)."""
         if grace_s > 0 and stop_at is None:
             stop_at = await self.stop_step(job, generation, addresses)
-        msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s, stop_at_step=stop_at or 0)
+        msg = pb.StopRequest(job=job, generation=generation, grace_period_s=grace_s, stop_at_step=stop_at or 0,
+                             final=final)
 
         async def one(node_id: str, address: str) -> tuple[str, list[int]]:
             try:

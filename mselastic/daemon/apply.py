@@ -84,7 +84,7 @@ class Applier:
                 # hold the node's slots (a job waiting for them) for nothing. Killed at once.
                 grace = 0.0 if d.fault is not None or d.lost_nodes else view.spec.stop_grace_period_s
                 await self.agents.stop(view.name, view.plan.generation, grace,
-                                       {m.node_id: m.agent_address for m in view.plan.members})
+                                       {m.node_id: m.agent_address for m in view.plan.members}, final=True)
         elif d.action is Action.WAIT:
             # A wait for slots other jobs hold is a queue, not a shortage of nodes: not timed.
             state = JobState.PENDING if view.plan is None else JobState.RESTARTING
@@ -189,7 +189,7 @@ class Applier:
                            f"({why}); resubmit once its configuration is fixed")
                 if await self.statuses.set(term, view, JobState.FAILED, message):
                     await self.agents.stop(view.name, plan.generation, view.spec.stop_grace_period_s,
-                                           {m.node_id: m.agent_address for m in plan.members})
+                                           {m.node_id: m.agent_address for m in plan.members}, final=True)
                 return
         missing = [m for m in plan.members if m.node_id not in reports
                    and now - memo.pushed.get((plan.generation, m.node_id), 0) > self.cfg.repush_after_s]
@@ -225,7 +225,7 @@ class Applier:
             if nodes:
                 log.warning("stopping generation %d again on %s: the job is %s", generation, ", ".join(sorted(nodes)),
                             view.status.state.value, extra=dict(job=view.name, generation=generation))
-                await self.agents.stop(view.name, generation, grace_s, nodes)
+                await self.agents.stop(view.name, generation, grace_s, nodes, final=True)
 
     def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:
         now, pushed = time.monotonic(), self._memo(plan.job).pushed

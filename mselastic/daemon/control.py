@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
 import tenacity
@@ -106,6 +106,19 @@ async def job_to_pb(view: JobView) -> pb.JobStatus:
 HIDDEN = "(hidden)"
 
 
+def unseen_paths(spec: JobSpec) -> str:
+    """What of the spec's paths this node cannot see ("" when it sees them): the script, and the
+    checkpoint_dir or, when it is still to be made, the folder it would be made in."""
+    if not os.path.isfile(spec.script):
+        return f"script {spec.script} " + ("is a folder" if os.path.isdir(spec.script) else "does not exist")
+    path = os.path.normpath(spec.checkpoint_dir)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"checkpoint_dir {spec.checkpoint_dir} cannot be a folder: {path} is not one"
+    return ""
+
+
 class ControlService(pb_grpc.ControlServicer):
     def __init__(self, store: Store, coordinator: Coordinator, allow_env: frozenset[str] = frozenset(),
                  etcd_members: Callable[[], list[tuple[str, str, str]]] = list) -> None:
@@ -115,6 +128,7 @@ class ControlService(pb_grpc.ControlServicer):
         self.etcd_members = etcd_members
         #: Loader and interpreter variables a job's env may set anyway (elasticd's allow_env).
         self.allow_env = allow_env
+        self._telling: set[asyncio.Task[Any]] = set()  # nodes being told a deleted job is gone
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         try:
@@ -173,7 +187,7 @@ class ControlService(pb_grpc.ControlServicer):
                         f"env: {', '.join(refused)} may not be set by a job (loader and interpreter variables run "
                         f"code in every worker); an admin may allow them with elasticd's allow_env")
         await self._require_leader(context)
-        await self._check_fit_and_dir(spec, request.force, context)
+        warnings = await self._check_fit_and_dir(spec, request.force, context)
         k, tx = self.store.keys, self.store.tx
         try:
             # A job deleted under this name: continue after its last generation (agents refuse older ones).
@@ -210,11 +224,13 @@ class ControlService(pb_grpc.ControlServicer):
         if not ok:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} already exists")
         self.coordinator.wake()
-        return pb.SubmitResponse(job=spec.name, warning=await self._range_warning(spec))
+        warnings.append(await self._range_warning(spec))
+        return pb.SubmitResponse(job=spec.name, warning="; ".join(filter(None, warnings)))
 
-    async def _check_fit_and_dir(self, spec: JobSpec, force: bool, context: grpc.aio.ServicerContext) -> None:
+    async def _check_fit_and_dir(self, spec: JobSpec, force: bool, context: grpc.aio.ServicerContext) -> list[str]:
         """Refuse a job no registered node is large enough for, a checkpoint_dir another job uses,
-        or one already past total_steps (unless ``force``)."""
+        one already past total_steps (unless ``force``), and, when this node is the only one, a
+        script or checkpoint_dir it cannot see. Returns what to warn about."""
         try:
             others = await read_cluster(self.store)
         except TemporaryError as e:
@@ -233,12 +249,24 @@ class ControlService(pb_grpc.ControlServicer):
                         f"checkpoint_dir {spec.checkpoint_dir} belongs to job {sharing[0]}; give this job its own "
                         f"(or elasticctl delete {sharing[0]} first)")
         # Shared storage may hang: never read it on the event loop (leases are renewed there).
-        reached = await asyncio.to_thread(checkpointed_step, spec.checkpoint_dir, spec.name)
-        if reached is not None and reached >= spec.total_steps and not force:
+        unseen = await asyncio.to_thread(unseen_paths, spec)
+        here = self.coordinator.cfg.node_id
+        if unseen and [n.node_id for n in workers] == [here]:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"checkpoint_dir {spec.checkpoint_dir} already holds a checkpoint at step {reached}, at or past "
-                        f"total_steps={spec.total_steps}: the job would end at once; raise total_steps, use another "
-                        f"checkpoint_dir, or submit with --force")
+                        f"{unseen} on node {here}, the cluster's only node: fix the path in the spec (a relative "
+                        f"path resolves against the spec file's folder)")
+        warnings = [f"{unseen} on node {here}: every node must have it at that path, or the job's launch there "
+                    f"fails"] if unseen else []
+        reached = await asyncio.to_thread(checkpointed_step, spec.checkpoint_dir, spec.name)
+        if reached is not None and reached >= spec.total_steps:
+            if not force:
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                            f"checkpoint_dir {spec.checkpoint_dir} holds a checkpoint of step {reached}, at or past "
+                            f"total_steps={spec.total_steps}: this job is done there. To train further, raise "
+                            f"total_steps; to start over, give another checkpoint_dir or empty this one "
+                            f"(--force submits it anyway: it ends at once)")
+            warnings.append(f"it resumes at step {reached} of {spec.total_steps}: it ends at once, without training")
+        return warnings
 
     async def _change_status(self, job: str, context: grpc.aio.ServicerContext,
                              change: Callable[[JobView], tuple[JobStatus, Event] | None]) -> JobView:
@@ -289,7 +317,7 @@ class ControlService(pb_grpc.ControlServicer):
         if view.plan is not None and view.status.state is JobState.STOPPED:
             grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
             await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
-                                               {m.node_id: m.agent_address for m in view.plan.members})
+                                               {m.node_id: m.agent_address for m in view.plan.members}, final=True)
         return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
@@ -411,6 +439,12 @@ class ControlService(pb_grpc.ControlServicer):
             with contextlib.suppress(TemporaryError):
                 await self.store.txn([tx.value(claim) == view.name.encode()], [tx.delete(claim)])
         self.coordinator.forget(view.name)
+        # Every node lets the job's standbys and snapshot folder go (a node that misses this sweeps
+        # the folder after SNAPSHOT_KEEP_S; its standbys went when the generation ended).
+        task = asyncio.create_task(self.coordinator.agents.stop(  # (up to its last generation: not a new job's)
+            view.name, last, 0.0, {n.node_id: n.agent_address for n in cluster.nodes}, final=True))
+        self._telling.add(task)  # (in the background: an unreachable node does not hold the answer)
+        task.add_done_callback(self._telling.discard)
         log.info("job %s deleted after generation %d", view.name, last, extra=dict(job=view.name, generation=last))
         return pb.DeleteJobResponse(generation=last)
 

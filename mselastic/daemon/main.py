@@ -218,6 +218,8 @@ async def serve(s: Settings) -> None:
             etcd.stop()
         raise SettingsError(refused[0])
     server, local, address = _grpc_server(s, store)
+    if s.one_machine:
+        address = local  # (the peers are on this machine; see Settings.one_machine)
     agent = _agent(s, store, address, worker)
     coordinator = _coordinator(s, store, address, local)
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)

@@ -47,6 +47,11 @@ class Settings:
     etcd_endpoint: str = "127.0.0.1:2379"
     #: Start a single-member etcd on loopback with its data here (a first run on one machine).
     embedded_etcd_dir: str = ""
+    #: Another elasticd's embedded_etcd_dir on this machine: use that etcd (at etcd_endpoint, with
+    #: the client certificate in DIR/pki) instead of one of this node's own: a second node on one
+    #: machine. Its defaults then suit a second node (listen on any free loopback port, no
+    #: metrics, the socket elasticd-<node_id>.sock beside the default one).
+    join_embedded_etcd: str = ""
     #: host:port the gRPC services (Agent, Control) listen on.
     listen: str = "127.0.0.1:7070"
     #: Address other nodes reach this one at; msrun's master_addr when this is node_rank 0.
@@ -125,12 +130,14 @@ class Settings:
     #: default policy (docs/journal/2026-12.md, "... SCHED_BATCH"). false: they inherit elasticd's own policy.
     batch_scheduling: bool = True
     #: While leading, keep a watched connection (keepalive pings) to the agent of every member of
-    #: a live plan: a dead node is replaced in about a second instead of at its lease's expiry.
+    #: a live plan: one whose connection drops is asked at once what it runs, and replaced as soon
+    #: as it says nothing (one that does not answer: once its lease is gone for fenced_within).
     #: Costs the leader ~6 % of a core at 250 nodes, ~31 % at 4000 (``make bench-liveness``).
     peer_evidence: bool = True
     #: Folder in memory (tmpfs) where the ranks keep snapshots of the training state between
     #: checkpoints (a job's ``snapshot_interval_steps``): ``<snapshot_dir>/<node>-<namespace
-    #: hash>/<job>``, removed when the job succeeds here. "": no snapshots on this node.
+    #: hash>/<job>``, removed when the job ends (or is deleted), and when elasticd stops without
+    #: it running here. "": no snapshots on this node. Another user's default: ``-<uid>`` added.
     snapshot_dir: str = "/dev/shm/mselastic"
 
     def validate(self) -> "Settings":
@@ -159,6 +166,26 @@ class Settings:
                 raise bad(key, f"{value!r} must be host:port")
         if self.embedded_etcd_dir and "," in self.etcd_endpoint:
             raise bad("embedded_etcd_dir", "runs one member: give etcd_endpoint a single host:port")
+        if self.join_embedded_etcd:
+            if self.embedded_etcd_dir:
+                raise bad("join_embedded_etcd", "and embedded_etcd_dir exclude each other: a node runs the "
+                                                "embedded etcd or joins another node's")
+            if self.etcd_cacert or self.etcd_cert:
+                raise bad("join_embedded_etcd", "uses the client certificate in its pki/: leave etcd_cacert, "
+                                                "etcd_cert and etcd_key empty")
+            key = os.path.join(self.join_embedded_etcd, "pki", "etcd-key.pem")
+            try:
+                owner = os.stat(key).st_uid
+            except OSError as e:
+                raise bad("join_embedded_etcd", f"{key}: {e.strerror}; give the embedded_etcd_dir of an elasticd of "
+                                                f"this user that runs on this machine") from None
+            if owner != os.geteuid():
+                raise bad("join_embedded_etcd", f"{key} belongs to uid {owner}, not to this elasticd's user: join "
+                                                f"only your own user's elasticd (whoever owns that etcd decides "
+                                                f"what this node runs)")
+            if not all(_loopback(e.strip().rpartition(":")[0].strip("[]")) for e in self.etcd_endpoint.split(",")):
+                raise bad("etcd_endpoint", f"{self.etcd_endpoint} is not on loopback, where an embedded etcd listens "
+                                           f"(join_embedded_etcd)")
         if self.slots < 0:
             raise bad("slots", f"must be >= 0 (got {self.slots})")
         if self.lease_ttl_s < 2:
@@ -214,8 +241,20 @@ class Settings:
 
     @property
     def etcd_auth(self) -> EtcdAuth:
-        """How elasticd proves itself to an external etcd (an embedded one has its own, see serve)."""
+        """How elasticd proves itself to an external etcd (an embedded one has its own, see serve;
+        a joined one the client certificate it made in its pki/)."""
+        if self.join_embedded_etcd:
+            pki = os.path.join(self.join_embedded_etcd, "pki")
+            return EtcdAuth(os.path.join(pki, "ca.pem"), os.path.join(pki, "etcd.pem"), os.path.join(pki, "etcd-key.pem"),
+                            self.etcd_user, self.etcd_password)
         return EtcdAuth(self.etcd_cacert, self.etcd_cert, self.etcd_key, self.etcd_user, self.etcd_password)
+
+    @property
+    def one_machine(self) -> bool:
+        """Every node of this cluster runs on this machine: its etcd is an embedded one, on loopback.
+        The nodes then reach each other through their local sockets, where the node role needs no
+        certificate (over plaintext TCP a peer is only a viewer)."""
+        return bool(self.embedded_etcd_dir or self.join_embedded_etcd)
 
     @property
     def allowed_env(self) -> frozenset[str]:
@@ -293,6 +332,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "node_id": "this node's id (default: the host name)",
         "etcd_endpoint": "etcd host:port, or a comma-separated list of the cluster's members",
         "embedded_etcd_dir": "run a single-member etcd on loopback, data in DIR",
+        "join_embedded_etcd": "a second node on this machine: use the etcd another elasticd embeds with data in DIR "
+                              "(listen, metrics_listen and socket then default to a free port, none, and "
+                              "elasticd-NODE_ID.sock)",
         "listen": "gRPC host:port for Agent and Control",
         "advertise_host": "address peers use for this node (default: the listen host)",
         "slots": "workers this node can run; 0: coordinate only",
@@ -330,7 +372,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                             "loses a race with its own event loop); ranks go back to the default policy after init()",
         "peer_evidence": "while leading, ping the agents of running jobs' nodes: one whose connection drops is asked "
                          "at once what it runs, and replaced as soon as it says nothing",
-        "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none)",
+        "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
+                        "another user than root, /dev/shm/mselastic-UID by default)",
     }
     for key, f in FIELDS.items():
         kinds: dict[str, Callable[[str], object]] = {"int": int, "float": float, "bool": _flag}
@@ -373,6 +416,13 @@ def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = N
                             f"{os.stat(path).st_mode & 0o777:o}); chmod 600 it")
     if not values.get("node_id"):
         values["node_id"] = socket.gethostname().split(".")[0]
+    if os.geteuid() != 0 and "snapshot_dir" not in values:  # (root's /dev/shm/mselastic is not this user's)
+        values["snapshot_dir"] = f"{Settings.snapshot_dir}-{os.geteuid()}"
+    if values.get("join_embedded_etcd"):  # a second node: nothing of the first one's by default
+        values.setdefault("listen", "127.0.0.1:0")
+        values.setdefault("metrics_listen", "")
+        values.setdefault("socket", os.path.join(os.path.dirname(default_sockets()[-1]),
+                                                 f"elasticd-{values['node_id']}.sock"))
     try:
         s = Settings(**values)  # type: ignore[arg-type]
         host = s.listen.rpartition(":")[0]

@@ -152,16 +152,18 @@ class LaunchResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StopRequest(_message.Message):
-    __slots__ = ("job", "generation", "grace_period_s", "stop_at_step")
+    __slots__ = ("job", "generation", "grace_period_s", "stop_at_step", "final")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GRACE_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     grace_period_s: float
     stop_at_step: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_period_s: _Optional[float] = ..., stop_at_step: _Optional[int] = ...) -> None: ...
+    final: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., grace_period_s: _Optional[float] = ..., stop_at_step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class StopResponse(_message.Message):
     __slots__ = ("leftover_pids",)

@@ -245,10 +245,20 @@ def test_a_record_that_makes_the_coordinator_raise_stays_on_its_job(procs: Proce
 
 def test_launches_that_cannot_start_fail_at_once_with_the_path(procs: Processes, etcd: Etcd, namespace: str,
                                                                tmp_path: os.PathLike[str], digits: str) -> None:
+    """A path Submit cannot judge (a checkpoint_dir in a folder that exists but where nothing can be
+    made) fails the launch at once, naming it; a script that is not there, on the cluster's only
+    node, is refused by Submit itself: one line, exit 1, nothing written."""
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
-    cases = {"bad-ckpt": ("checkpoint_dir", "/proc/nonexistent/ckpt"),
-             "bad-script": ("script", os.path.join(tmp, "missing", "train.py"))}
+    missing = os.path.join(tmp, "missing", "train.py")
+    spec = lenet_spec(os.path.join(tmp, "bad-script.toml"), "bad-script", tmp, os.path.join(tmp, "c"), total_steps=10,
+                      workers=1, script=missing)
+    r = elasticctl("submit", spec, endpoint=endpoint)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"elasticctl: script {missing} does not exist on node n0, the cluster's only node: fix the path in the spec "
+        f"(a relative path resolves against the spec file's folder)"), r.stderr
+    assert etcd.status("bad-script") is None
+    cases = {"bad-ckpt": ("checkpoint_dir", "/proc/nonexistent/ckpt")}
     for job, (field, path) in cases.items():
         spec = lenet_spec(os.path.join(tmp, f"{job}.toml"), job, os.path.join(tmp, job), os.path.join(tmp, job, "c"),
                           total_steps=10, workers=1, **{field: path})

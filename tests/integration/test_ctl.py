@@ -89,7 +89,8 @@ def test_duplicate_submit_and_stop(endpoint: str, etcd: Etcd, tmp_path: os.PathL
 
 def test_a_resubmission_already_past_total_steps_is_refused(endpoint: str, etcd: Etcd,
                                                              tmp_path: os.PathLike[str]) -> None:
-    """After a 3000-step run, the same checkpoint_dir with total_steps = 300 would 'succeed' at once."""
+    """After a 3000-step run, the same checkpoint_dir with total_steps = 300 would 'succeed' at once:
+    refused, saying how to train further and how to start over; --force submits it with a warning."""
     tmp = str(tmp_path)
     ckpt = os.path.join(tmp, "ckpt")
     os.makedirs(ckpt)
@@ -100,14 +101,16 @@ def test_a_resubmission_already_past_total_steps_is_refused(endpoint: str, etcd:
     spec = lenet_spec(os.path.join(tmp, "job.toml"), "again", tmp, ckpt, total_steps=300, min_nodes=2, max_nodes=2)
     r = elasticctl("submit", spec, endpoint=endpoint)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "checkpoint at step 1487, at or past total_steps=300" in r.stderr and "--force" in r.stderr, r.stderr
+    assert "checkpoint of step 1487, at or past total_steps=300: this job is done there" in r.stderr, r.stderr
+    assert "raise total_steps" in r.stderr and "to start over, give another checkpoint_dir" in r.stderr, r.stderr
     assert etcd.status("again") is None  # nothing written
     more = lenet_spec(os.path.join(tmp, "more.toml"), "again", tmp, ckpt, total_steps=3000, min_nodes=2, max_nodes=2)
     assert elasticctl("submit", more, endpoint=endpoint).returncode == 0  # more steps: a resume
     assert elasticctl("stop", "again", endpoint=endpoint).returncode == 0
     assert elasticctl("delete", "again", endpoint=endpoint).returncode == 0
     r = elasticctl("submit", "--force", spec, endpoint=endpoint)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "it resumes at step 1487 of 300: it ends at once, without training" in r.stderr, \
+        r.stderr
 
 
 def test_json_and_yaml_have_numbers_and_every_field(endpoint: str, etcd: Etcd, tmp_path: os.PathLike[str]) -> None:

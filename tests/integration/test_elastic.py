@@ -20,7 +20,8 @@ from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import free_port
 from tests.cluster import Cluster, ClusterFault
 from tests.harness import (DATA_DIR, Etcd, Pace, Processes, check_history, elasticctl, lenet_spec, params,
-                           plain_msrun, rank_steps, start_node, still_running, wait_for, worker_pids)
+                           plain_msrun, rank_steps, standby_processes, start_node, still_running, wait_for,
+                           worker_pids)
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -248,15 +249,25 @@ def test_stop_checkpoints_at_the_step_the_leader_names(procs: Processes, etcd: E
                                            tmp_path: os.PathLike[str]) -> None:
     """elasticctl stop: the leader names a step just ahead of the ranks', they checkpoint there
     and exit 75; that is the newest checkpoint, so a later resume loses nothing. No per-step
-    collective is involved: the backstop (stop_check_interval_steps) is out of reach here."""
+    collective is involved: the backstop (stop_check_interval_steps) is out of reach here.
+    Nothing of a stopped job stays in memory: its standbys and their fork server exit with it, its
+    snapshot folder goes, a folder found again at its delete goes then, and elasticd stopping
+    without a job to keep removes its snapshot root."""
     tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    work = os.path.join(tmp, "work")
+    endpoint = start_node(procs, etcd, namespace, work, warm=True)
     ckpt = os.path.join(tmp, "ckpt")
     out = os.path.join(tmp, "out")
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, 300, stop_check_interval_steps=1000,
+                      snapshot_interval_steps=1,
                       # paced: the report read before the stop lags the ranks by at most a few steps
                       args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--step-sleep-s", "0.1"])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    (root,) = wait_for("the job's snapshot folder", lambda: glob.glob(os.path.join(work, "snapshots", "n0-*", JOB)),
+                       60, 0.1)
+    root = os.path.dirname(root)
+    wait_for("three standbys and their fork server", lambda: len(standby_processes(procs)) == 4, 180, 0.2)
+    wait_for("a snapshot", lambda: any(n.endswith(".json") for n in os.listdir(os.path.join(root, JOB))), 60, 0.1)
     before = wait_for("step 12", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 12 and r, 180, 0.05)
     r = elasticctl("stop", JOB, endpoint=endpoint)
     assert r.returncode == 0 and "STOPPED" in r.stdout, r.stderr
@@ -274,6 +285,16 @@ def test_stop_checkpoints_at_the_step_the_leader_names(procs: Processes, etcd: E
     assert status.state is JobState.STOPPED
     assert status.message == f"stopped by operator; the ranks checkpointed at step {rep.exit_step} and exited"
     assert f"checkpointed at step {rep.exit_step}" in elasticctl("events", JOB, endpoint=endpoint).stdout
+    # (Within seconds: before, a stopped job's standbys stayed 60 s, its snapshots until a day old.)
+    wait_for("the stopped job's standbys and fork server gone", lambda: not standby_processes(procs), 5, 0.1)
+    wait_for("the stopped job's snapshot folder gone", lambda: not os.path.exists(os.path.join(root, JOB)), 5, 0.1)
+    os.mkdir(os.path.join(root, JOB))  # as a Stop that did not reach the node would have left it
+    assert elasticctl("delete", JOB, endpoint=endpoint).returncode == 0
+    wait_for("the deleted job's snapshot folder gone", lambda: not os.path.exists(os.path.join(root, JOB)), 5, 0.1)
+    elasticd = procs.started[0]
+    elasticd.send_signal(signal.SIGTERM)
+    assert elasticd.wait(30) == 0
+    assert not os.path.exists(root), os.listdir(root)
 
 
 def test_a_full_checkpoint_filesystem_fails_the_job_once_and_keeps_the_last_checkpoint(

@@ -34,7 +34,8 @@ from mselastic.store.embedded import free_port
 from mselastic.v1 import elastic_pb2 as pb
 from tests.builders import local_plan
 from tests.harness import REFUSED, REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, \
-    lenet_spec, ms_stamps, start_node, thread_policies, thread_stats, wait_for, generation_processes, worker_pids
+    lenet_spec, ms_stamps, standby_processes, start_node, thread_policies, thread_stats, wait_for, \
+    generation_processes, worker_pids
 
 JOB = "lenet"
 
@@ -410,18 +411,6 @@ async def wait_async(cond: Any, timeout_s: float) -> None:
 
 def standbys(endpoint: str) -> list[pb.StandbyStatus]:
     return list(agent_status(endpoint).standbys)
-
-
-def standby_processes(procs: Processes) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            env = p.environ()
-            if env.get(TEST_MARK) == procs.mark and env.get(contract.ENV_RUN_ID, "").startswith("standby."):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def sync_waits(log: str) -> list[float]:

@@ -60,3 +60,23 @@ def test_the_report_draws_the_run_to_where_it_ended() -> None:
     done = pb.JobStatus(generation=2, step=300)
     assert steps_over_time(done, progress, end=25.0) == {1: [(10.0, 100)], 2: [(20.0, 283), (25.0, 300)]}
     assert steps_over_time(pb.JobStatus(generation=2, step=283), progress, end=25.0)[2] == [(20.0, 283)]
+
+
+def test_without_a_socket_it_says_which_elasticd_it_asks(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """No socket this user may open: the TCP fallback is said on stderr (another user's elasticd
+    may answer there), and an endpoint given is used without a word."""
+    monkeypatch.setattr(ctl, "default_sockets", lambda: ["/nonexistent/elasticd.sock"])
+    monkeypatch.delenv("ELASTICCTL_ENDPOINTS", raising=False)
+    monkeypatch.delenv("ELASTICCTL_ENDPOINT", raising=False)
+    monkeypatch.setattr(ctl, "COMMANDS", {**ctl.COMMANDS, "status": lambda c, a, out: 0})
+    assert ctl.run(["status"]) == 0
+    err = capsys.readouterr().err
+    assert "no elasticd socket this user may open (/nonexistent/elasticd.sock): asking 127.0.0.1:7070 over TCP, " \
+           "where one may only look" in err, err
+    assert ctl.run(["--endpoint", "127.0.0.1:7070", "status"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_watch_until_knows_the_states() -> None:
+    assert ctl.WATCHABLE == ("PENDING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "STOPPED")
+    assert ctl.main(["--endpoint", "127.0.0.1:1", "watch", "j", "--until", "trainin"]) == ctl.EXIT_USAGE

@@ -98,3 +98,21 @@ def test_a_typo_is_answered_with_the_field_it_was_meant_to_be() -> None:
     with pytest.raises(SpecError) as e:
         JobSpec.from_json(json.dumps({**good, "zzz": 2}))
     assert "did you mean" not in str(e.value) and "known fields are" in str(e.value)
+
+
+def test_submit_names_the_path_this_node_cannot_see(tmp_path: os.PathLike[str]) -> None:
+    from mselastic.daemon.control import unseen_paths
+
+    tmp = str(tmp_path)
+    script = os.path.join(tmp, "train.py")
+    open(script, "w").close()
+    open(os.path.join(tmp, "file"), "w").close()
+
+    def unseen(script: str, ckpt: str) -> str:
+        return unseen_paths(JobSpec(name="j", script=script, checkpoint_dir=ckpt))
+
+    assert unseen(script, os.path.join(tmp, "new", "deeper", "ckpt")) == ""  # made at launch
+    assert unseen(os.path.join(tmp, "nope.py"), tmp) == f"script {tmp}/nope.py does not exist"
+    assert unseen(tmp, tmp) == f"script {tmp} is a folder"
+    assert unseen(script, os.path.join(tmp, "file", "ckpt")) == \
+        f"checkpoint_dir {tmp}/file/ckpt cannot be a folder: {tmp}/file is not one"
