@@ -27,7 +27,7 @@ from mselastic.core.contract import NOTE_MAX, Beat, BeatKind
 from mselastic.core.batching import BatchLayout, batch_layout
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.core.threads import each_thread
-from mselastic.trainer.faults import FaultPlan
+from mselastic.trainer.faults import Faults
 
 log = logging.getLogger("mselastic.trainer")
 
@@ -108,7 +108,7 @@ def joining(init: Callable[..., Any]) -> Callable[..., Any]:
     def join(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get(contract.ENV_RUN_ID):
             die_with_parent()
-        fault = FaultPlan.from_env()
+        fault = Faults.from_env()
         if fault is not None and os.environ.get("MS_ROLE") == "MS_WORKER":
             fault.at_startup(_env_int("RANK_ID", -1), _env_int(contract.ENV_GENERATION, 0))
         _phase("init")
@@ -170,7 +170,7 @@ class ElasticContext:
     snapshot_dir: str = ""
     snapshot_interval_steps: int = 0
     snapshot_keeper: bool = False
-    fault: FaultPlan | None = None
+    fault: Faults | None = None
     _sock: socket.socket | None = None
     _sum: Any = None
     _overshot: bool = False
@@ -217,7 +217,7 @@ class ElasticContext:
             snapshot_dir=os.environ.get(contract.ENV_SNAPSHOT_DIR, ""),
             snapshot_interval_steps=max(0, _env_int(contract.ENV_SNAPSHOT_INTERVAL, 0)),
             snapshot_keeper=os.environ.get("DEVICE_ID", "0") == "0",  # msrun's local index of the rank
-            fault=FaultPlan.from_env(),
+            fault=Faults.from_env(),
         )
         if ctx.heartbeat_address:
             ctx._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -2,7 +2,8 @@
 
 ``MSELASTIC_FAULT="<kind>:rank=<r>:generation=<g>:step=<s>"`` makes rank ``r`` of
 generation ``g`` (or of each generation in a range ``g1-g2``) fail at step ``s``
-in the way ``kind`` says. Nothing happens
+in the way ``kind`` says; several such plans, ``;``-separated, each fire on their own
+(one fault per generation of one job). Nothing happens
 without the variable; the job spec's ``env`` carries it to every generation, and
 the generation filter makes the fault fire once.
 """
@@ -56,11 +57,6 @@ class FaultPlan:
             raise ValueError(f"{ENV_FAULT}={text!r}: expected <kind>:rank=R:generation=G:step=S "
                              f"with kind one of {', '.join(f.value for f in Fault)} ({e})") from None
 
-    @classmethod
-    def from_env(cls) -> "FaultPlan | None":
-        text = os.environ.get(ENV_FAULT, "")
-        return cls.parse(text) if text else None
-
     def at_startup(self, rank: int, generation: int) -> None:
         """Before ``init()``: the start-up faults."""
         last = self.last_generation or self.generation
@@ -101,6 +97,34 @@ class FaultPlan:
         elif self.fault is Fault.CORRUPT_CHECKPOINT:
             _corrupt_newest(checkpoint_dir)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """The plans of ``MSELASTIC_FAULT`` (``;``-separated), each firing on its own."""
+
+    plans: tuple[FaultPlan, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "Faults":
+        return cls(tuple(FaultPlan.parse(t.strip()) for t in text.split(";") if t.strip()))
+
+    @classmethod
+    def from_env(cls) -> "Faults | None":
+        text = os.environ.get(ENV_FAULT, "")
+        return cls.parse(text) if text else None
+
+    def at_startup(self, rank: int, generation: int) -> None:
+        for p in self.plans:
+            p.at_startup(rank, generation)
+
+    def at_point(self, where: str, rank: int, generation: int, step: int) -> None:
+        for p in self.plans:
+            p.at_point(where, rank, generation, step)
+
+    def maybe_inject(self, rank: int, generation: int, step: int, checkpoint_dir: str = "") -> None:
+        for p in self.plans:
+            p.maybe_inject(rank, generation, step, checkpoint_dir)
 
 
 def _corrupt_newest(checkpoint_dir: str) -> None:

@@ -3,8 +3,8 @@
 Two simulated nodes (network namespaces), one rank each; rank 1 lives on n1. For
 each fault: the agent notices it (a hang after hang_timeout_s), the generation
 is torn down on every node, the job resumes from the last committed checkpoint
-in generation 2 on the same nodes in the same order and finishes with exactly
-the configured steps; the timeline is in etcd; no process is left anywhere.
+in the next generation on the same nodes in the same order and finishes with
+exactly the configured steps; the timeline is in etcd; no process is left anywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from mselastic.core.states import FailureCause, GenerationState, JobState
-from mselastic.trainer.faults import Fault, FaultPlan, flip_byte
+from mselastic.trainer.faults import Fault, FaultPlan, Faults, flip_byte
 from tests.cluster import Cluster
 from tests.harness import DATA_DIR, REFUSED, check_history, elasticctl, generation_processes, lenet_spec, ms_stamps, \
     still_running, wait_for, worker_pids
@@ -53,57 +53,69 @@ def committed_step(ckpt: str) -> int:
             return int(json.load(m)["step"])
 
 
-@pytest.mark.parametrize("fault", RANK_FAULTS, ids=[f.value for f in RANK_FAULTS])
-def test_rank_fault_is_recovered_from_the_last_checkpoint(fault: Fault, cluster: Cluster, digits: str) -> None:
-    ckpt = start(cluster, f"{fault.value}:rank=1:generation=1:step={FAULT_STEP}")
+def test_every_rank_fault_is_recovered_from_the_last_checkpoint(cluster: Cluster, digits: str) -> None:
+    """One job, one fault of each kind in a row: rank 1 (on n1) of generation g fails at step
+    10 g + 5, in the g-th way. Each is noticed (a hang as such), the generation is torn down on
+    both nodes, and generation g + 1 resumes on the same nodes from the last committed
+    checkpoint (a rank's own SIGTERM: from the step every rank agreed on, nothing recomputed);
+    each relaunch's event names the node, the rank and the reason; the job finishes with exactly
+    its steps, each fault counted as a restart."""
+    faults = [Fault.EXIT, Fault.EXCEPTION, Fault.ABORT, Fault.SIGKILL, Fault.SIGSTOP, Fault.SIGTERM]
+    assert sorted(f.value for f in faults) == sorted(f.value for f in RANK_FAULTS)
+    at = {g: 10 * g + 5 for g in range(1, len(faults) + 1)}
+    total = at[len(faults)] + 10
+    ckpt = start(cluster, ";".join(f"{f.value}:rank=1:generation={g}:step={at[g]}" for g, f in enumerate(faults, 1)),
+                 total=total, max_restarts=len(faults), quarantine_after_failures=len(faults) + 1)  # (all on n1)
     etcd = cluster.etcd
     assert etcd is not None
-    failed = wait_for("generation 1 to end on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.state.terminal and r,
-                      180, 0.1)
-    if fault is Fault.SIGTERM:
-        # Every rank agreed on the step after the signal and checkpointed there: nothing to recompute.
-        assert failed.state is GenerationState.STOPPED and failed.exit_step == FAULT_STEP, failed
-        assert "code 75" in failed.reason
-    else:
-        assert failed.state is GenerationState.FAILED and failed.failed_rank == 1, failed.reason
-    if fault is Fault.SIGSTOP:
-        assert failed.cause is FailureCause.RANK_HUNG and "stopped (state T" in failed.reason, failed.reason
-    wait_for("generation 1 gone on every node", lambda: not generation_processes(cluster.procs, 1), 15)
-    committed = committed_step(ckpt)
-    assert committed == (FAULT_STEP if fault is Fault.SIGTERM else FAULT_STEP // 10 * 10)
-    plan2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 30, 0.1)
-    assert [m.node_id for m in plan2.members] == ["n0", "n1"]
-    second = wait_for("generation 2 first step", lambda: (r := etcd.report(JOB, 2, "n1")) and r.first_step_at
-                      and r, 120, 0.2)
-    assert second.resumed_step == committed
-    # n1's standby is handed over once n0's scheduler can be reached: none of its registrations was
-    # refused before that scheduler started (each refusal costs up to 0.5 s). Only when both nodes
-    # started generation 2 warm (a fault before a node's standbys have imported finds none there:
-    # msrun's workers are not elasticd's to hold back); in the CI runs seen, every time.
-    first = etcd.report(JOB, 2, "n0")
-    if second.warm and first is not None and first.warm:
-        g2 = [os.path.join(cluster.tmp, f"node{i}", "logs", JOB, "g000002") for i in (0, 1)]
-        logged = ms_stamps(os.path.join(g2[0], "scheduler.log"))
-        assert logged, f"n0's scheduler of generation 2 logged nothing by n1's first step; see {g2[0]}"
-        refused = ms_stamps(os.path.join(g2[1], "worker_1.log"), REFUSED)
-        assert not [t for t in refused if t < logged[0]], [round(t - logged[0], 3) for t in refused]
+    for g, fault in enumerate(faults, 1):
+        failed = wait_for(f"generation {g} to end on n1",
+                          lambda: (r := etcd.report(JOB, g, "n1")) and r.state.terminal and r, 180, 0.1)
+        if fault is Fault.SIGTERM:
+            # Every rank agreed on the step after the signal and checkpointed there: nothing to recompute.
+            assert failed.state is GenerationState.STOPPED and failed.exit_step == at[g], failed
+            assert "code 75" in failed.reason
+        else:
+            assert failed.state is GenerationState.FAILED and failed.failed_rank == 1, (fault, failed.reason)
+        if fault is Fault.SIGSTOP:
+            assert failed.cause is FailureCause.RANK_HUNG and "stopped (state T" in failed.reason, failed.reason
+        wait_for(f"generation {g} gone on every node", lambda: not generation_processes(cluster.procs, g), 15)
+        committed = committed_step(ckpt)
+        assert committed == (at[g] if fault is Fault.SIGTERM else at[g] // 10 * 10), (fault, committed)
+        plan = wait_for(f"generation {g + 1}", lambda: (p := etcd.plan(JOB)) and p.generation == g + 1 and p, 30, 0.1)
+        assert [m.node_id for m in plan.members] == ["n0", "n1"], (fault, plan.reason)
+        nxt = wait_for(f"generation {g + 1} first step", lambda: (r := etcd.report(JOB, g + 1, "n1"))
+                       and r.first_step_at and r, 120, 0.2)
+        assert nxt.resumed_step == committed, (fault, nxt.resumed_step, committed)
+        # n1's standby is handed over once n0's scheduler can be reached: none of its registrations
+        # was refused before that scheduler started (each refusal costs up to 0.5 s). Only when both
+        # nodes started the generation warm (msrun's workers are not elasticd's to hold back).
+        other = etcd.report(JOB, g + 1, "n0")
+        if nxt.warm and other is not None and other.warm:
+            logs = [os.path.join(cluster.tmp, f"node{i}", "logs", JOB, f"g{g + 1:06d}") for i in (0, 1)]
+            logged = ms_stamps(os.path.join(logs[0], "scheduler.log"))
+            assert logged, f"n0's scheduler of generation {g + 1} logged nothing by n1's first step; see {logs[0]}"
+            refused = ms_stamps(os.path.join(logs[1], "worker_1.log"), REFUSED)
+            assert not [t for t in refused if t < logged[0]], [round(t - logged[0], 3) for t in refused]
+    last = len(faults) + 1
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 240, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
-    assert status.generation == 2 and status.restart_count == 1
-    check_history(etcd, JOB, TOTAL)
-    # The timeline names the fault and when it was detected.
-    assert status.last_failure is not None and status.last_failure.node_id in ("n0", "n1")
-    assert status.last_failure.rank == (-1 if fault is Fault.SIGTERM else 1)
-    blamed = etcd.report(JOB, 1, status.last_failure.node_id)  # with SIGTERM, both nodes saw their ranks leave
+    assert status.generation == last and status.restart_count == len(faults)
+    check_history(etcd, JOB, total)
+    assert status.last_failure is not None and status.last_failure.recover_s > 0
+    blamed = etcd.report(JOB, len(faults), status.last_failure.node_id)
     assert blamed is not None and status.last_failure.detected_at == blamed.detected_at
-    assert status.last_failure.recover_s > 0
+    # The timeline names each fault, where and when it was detected.
     logged = [json.loads(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
     events = sorted((e for e in logged if e["kind"] != "progress"), key=lambda e: e["at"])  # not the step records
     kinds = [(e["kind"], e["generation"]) for e in events]
-    assert kinds[:3] == [("submitted", 0), ("generation", 1), ("generation", 2)], kinds
-    assert events[2]["node_id"] == status.last_failure.node_id and blamed.reason in events[2]["message"]
-    assert events[2]["rank"] == status.last_failure.rank
-    assert ("recovered", 2) in kinds and kinds[-1] == ("succeeded", 2)
+    assert kinds[:2] == [("submitted", 0), ("generation", 1)] and kinds[-1] == ("succeeded", last), kinds
+    for g, fault in enumerate(faults, 1):
+        relaunch = next(e for e in events if (e["kind"], e["generation"]) == ("generation", g + 1))
+        blamed = etcd.report(JOB, g, relaunch["node_id"])  # with SIGTERM, both nodes saw their ranks leave
+        assert blamed is not None and blamed.reason in relaunch["message"], (fault, relaunch)
+        assert relaunch["rank"] == (-1 if fault is Fault.SIGTERM else 1), (fault, relaunch)
+        assert ("recovered", g + 1) in kinds, (fault, kinds)
 
 
 def test_hang_detection_time_and_teardown(cluster: Cluster, digits: str) -> None:
@@ -178,6 +190,8 @@ def test_fault_spec_parsing() -> None:
     plan = FaultPlan.parse("abort:rank=2:generation=3:step=40")
     assert plan == FaultPlan(Fault.ABORT, 2, 3, 40, 3)
     assert FaultPlan.parse("exit:rank=1:generation=1-2:step=5").last_generation == 2
+    assert Faults.parse("exit:rank=1:generation=1:step=15; sigkill:rank=0:generation=2:step=25").plans == (
+        FaultPlan(Fault.EXIT, 1, 1, 15, 1), FaultPlan(Fault.SIGKILL, 0, 2, 25, 2))
     for bad in ("nap:rank=1:generation=1:step=1", "sigkill:rank=1", "sigkill:rank=x:generation=1:step=1"):
         with pytest.raises(ValueError, match="MSELASTIC_FAULT"):
             FaultPlan.parse(bad)
