@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from typing import Iterator
 
@@ -115,6 +117,17 @@ def cluster(procs: Processes, namespace: str, tmp_path: os.PathLike[str]) -> Ite
         yield c
     finally:
         c.down()
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[str]:
+    """A folder the worker user may reach (pytest's own are private to root)."""
+    path = tempfile.mkdtemp(prefix="mselastic-shared-", dir="/tmp")
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import signal
-import tempfile
 import time
-from typing import Iterator
 
 import numpy as np
 import psutil
@@ -24,17 +21,6 @@ from tests.harness import DATA_DIR, Etcd, Pace, Processes, elasticctl, elasticd_
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"  # the harness helpers assume this job name
-
-
-@pytest.fixture
-def shared_tmp() -> Iterator[str]:
-    """A folder the worker user may reach (pytest's own are private to root)."""
-    path = tempfile.mkdtemp(prefix="mselastic-e2e-", dir="/tmp")
-    os.chmod(path, 0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(

@@ -15,8 +15,6 @@ import shutil
 import socket
 import subprocess
 import sysconfig
-import tempfile
-from typing import Iterator
 
 import psutil
 import pytest
@@ -139,16 +137,11 @@ def run_blocks(procs: Processes, home: str, ws: str, user: str, names: tuple[str
 
 
 @pytest.fixture
-def readme_home() -> Iterator[str]:
+def readme_home(shared_tmp: str) -> str:
     """A home and a clone for the README's user, reachable by that user (pytest's folders are root's)."""
     if not ports_free():
         pytest.skip("the README's default ports (2379, 7070, 9464) are in use on this machine")
-    path = tempfile.mkdtemp(prefix="mselastic-readme-", dir="/tmp")
-    os.chmod(path, 0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    return shared_tmp
 
 
 def test_the_quick_start_runs_as_written_as_root(procs: Processes, readme_home: str) -> None:
