@@ -116,9 +116,11 @@ class AgentService(pb_grpc.AgentServicer):
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{path} cannot be read safely: {e.strerror}")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{path} is not a regular file")
+        st, user = os.fstat(fd), self.agent.cfg.worker_user
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid not in {0, user.uid if user else 0}:
+            os.close(fd)  # (a hard link would show another job's file, of the same worker user, as this one's)
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{path} is not the rank's log (not a regular file of the worker user's with one link)")
         with os.fdopen(fd, "rb") as f:
             if request.tail_bytes:
                 f.seek(max(0, os.fstat(fd).st_size - request.tail_bytes))

@@ -439,7 +439,7 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
         address = local  # this node's own agent: through the socket, where logs may be read
     local_only(address, local, f"node {m.node_id}")
     stream = getattr(out, "buffer", None)
-    lines = LogLines(everything=a.all)
+    lines = LogLines(everything=a.all, terminal=out.isatty())
 
     def write(data: bytes) -> None:
         if stream is not None:
@@ -464,20 +464,24 @@ MINDSPORE_CHATTER = re.compile(rb"^\[(?:WARNING|INFO|DEBUG)\] [A-Z_]+\(\d+[:,]")
 
 
 class LogLines:
-    """A rank's log as it streams in, whole lines only, MindSpore's chatter left out unless ``everything``."""
+    """A rank's log as it streams in, whole lines only, MindSpore's chatter left out unless
+    ``everything``; for a ``terminal``, its control characters shown, not acted on."""
 
-    def __init__(self, everything: bool = False) -> None:
-        self.everything, self._rest = everything, b""
+    def __init__(self, everything: bool = False, terminal: bool = False) -> None:
+        self.everything, self.terminal, self._rest = everything, terminal, b""
 
     def feed(self, data: bytes) -> bytes:
         if self.everything:
-            return data
+            return self._shown(data)
         *whole, self._rest = (self._rest + data).split(b"\n")
-        return b"".join(line + b"\n" for line in whole if not MINDSPORE_CHATTER.match(line))
+        return self._shown(b"".join(line + b"\n" for line in whole if not MINDSPORE_CHATTER.match(line)))
 
     def end(self) -> bytes:
         rest, self._rest = self._rest, b""
-        return b"" if self.everything or MINDSPORE_CHATTER.match(rest) else rest
+        return b"" if self.everything or MINDSPORE_CHATTER.match(rest) else self._shown(rest)
+
+    def _shown(self, data: bytes) -> bytes:
+        return render.printable_bytes(data) if self.terminal else data
 
 
 def cmd_submit(c: Client, a: argparse.Namespace, out: Any) -> int:

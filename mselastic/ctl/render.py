@@ -7,6 +7,7 @@ JSON and YAML are the protobuf messages as dictionaries (field names as in
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Callable
 
@@ -45,13 +46,30 @@ def _numbers(desc: Descriptor, d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+#: Control characters other than a newline and a tab: in a job's text (a rank's note, its
+#: failure, its log) they would drive the operator's terminal (escape sequences, a carriage
+#: return that hides what came before).
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+CONTROL_BYTES = re.compile(b"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters shown as escapes (``\\x1b``), not acted on."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def printable_bytes(data: bytes) -> bytes:
+    return CONTROL_BYTES.sub(lambda m: b"\\x%02x" % m.group()[0], data)
+
+
 def emit(out: Any, fmt: str, data: Message | dict[str, Any], table: Callable[[], str]) -> None:
+    """JSON and YAML escape what they carry; a table is made printable."""
     if fmt == "json":
         print(json.dumps(as_dict(data), indent=2), file=out)
     elif fmt == "yaml":
         print(yaml.safe_dump(as_dict(data), sort_keys=False).rstrip(), file=out)
     else:
-        print(table(), file=out)
+        print(printable(table()), file=out)
 
 
 def state(v: int) -> str:
@@ -92,9 +110,9 @@ def jobs_table(jobs: list[pb.JobStatus]) -> str:
 def job_details(j: pb.JobStatus) -> list[str]:
     lines = []
     if j.message:
-        lines.append(f"  message: {j.message}")
+        lines.append(f"  message: {printable(j.message)}")
     if j.note:
-        lines.append(f"  note: {j.note}")
+        lines.append(f"  note: {printable(j.note)}")
     for q in j.quarantined:
         lines.append(f"  quarantined: {q.node_id} ({q.failures} failures), "
                      f"{max(0.0, q.until - time.time()):.0f}s of cooldown left")

@@ -55,7 +55,7 @@ def line(j: pb.JobStatus, samples_s: float) -> str:
     return (f"{time.strftime('%H:%M:%S')} {j.job} {render.state(j.state)} gen={j.generation} world={j.world_size} "
             f"step={step}/{j.total_steps} ({100.0 * step / max(j.total_steps, 1):.0f}%) "
             f"samples/s={samples_s:.1f} loss={f'{j.loss:.4f}' if j.step > 0 else '-'}"
-            + (f" note: {j.note}" if j.note else ""))
+            + (f" note: {render.printable(j.note)}" if j.note else ""))
 
 
 def watch(fetch: Callable[[], pb.StatusResponse], job: str, interval_s: float, out: Any, until: str = "",

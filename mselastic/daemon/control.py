@@ -21,6 +21,7 @@ import grpc
 import tenacity
 
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
+from mselastic.agent.jobfiles import Unreadable, bounded, read_small
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.kinds import EventKind
 from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
@@ -45,15 +46,13 @@ NOT_LEADER_PREFIX = "not the leader; leader is "
 def checkpointed_step(checkpoint_dir: str, job: str) -> int | None:
     """The step of ``job``'s newest checkpoint in ``checkpoint_dir`` as this node sees it (shared
     storage); None when there is none, it is another job's, or it cannot be read here."""
-    try:
-        with open(os.path.join(checkpoint_dir, LATEST_CHECKPOINT)) as f:
-            latest = json.load(f)
+    try:  # (the job's files: read as jobfiles reads them, see there)
+        latest = json.loads(read_small(os.path.join(checkpoint_dir, LATEST_CHECKPOINT)))
         if latest.get("job", "") not in ("", job):
             return None
         manifest = latest["manifest"]
-        with open(os.path.join(checkpoint_dir, os.path.basename(str(manifest)))) as f:
-            step = json.load(f)["step"]
-    except (OSError, ValueError, KeyError, TypeError):
+        step = json.loads(read_small(os.path.join(checkpoint_dir, os.path.basename(str(manifest)))))["step"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
@@ -72,7 +71,10 @@ async def shown_step(view: JobView) -> int:
     resumed = max((r.resumed_step for r in view.current_reports().values()), default=-1)
     if resumed >= 0:
         return resumed
-    checkpointed = await asyncio.to_thread(checkpointed_step, view.spec.checkpoint_dir, view.name)
+    try:
+        checkpointed = await bounded(checkpointed_step, view.spec.checkpoint_dir, view.name)
+    except Unreadable:
+        checkpointed = None
     if checkpointed is not None:
         return checkpointed
     before = view.reports.get(view.plan.generation - 1, {}).values()
@@ -248,8 +250,11 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         f"checkpoint_dir {spec.checkpoint_dir} belongs to job {sharing[0]}; give this job its own "
                         f"(or elasticctl delete {sharing[0]} first)")
-        # Shared storage may hang: never read it on the event loop (leases are renewed there).
-        unseen = await asyncio.to_thread(unseen_paths, spec)
+        # Shared storage may hang, and the job's files are the job's: read as jobfiles reads them.
+        try:
+            unseen = await bounded(unseen_paths, spec)
+        except Unreadable as e:
+            return [f"the script and checkpoint_dir could not be looked at on node {self.coordinator.cfg.node_id}: {e}"]
         here = self.coordinator.cfg.node_id
         if unseen and [n.node_id for n in workers] == [here]:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -257,7 +262,10 @@ class ControlService(pb_grpc.ControlServicer):
                         f"path resolves against the spec file's folder)")
         warnings = [f"{unseen} on node {here}: every node must have it at that path, or the job's launch there "
                     f"fails"] if unseen else []
-        reached = await asyncio.to_thread(checkpointed_step, spec.checkpoint_dir, spec.name)
+        try:
+            reached = await bounded(checkpointed_step, spec.checkpoint_dir, spec.name)
+        except Unreadable as e:
+            return [*warnings, f"checkpoint_dir {spec.checkpoint_dir} could not be read: {e}"]
         if reached is not None and reached >= spec.total_steps:
             if not force:
                 await abort(context, grpc.StatusCode.FAILED_PRECONDITION,

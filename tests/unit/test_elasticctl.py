@@ -3,6 +3,7 @@ default endpoint), a rank's log as it shows it, the report's line. Nothing runs.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -80,3 +81,17 @@ def test_without_a_socket_it_says_which_elasticd_it_asks(monkeypatch, capsys) ->
 def test_watch_until_knows_the_states() -> None:
     assert ctl.WATCHABLE == ("PENDING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "STOPPED")
     assert ctl.main(["--endpoint", "127.0.0.1:1", "watch", "j", "--until", "trainin"]) == ctl.EXIT_USAGE
+
+
+def test_a_jobs_text_never_drives_the_terminal() -> None:
+    """A rank's note or log line with escape sequences (clear the screen, a carriage return that
+    hides what came before) is shown, not acted on: in tables, and in logs written to a terminal."""
+    from mselastic.ctl import render
+
+    assert render.printable("ok\x1b[2J\rfake\tx\n") == "ok\\x1b[2J\\x0dfake\tx\n"
+    lines = ctl.LogLines(terminal=True)
+    assert lines.feed(b"step 1\x1b]0;owned\x07\n") == b"step 1\\x1b]0;owned\\x07\n"
+    assert ctl.LogLines().feed(b"raw \x1b[0m\n") == b"raw \x1b[0m\n"  # into a file or a pipe: the bytes as written
+    out = io.StringIO()
+    render.emit(out, "table", {}, lambda: "note: \x1b[31mred")
+    assert out.getvalue() == "note: \\x1b[31mred\n"
