@@ -59,6 +59,7 @@ async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S)
         raise Unreadable(f"{IN_FLIGHT} reads of job files are not answering; not reading more")
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())  # (an answer after the deadline: dropped)
 
     def settle(value: T | None, error: BaseException | None) -> None:
         if done.done():
@@ -80,7 +81,11 @@ async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S)
         except RuntimeError:  # the loop is closed: elasticd is gone, nobody waits
             pass
 
-    threading.Thread(target=work, name="job-file-read", daemon=True).start()
+    try:
+        threading.Thread(target=work, name="job-file-read", daemon=True).start()
+    except RuntimeError:  # (no thread to be had: the slot is not kept)
+        _in_flight.release()
+        raise Unreadable("no thread to read with") from None
     try:
         return await asyncio.wait_for(asyncio.shield(done), within_s)
     except asyncio.TimeoutError:

@@ -119,7 +119,8 @@ def open_own(path: str) -> Any:
     """``path`` (msrun.log, which preflight made as root in the folder it then hands to the worker
     user) opened for appending, only as the file root made: never through a symlink or a hard link
     a job planted there since (root would append to a file of the job's choosing)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO: ENXIO, not a hang)
+    os.set_blocking(fd, True)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
         os.close(fd)

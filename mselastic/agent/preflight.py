@@ -78,7 +78,8 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
     try:
         os.makedirs(log_dir, exist_ok=True)
         # msrun's own log, made by root before the folder is handed over (its fd is inherited).
-        os.close(os.open(os.path.join(log_dir, "msrun.log"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o640))
+        os.close(os.open(os.path.join(log_dir, "msrun.log"),
+                         os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o640))
         if user is not None and user.switch:
             os.chown(log_dir, user.uid, user.gid)  # msrun and the workers write their logs there
             parent = os.path.dirname(log_dir)

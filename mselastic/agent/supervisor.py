@@ -27,6 +27,7 @@ import psutil
 from mselastic import metrics
 from mselastic.agent import observe, procs, ranks as rank_rules, verdict
 from mselastic.agent.beats import BeatSocket, Senders
+from mselastic.agent.jobfiles import Unreadable, bounded
 from mselastic.agent.launch import MSRUN, Launch, Path
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
 from mselastic.agent.preflight import LaunchError, port_free, preflight
@@ -167,16 +168,15 @@ class Generation:
         """Hand the generation to the standbys it was given (warm), else start msrun (cold). Anything
         that keeps it from starting (see :func:`preflight`, a master port in use on node_rank 0,
         msrun failing to spawn, a standby gone) fails it at once, with the reason."""
-        try:  # (off the event loop: shared storage may hang, and leases are renewed there)
-            await asyncio.wait_for(asyncio.to_thread(preflight, self.spec, self.log_dir, MSRUN, self.user,
-                                                     self.allow_env), PREFLIGHT_S)
+        try:  # (off the event loop, in a thread nothing waits for past the deadline: storage may hang)
+            await bounded(preflight, self.spec, self.log_dir, MSRUN, self.user, self.allow_env, within_s=PREFLIGHT_S)
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
             return
-        except (asyncio.TimeoutError, subprocess.TimeoutExpired):
+        except (Unreadable, subprocess.TimeoutExpired) as e:
             await self._fail(-1, f"the launch's checks of {self.spec.script}, {self.spec.checkpoint_dir} and "
-                                 f"{self.log_dir} did not finish within {PREFLIGHT_S:.0f}s (storage not answering)",
-                             FailureCause.LAUNCH_NODE)
+                                 f"{self.log_dir} did not finish within {PREFLIGHT_S:.0f}s (storage not answering: "
+                                 f"{e})", FailureCause.LAUNCH_NODE)
             return
         with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
             os.unlink(self.stop_file)

@@ -343,6 +343,7 @@ def _grace(v: float) -> float:
 
 def run(argv: list[str] | None, out: Any = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
+    args.deadline = time.monotonic() + NODE_WAIT_S  # (nodes --wait: for the socket and the node together)
     if args.endpoints is None and args.command == "nodes" and args.wait:  # (an elasticd starting: its socket first)
         args.endpoints = _socket_within(NODE_WAIT_S)
     if args.endpoints is None:
@@ -377,7 +378,7 @@ def cmd_status(c: Client, a: argparse.Namespace, out: Any) -> int:
 
 
 def cmd_nodes(c: Client, a: argparse.Namespace, out: Any) -> int:
-    deadline = time.monotonic() + NODE_WAIT_S
+    deadline = getattr(a, "deadline", time.monotonic() + NODE_WAIT_S)
     while True:
         try:
             res = _status(c)
@@ -590,8 +591,8 @@ def cmd_watch(c: Client, a: argparse.Namespace, out: Any) -> int:
     if a.until_step < 0:
         raise CtlError("--until-step must be >= 0", EXIT_USAGE)
     j = watch(lambda: _status(c, a.job), a.job, a.interval_s, out, until, a.until_step)
-    if a.until_step and j.step >= a.until_step:
-        return EXIT_OK
+    if a.until_step:
+        return EXIT_OK if j.step >= a.until_step else EXIT_REFUSED
     return EXIT_OK if render.state(j.state) == (until or "SUCCEEDED") else EXIT_REFUSED
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
@@ -46,7 +47,7 @@ def view(j: pb.JobStatus, samples_s: float) -> Group:
     t.add_row("loss", f"{j.loss:.4f}" if j.step > 0 else "-")
     for line in render.job_details(j):
         key, _, value = line.strip().partition(": ")
-        t.add_row(key, value)
+        t.add_row(key, escape(value))  # (a job's text: "[...]" in it is not rich's markup)
     return Group(t, ProgressBar(total=max(j.total_steps, 1), completed=step, width=60))
 
 

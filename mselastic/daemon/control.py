@@ -147,7 +147,7 @@ class ControlService(pb_grpc.ControlServicer):
             for node_id, n in held.items():
                 used[node_id] = used.get(node_id, 0) + n
         return pb.StatusResponse(
-            jobs=[await job_to_pb(v) for _, v in sorted(cluster.jobs.items())],
+            jobs=list(await asyncio.gather(*(job_to_pb(v) for _, v in sorted(cluster.jobs.items())))),
             nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
                                used_slots=used.get(n.node_id, 0),

@@ -61,7 +61,7 @@ def test_a_fifo_a_device_link_or_a_huge_file_in_a_jobs_folder_never_holds_elasti
             r = elasticctl("jobs", endpoint=endpoint)
             took.append(time.monotonic() - t0)
             assert r.returncode == 0 and "RUNNING" in r.stdout, r.stdout + r.stderr
-    assert max(took) < 3.0, [round(t, 2) for t in took]
+    assert max(took) < 1.5, [round(t, 2) for t in took]  # (a read given up on takes READ_S, 2 s)
     status = etcd.status("a")
     assert status is not None and status.generation == 1, status  # (the same generation all along)
     # Another job still starts and trains beside it.

@@ -84,10 +84,11 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     cluster.warm = True  # (five relaunches, warm as in production)
     cluster.start_nodes(0, 1)
     out = os.path.join(cluster.tmp, "out")
-    # Paced (0.5 s a step) until the last change is planned, whatever the machine's speed: epoch 0
-    # (46 steps) holds the drain at step 12 and the scale-up after the 2 s settle window, and the
-    # node loss, the join and the scale-down all happen before step 90 (about 75 on any machine).
-    pace = Pace(cluster.tmp, 0.5)
+    # Paced (0.4 s a step) until the last change is planned, whatever the machine's speed: epoch 0
+    # (46 steps) holds the drain at step 12 and the scale-up after the 2 s settle window (about
+    # step 31: 15 steps, 6 s, to spare), and the node loss, the join and the scale-down all happen
+    # before step 90 (about 75 on any machine: the ranks wait out a node loss without a step).
+    pace = Pace(cluster.tmp, 0.4)
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), total,
                       workers=1, min_nodes=1, max_nodes=2, max_restarts=3, scale_up_settle_s=2, micro_batch_sizes=[8],
                       # no backstop within reach: every planned stop here is at the step the leader names

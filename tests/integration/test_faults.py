@@ -64,8 +64,8 @@ def test_every_rank_fault_is_recovered_from_the_last_checkpoint(cluster: Cluster
     assert sorted(f.value for f in faults) == sorted(f.value for f in RANK_FAULTS)
     at = {g: 10 * g + 5 for g in range(1, len(faults) + 1)}
     total = at[len(faults)] + 10
-    ckpt = start(cluster, ";".join(f"{f.value}:rank=1:generation={g}:step={at[g]}" for g, f in enumerate(faults, 1)),
-                 total=total, max_restarts=len(faults), quarantine_after_failures=len(faults) + 1)  # (all on n1)
+    start(cluster, ";".join(f"{f.value}:rank=1:generation={g}:step={at[g]}" for g, f in enumerate(faults, 1)),
+          total=total, max_restarts=len(faults), quarantine_after_failures=len(faults) + 1)  # (all on n1)
     etcd = cluster.etcd
     assert etcd is not None
     for g, fault in enumerate(faults, 1):
@@ -80,13 +80,13 @@ def test_every_rank_fault_is_recovered_from_the_last_checkpoint(cluster: Cluster
         if fault is Fault.SIGSTOP:
             assert failed.cause is FailureCause.RANK_HUNG and "stopped (state T" in failed.reason, failed.reason
         wait_for(f"generation {g} gone on every node", lambda: not generation_processes(cluster.procs, g), 15)
-        committed = committed_step(ckpt)
-        assert committed == (at[g] if fault is Fault.SIGTERM else at[g] // 10 * 10), (fault, committed)
-        plan = wait_for(f"generation {g + 1}", lambda: (p := etcd.plan(JOB)) and p.generation == g + 1 and p, 30, 0.1)
-        assert [m.node_id for m in plan.members] == ["n0", "n1"], (fault, plan.reason)
+        # (Generation g + 1 fails in its turn some 15 steps on: its own reports are waited for, not the
+        # current plan or checkpoint, which it may have replaced by then.)
+        expected = at[g] if fault is Fault.SIGTERM else at[g] // 10 * 10
         nxt = wait_for(f"generation {g + 1} first step", lambda: (r := etcd.report(JOB, g + 1, "n1"))
                        and r.first_step_at and r, 120, 0.2)
-        assert nxt.resumed_step == committed, (fault, nxt.resumed_step, committed)
+        assert nxt.resumed_step == expected, (fault, nxt.resumed_step, expected)
+        wait_for(f"generation {g + 1} on n0 too", lambda: etcd.report(JOB, g + 1, "n0"), 10, 0.1)  # same nodes
         # n1's standby is handed over once n0's scheduler can be reached: none of its registrations
         # was refused before that scheduler started (each refusal costs up to 0.5 s). Only when both
         # nodes started the generation warm (msrun's workers are not elasticd's to hold back).
@@ -103,6 +103,7 @@ def test_every_rank_fault_is_recovered_from_the_last_checkpoint(cluster: Cluster
     assert status.generation == last and status.restart_count == len(faults)
     check_history(etcd, JOB, total)
     assert status.last_failure is not None and status.last_failure.recover_s > 0
+    assert status.last_failure.rank == -1  # the last fault, a SIGTERM: the ranks left together, none blamed
     blamed = etcd.report(JOB, len(faults), status.last_failure.node_id)
     assert blamed is not None and status.last_failure.detected_at == blamed.detected_at
     # The timeline names each fault, where and when it was detected.
@@ -110,8 +111,12 @@ def test_every_rank_fault_is_recovered_from_the_last_checkpoint(cluster: Cluster
     events = sorted((e for e in logged if e["kind"] != "progress"), key=lambda e: e["at"])  # not the step records
     kinds = [(e["kind"], e["generation"]) for e in events]
     assert kinds[:2] == [("submitted", 0), ("generation", 1)] and kinds[-1] == ("succeeded", last), kinds
+    assert [g for k, g in kinds if k == "generation"] == list(range(1, last + 1)), kinds  # in order, one each
     for g, fault in enumerate(faults, 1):
-        relaunch = next(e for e in events if (e["kind"], e["generation"]) == ("generation", g + 1))
+        relaunch = next((e for e in events if (e["kind"], e["generation"]) == ("generation", g + 1)), None)
+        assert relaunch is not None, (fault, kinds)
+        if g == len(faults):
+            assert relaunch["node_id"] == status.last_failure.node_id, relaunch
         blamed = etcd.report(JOB, g, relaunch["node_id"])  # with SIGTERM, both nodes saw their ranks leave
         assert blamed is not None and blamed.reason in relaunch["message"], (fault, relaunch)
         assert relaunch["rank"] == (-1 if fault is Fault.SIGTERM else 1), (fault, relaunch)

@@ -153,7 +153,7 @@ def test_the_quick_start_runs_as_written_as_root(procs: Processes, readme_home: 
     ws = workspace(readme_home, 0)
     os.symlink(os.path.join(REPO, ".venv"), os.path.join(ws, ".venv"))
     printed = run_blocks(procs, readme_home, ws, "root", ("one machine",))
-    assert re.search(r"lenet SUCCEEDED gen=1 world=2 step=100/100", printed), printed[-2000:]
+    assert re.search(r"lenet SUCCEEDED gen=1 world=2 step=60/60", printed), printed[-2000:]
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/python3.11"), reason="needs a Python 3.11 every user may run")
@@ -179,9 +179,9 @@ def test_the_readme_runs_as_written_as_a_user_with_a_venv_of_their_own(procs: Pr
         os.chmod(os.path.join(venv, "bin", tool), 0o755)
     printed = run_blocks(procs, readme_home, ws, "nobody", BLOCKS)
     # One machine: the job trained to its end, as nobody.
-    assert re.search(r"lenet SUCCEEDED gen=1 world=2 step=100/100", printed), printed[-2000:]
+    assert re.search(r"lenet SUCCEEDED gen=1 world=2 step=60/60", printed), printed[-2000:]
     # Then: two nodes; the job ran on both, was restarted, drained off n1, narrowed to one node, stopped.
-    assert re.search(r"long RUNNING gen=1 world=4 step=2\d/3000", printed), "the job did not train on both nodes"
+    assert re.search(r"long RUNNING gen=1 world=4 step=[1-9]\d*/3000", printed), "the job did not train on both nodes"
     events = printed.split("+ elasticctl events long\n")[1].split("+ elasticctl logs")[0]
     assert re.search(r"generation 2 on n0, n1 \(world size 4.*restart requested", events), events
     assert re.search(r"generation 3 on n0 \(world size 2.*drain of n1", events), events
@@ -191,7 +191,7 @@ def test_the_readme_runs_as_written_as_a_user_with_a_venv_of_their_own(procs: Pr
     assert re.search(r"step \d+/3000 loss", logs) and "[WARNING]" not in logs and "[INFO]" not in logs, logs
     assert os.path.getsize(os.path.join(ws, "timeline.png")) > 10_000
     # Starting over: refused with the way out, then from step 0.
-    assert "holds a checkpoint of step 100, at or past total_steps=100: this job is done there" in printed
+    assert "holds a checkpoint of step 60, at or past total_steps=60: this job is done there" in printed
     assert "final reports" not in printed  # (a shutdown after the jobs ended: nothing counted as a crash)
     # Everything the blocks started is gone once elasticd is stopped (kill %2 %1 && wait).
     assert not [p for p in psutil.process_iter() if _marked(p, procs.mark)]

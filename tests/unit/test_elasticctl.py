@@ -92,6 +92,9 @@ def test_a_jobs_text_never_drives_the_terminal() -> None:
     lines = ctl.LogLines(terminal=True)
     assert lines.feed(b"step 1\x1b]0;owned\x07\n") == b"step 1\\x1b]0;owned\\x07\n"
     assert ctl.LogLines().feed(b"raw \x1b[0m\n") == b"raw \x1b[0m\n"  # into a file or a pipe: the bytes as written
+    everything = ctl.LogLines(everything=True, terminal=True)
+    assert everything.feed(b"[INFO] \x1b[2J") == b"[INFO] \\x1b[2J"
+    assert lines.feed(b"tail \x1b[2J") == b"" and lines.end() == b"tail \\x1b[2J"  # the last, unfinished line too
     out = io.StringIO()
     render.emit(out, "table", {}, lambda: "note: \x1b[31mred")
     assert out.getvalue() == "note: \\x1b[31mred\n"
