@@ -309,6 +309,12 @@ class NodeAgent:
             self._rule = None
             return
         answers, etcd_ok = await asyncio.gather(self.peers.ask(), self.reaches_etcd(self.peers.probe_s / 2))
+        if not etcd_ok and any(answers.values()):
+            # A peer read etcd just now: read once more before taking it for this node's cut. While
+            # an etcd member fails over (a frozen leader, an election under way) the first reads
+            # may all have gone where nothing answers yet; a cut node fails this one too, a quarter
+            # of a probe later (only the deadline bounds how long a cut node trains: DESIGN).
+            etcd_ok = await self.reaches_etcd(self.peers.probe_s / 2)
         verdict = fencing.node_verdict(fencing.NodeObservation(
             now=fencing.clock(), ttl_s=self.cfg.lease_ttl_s, lease_until=lease.valid_until, etcd_ok=etcd_ok,
             peers=answers))
