@@ -154,7 +154,13 @@ def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node_whi
 
     partitioned(cluster, "n1", cut, heal, fencing.Rule.FENCE_DEADLINE, deaf_to_term=True)
     with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
-        assert "self-fencing: etcd is reachable from a peer but not from here: reachable from n2" in f.read()
+        log = f.read()
+    # n1 fences as the one cut off, unless its ranks reached the step the shutdown named (the stop
+    # file, which a rank deaf to SIGTERM reads too) before its first fencing round: seen once in
+    # CI, the generation STOPPED 2.2 s after the SIGTERM, nothing left to fence. Either way the
+    # job never ran twice (partitioned() above).
+    assert "self-fencing: etcd is reachable from a peer but not from here: reachable from n2" in log or (
+        "self-fencing" not in log and "gen=1 node=n1 rank=-: generation STOPPED" in log), log[-2000:]
     assert cluster.daemons[1].wait(timeout=30) == 0  # and it went on to exit
 
 
