@@ -606,10 +606,10 @@ class NodeAgent:
             elif gen.state.terminal:
                 # The job is done (it succeeded, or the leader said it ends): its standbys go now and
                 # its snapshots are memory nobody will read again. Otherwise a relaunch may use them.
-                over = gen.state is GenerationState.SUCCEEDED or gen.plan.job in self._ended
-                self.standbys.retire(gen.plan.job, over, functools.partial(self._running, gen.plan.job))
-                if over and gen.snapshot_dir:
-                    self._spawn(self._remove_snapshots_after(gen))
+                if gen.state is GenerationState.SUCCEEDED or gen.plan.job in self._ended:
+                    self._spawn(self._remove_snapshots_after(gen))  # (standbys and snapshots: _let_go)
+                else:
+                    self.standbys.retire(gen.plan.job, False, functools.partial(self._running, gen.plan.job))
 
     def status(self) -> list[Generation]:
         return list(self.generations.values())

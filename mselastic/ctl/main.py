@@ -50,6 +50,7 @@ from mselastic.core.kinds import EventKind
 from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
 from mselastic import systemd
 from mselastic.ctl import render
+from mselastic.ctl.render import LogLines
 from mselastic.tls import ROLES, TlsError, TlsFiles, issue, make_ca
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
@@ -456,33 +457,6 @@ def cmd_logs(c: Client, a: argparse.Namespace, out: Any) -> int:
     except CtlError as e:
         raise CtlError(f"node {m.node_id}: {e}", e.code) from None
     return EXIT_OK
-
-
-#: MindSpore's own log lines below ERROR ("[WARNING] ME(7756:1400...,MainProcess):2026-...", "[INFO]
-#: DISTRIBUTED(...)"): most of a rank's log, and some read like failures that are not ("Topology
-#: build timed out., retry(1/360)"). ``elasticctl logs`` leaves them out unless ``--all``.
-MINDSPORE_CHATTER = re.compile(rb"^\[(?:WARNING|INFO|DEBUG)\] [A-Z_]+\(\d+[:,]")
-
-
-class LogLines:
-    """A rank's log as it streams in, whole lines only, MindSpore's chatter left out unless
-    ``everything``; for a ``terminal``, its control characters shown, not acted on."""
-
-    def __init__(self, everything: bool = False, terminal: bool = False) -> None:
-        self.everything, self.terminal, self._rest = everything, terminal, b""
-
-    def feed(self, data: bytes) -> bytes:
-        if self.everything:
-            return self._shown(data)
-        *whole, self._rest = (self._rest + data).split(b"\n")
-        return self._shown(b"".join(line + b"\n" for line in whole if not MINDSPORE_CHATTER.match(line)))
-
-    def end(self) -> bytes:
-        rest, self._rest = self._rest, b""
-        return b"" if self.everything or MINDSPORE_CHATTER.match(rest) else self._shown(rest)
-
-    def _shown(self, data: bytes) -> bytes:
-        return render.printable_bytes(data) if self.terminal else data
 
 
 def cmd_submit(c: Client, a: argparse.Namespace, out: Any) -> int:
