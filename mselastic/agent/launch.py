@@ -22,6 +22,7 @@ import psutil
 import tenacity
 
 from mselastic.agent import observe, procs
+from mselastic.agent.cgroups import Group, join_prefix
 from mselastic.agent.launch_env import LaunchEnv
 from mselastic.agent.preflight import LaunchError
 from mselastic.agent.ranks import RankState
@@ -48,14 +49,17 @@ def _write_and_close(fd: int, data: bytes) -> None:
 # registration failed and retried 0.5 s later; the trainer library also runs init() on one core:
 # mselastic.trainer.context._unraced). The measurements: docs/journal/2026-12.md, "... SCHED_BATCH".
 async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str, str], user: WorkerUser | None,
-                          cwd: str, *, batch: bool = True, **io: Any) -> asyncio.subprocess.Process:
+                          cwd: str, *, batch: bool = True, group: Group | None = None,
+                          **io: Any) -> asyncio.subprocess.Process:
     """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a
     standby). ``job_env`` (the job spec's variables) is added after the user switch: it reaches the
     process through a pipe that ``mselastic.agent.envexec`` reads, so nothing runs as root with it
     (``LD_PRELOAD``, if an admin allows it), it is never on disk, and elasticd needs no right to write
     in the worker user's folders. ``batch``: under the ``SCHED_BATCH`` policy, inherited by every
-    process and thread it starts (see above). ``io``: stdin, stdout, stderr as for asyncio's
-    subprocesses. Raises OSError or RuntimeError when it cannot be started."""
+    process and thread it starts (see above). ``group``: the cgroup it starts in, before it runs
+    anything of the job's (:func:`mselastic.agent.cgroups.join_prefix`, which also makes it, and
+    all it starts, the OOM killer's choice before elasticd). ``io``: stdin, stdout, stderr as for
+    asyncio's subprocesses. Raises OSError or RuntimeError when it cannot be started."""
     if batch:
         cmd = [*batch_prefix(), *cmd]
     who = user if user is not None and user.switch else None
@@ -68,7 +72,8 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     started = False
     try:
         proc = await asyncio.create_subprocess_exec(
-            *with_parent_death(cmd, (who.uid, who.gid) if who else None), env=env, cwd=cwd, start_new_session=True,
+            *join_prefix([group] if group else []), *with_parent_death(cmd, (who.uid, who.gid) if who else None),
+            env=env, cwd=cwd, start_new_session=True,
             pass_fds=(env_r,) if who else (), **io)
         started = True
     finally:
@@ -88,9 +93,11 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
 async def spawn_standby(env: LaunchEnv, marker: str, fd: int) -> asyncio.subprocess.Process:
     """Start a standby worker for ``env``'s job (see ``mselastic.trainer.standby``): as the worker
     user, with the job's environment and ``marker``, in the script's folder; ``fd`` (its end of a
-    socket pair) as its standard input, output and error."""
+    socket pair) as its standard input, output and error; in a cgroup of the job's of its own, where
+    the standbys it forks (a fork server) stay until a generation takes them."""
+    group = env.job_group.child("pool-" + marker.rpartition(".")[2]).make() if env.job_group else None
     return await spawn_as_worker([sys.executable, "-m", "mselastic.trainer.standby"], env.standby_env(marker),
-                                 env.job_env(), env.user, env.cwd, batch=env.batch_scheduling,
+                                 env.job_env(), env.user, env.cwd, batch=env.batch_scheduling, group=group,
                                  stdin=fd, stdout=fd, stderr=fd)
 
 
@@ -190,6 +197,8 @@ class Launch:
         self.warm_ranks: dict[int, Standby] = {}
         #: msrun.log, opened by root before anything of the generation runs (see :func:`open_own`).
         self.log: Any = None
+        #: The generation's cgroup (None: no cgroups here): its processes, whatever they do.
+        self.group: Group | None = None
 
     def open_log(self, log_dir: str) -> None:
         self.log = open_own(os.path.join(log_dir, "msrun.log"))
@@ -253,7 +262,7 @@ class Launch:
         except (OSError, RuntimeError) as err:
             raise LaunchError(FailureCause.LAUNCH_NODE, f"msrun could not be started: {err}") from None
         if stopping():  # stopped while msrun was being started: it may not have been seen
-            await procs.stop_generation(self.markers(), self.live(), grace_s=0)
+            await self.teardown(grace_s=0)
             return False
         return True
 
@@ -262,7 +271,8 @@ class Launch:
         assert self.log is not None
         p = env.plan
         self.msrun = await spawn_as_worker(env.msrun_command(msrun, self.member), env.env(), env.job_env(), env.user,
-                                           env.cwd, batch=env.batch_scheduling, stdin=asyncio.subprocess.DEVNULL,
+                                           env.cwd, batch=env.batch_scheduling, group=self.group,
+                                           stdin=asyncio.subprocess.DEVNULL,
                                            stdout=self.log, stderr=asyncio.subprocess.STDOUT)
         first = p.first_rank(env.node_id)
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s", self.msrun.pid,
@@ -285,6 +295,7 @@ class Launch:
         if self.member.node_rank == 0:
             scheduler = standbys.pop(0)
             path = os.path.join(env.log_dir, "scheduler.log")
+            self._join(scheduler)
             await scheduler.hand_over({**common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, env.cwd, path)
             lines.append(f"Start scheduler process (warm: standby pid {scheduler.pid}), log file:{path}.")
             # The workers go once it listens (a worker that meets no scheduler retries only half a
@@ -297,6 +308,7 @@ class Launch:
             if stopping():
                 return
             path = os.path.join(env.log_dir, f"worker_{rs.rank}.log")
+            self._join(standby)
             await standby.hand_over({**common, "MS_NODE_ID": str(rs.rank), "MS_ROLE": "MS_WORKER",
                                      "RANK_ID": str(rs.rank), "DEVICE_ID": str(i)}, argv, env.cwd, path)
             rs.pid, rs.create_time = standby.pid, psutil.Process(standby.pid).create_time()
@@ -309,6 +321,18 @@ class Launch:
         log.info("generation launched warm: standbys %s, master %s:%d, ranks %d..%d, logs %s",
                  [sb.pid for sb in self.standbys], p.master_addr, p.master_port, ranks[0].rank if ranks else -1,
                  ranks[-1].rank if ranks else -1, env.log_dir, extra=self._ctx)
+
+    def _join(self, standby: Standby) -> None:
+        """Move a standby (and anything it started) into the generation's cgroup before its handover."""
+        if self.group is not None:
+            self.group.move(standby.pid)
+
+    async def teardown(self, grace_s: float) -> list[int]:
+        """Stop every process of the generation (see :func:`mselastic.agent.cgroups.Group.stop`; with
+        no cgroups, :func:`mselastic.agent.procs.stop_generation`); returns the pids left."""
+        if self.group is not None:
+            return await self.group.stop(self.live(), grace_s=grace_s)
+        return await procs.stop_generation(self.markers(), self.live(), grace_s=grace_s)
 
     def launched(self) -> list[Proc]:
         """The processes elasticd started for this generation: msrun, or the standbys it took over."""

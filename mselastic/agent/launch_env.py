@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from mselastic.agent.cgroups import Group
 from mselastic.agent.users import WorkerUser, inherited_env
 from mselastic.core import contract
 from mselastic.core.model import Member, Plan
@@ -61,6 +62,10 @@ class LaunchEnv:
     pass_env: frozenset[str] = frozenset()
     batch_scheduling: bool = True
     snapshot_dir: str = ""
+    #: The job's cgroup on this node and the generation's (None: no cgroups here; see
+    #: mselastic.agent.cgroups): msrun starts in the generation's, a fork server in one of the job's.
+    job_group: Group | None = None
+    gen_group: Group | None = None
 
     @property
     def switch(self) -> bool:

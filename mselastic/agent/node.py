@@ -28,6 +28,7 @@ import grpc
 
 from mselastic import __version__
 from mselastic.agent import committed
+from mselastic.agent.cgroups import Limits, Tree
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
 from mselastic.agent.reports import Reports
@@ -73,6 +74,10 @@ class AgentConfig:
     #: The workers' grace on shutdown (elasticd's shutdown_grace_s): the registration is revoked
     #: once they are gone; SHUTDOWN_MARGIN_S past it, they are killed.
     shutdown_grace_s: float = 10.0
+    #: This node's cgroups (None: none; see mselastic.agent.cgroups) and a job's limits here where
+    #: its spec sets none (also the most it may set).
+    cgroups: Tree | None = None
+    job_limits: Limits = Limits()
 
 
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
@@ -158,6 +163,11 @@ class NodeAgent:
         self._recheck = False
         #: The rule the latest round without etcd went by (logged when it changes).
         self._rule: fencing.Rule | None = None
+        #: Set once the cgroups an earlier elasticd of this node left are swept (after this one
+        #: registered the node id: another elasticd holding it keeps its processes); launches wait.
+        self._cgroups_swept = asyncio.Event()
+        if cfg.cgroups is None:
+            self._cgroups_swept.set()
 
     # -- registration ------------------------------------------------------
 
@@ -174,6 +184,9 @@ class NodeAgent:
                 if stop.is_set():
                     break
                 await self._killed()  # a fence decided before the registration went through ends first
+                if not self._cgroups_swept.is_set() and self.cfg.cgroups is not None:
+                    await self.cfg.cgroups.sweep()
+                    self._cgroups_swept.set()
                 self._cover, self._fenced = self._lease, False
                 on_registered()
                 keeper = None
@@ -448,6 +461,7 @@ class NodeAgent:
         key = (plan.job, plan.generation)
         self.launching[key] += 1
         try:
+            await self._cgroups_swept.wait()
             return await self._launch(plan, self._fences)
         finally:
             self.launching[key] -= 1
@@ -482,7 +496,8 @@ class NodeAgent:
                                     f"it launches the plans committed once it is registered again")
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
                              user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
-                             snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling)
+                             snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
+                             cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits)
             gen.prepare_snapshots()
             gen.take_standbys(self.standbys.take(plan.job, gen.launch_env.launch_key(),
                                                      gen.member.local_workers + (gen.member.node_rank == 0)))
@@ -569,6 +584,8 @@ class NodeAgent:
         Called holding the job's lock: the folder is moved aside at once, so that a launch of the
         job right after makes a new one, and removed in the background."""
         self.standbys.retire(job, True, functools.partial(self._running, job))
+        if self.cfg.cgroups is not None:
+            self._spawn(self._remove_job_group(job))
         if self.cfg.snapshot_root:
             path = os.path.join(self.cfg.snapshot_root, job)
             gone = os.path.join(self.cfg.snapshot_root, f".gone-{job}-{os.urandom(4).hex()}")
@@ -580,6 +597,22 @@ class NodeAgent:
                 log.warning("snapshot folder %s not removed: %s", path, e, extra=dict(job=job))
                 return
             self._spawn(remove_snapshot_folder(gone, self.cfg.worker_user))
+
+    async def _remove_job_group(self, job: str) -> None:
+        """The job's cgroup here, once it ended: whatever is left in it (its fork server, what its
+        processes started) killed, the cgroup removed; not when a generation of it runs again."""
+        assert self.cfg.cgroups is not None
+        async with self._lock(job):
+            if not self._running(job):
+                left = await self.cfg.cgroups.root.child(job).stop()
+                if left:
+                    log.error("processes of ended job %s left in its cgroup: %s", job, left, extra=self._ctx)
+
+    async def close_cgroups(self) -> None:
+        """At elasticd's exit (its workers stopped): kill what is left in this node's cgroups and
+        remove them; not when this elasticd never registered the node id (another holds it)."""
+        if self.cfg.cgroups is not None and self._cgroups_swept.is_set():
+            await self.cfg.cgroups.close()
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())

@@ -27,6 +27,7 @@ import psutil
 from mselastic import metrics
 from mselastic.agent import observe, procs, ranks as rank_rules, verdict
 from mselastic.agent.beats import BeatSocket, Senders
+from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective
 from mselastic.agent.jobfiles import Unreadable, bounded
 from mselastic.agent.launch import MSRUN, Launch, Path
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
@@ -76,7 +77,8 @@ class Generation:
                  on_change: Callable[["Generation", bool], None], poll_interval_s: float = 0.1,
                  user: WorkerUser | None = None, allow_env: frozenset[str] = frozenset(),
                  pass_env: frozenset[str] = frozenset(), standbys: list[Standby] | None = None,
-                 snapshot_root: str = "", batch_scheduling: bool = True) -> None:
+                 snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
+                 node_limits: Limits = Limits()) -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -127,6 +129,11 @@ class Generation:
         self.snapshot_root = snapshot_root if spec.snapshot_interval_steps else ""
         self.batch_scheduling = batch_scheduling
         self.snapshot_dir = ""
+        #: This node's cgroups (None: none), the job's limits here and its group once started.
+        self.cgroups = cgroups
+        self.limits = Limits(effective(spec.memory_limit_mb * 2**20, node_limits.memory_bytes),
+                             effective(spec.max_processes, node_limits.max_tasks))
+        self.job_group: Group | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -143,7 +150,8 @@ class Generation:
     def launch_env(self) -> LaunchEnv:
         """What this generation's processes are started with."""
         return LaunchEnv(self.spec, self.plan, self.node_id, self.log_dir, self.stop_file, self.run_id, self.user,
-                         self.allow_env, self.pass_env, self.batch_scheduling, self.snapshot_dir)
+                         self.allow_env, self.pass_env, self.batch_scheduling, self.snapshot_dir, self.job_group,
+                         self.launch.group)
 
     @property
     def warm(self) -> bool:
@@ -186,6 +194,13 @@ class Generation:
             await self._fail(-1, f"master port {p.master_port} is in use on node {self.node_id}",
                              FailureCause.LAUNCH_NODE)
             return
+        if self.cgroups is not None:
+            try:
+                self.job_group = self.cgroups.job(self.spec.name, self.limits)
+                self.launch.group = self.job_group.child(f"gen-{self.run_id}").make()
+            except CgroupError as e:
+                await self._fail(-1, f"the generation's cgroup could not be made: {e}", FailureCause.LAUNCH_NODE)
+                return
         self.phase = Phase.LAUNCHING
         senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
                           lambda pid: any(rs.pid == pid for rs in self.ranks.values()))
@@ -266,7 +281,7 @@ class Generation:
             await self._ask_ranks_to_stop(grace_s)
         elif not now and not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
             await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
-        left = await procs.stop_generation(self.launch.markers(), self.launch.live(), grace_s=0)
+        left = await self.launch.teardown(grace_s=0)
         for proc in self.launch.launched():
             try:
                 await asyncio.wait_for(proc.wait(), timeout=5)
@@ -521,7 +536,7 @@ class Generation:
         self.exit_step = rank_rules.exit_step(self.ranks.values())
         self.reason = self._exit_reason(asked=False)
         log.warning("%s", self.reason, extra=self._ctx)
-        left = await procs.stop_generation(self.launch.markers(), self.launch.live(), grace_s=0)
+        left = await self.launch.teardown(grace_s=0)
         if left:
             log.error("processes left after the ranks' exit: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
@@ -533,21 +548,29 @@ class Generation:
         self.detected_at = time.time()
         if rank in self.ranks and self.ranks[rank].last_beat:
             metrics.DETECTION.observe(time.monotonic() - self.ranks[rank].last_beat)
-        self.failed_rank, self.reason, self.cause = rank, reason, cause
-        log.warning("rank %d failed: %s; tearing down", rank, reason, extra={**self._ctx, "rank": rank})
+        self.failed_rank, self.reason, self.cause = rank, reason + self._oom_note(), cause
+        log.warning("rank %d failed: %s; tearing down", rank, self.reason, extra={**self._ctx, "rank": rank})
         self._begin_stop()
-        left = await procs.stop_generation(self.launch.markers(), self.launch.live(), grace_s=grace_s)
+        left = await self.launch.teardown(grace_s=grace_s)
         if left:
             log.error("processes left after teardown: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
         self._set(GenerationState.FAILED)
         self._close()
 
+    def _oom_note(self) -> str:
+        """What the failure's reason adds when the OOM killer ended processes of this generation (the
+        kernel counts them in the cgroup of the process it killed, v2 in its parents' too)."""
+        if self.launch.group is None or (kills := self.launch.group.oom_kills()) <= 0:
+            return ""
+        return (f"; the kernel's OOM killer ended {kills} process(es) of this job on {self.node_id}: it is over "
+                f"its memory limit here ({self.limits.memory_bytes // 2**20} MiB; memory_limit_mb)")
+
     async def _launch_exited(self, code: int) -> None:
         """msrun exited (cold), or every rank did (warm: the scheduler leaves once they are gone)."""
         if code == 0 and all(r.finished for r in self.ranks.values()):
             self._set(GenerationState.SUCCEEDED)
-            left = await procs.stop_generation(self.launch.markers(), self.launch.live(), grace_s=1)
+            left = await self.launch.teardown(grace_s=1)
             if left:
                 log.error("processes left after success: %s", left, extra=self._ctx)
             self._close()

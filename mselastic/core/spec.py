@@ -34,7 +34,7 @@ MAX_INTS: dict[str, int] = {
     "workers_per_node": 1024, "min_nodes": 100_000, "max_nodes": 100_000, "max_restarts": 1_000_000,
     "quarantine_after_failures": 1_000_000, "total_steps": 2**53, "global_batch_size": 2**31 - 1,
     "checkpoint_interval_steps": 2**53, "keep_checkpoints": 10_000, "stop_check_interval_steps": 1_000_000,
-    "snapshot_interval_steps": 2**53,
+    "snapshot_interval_steps": 2**53, "memory_limit_mb": 2**40, "max_processes": 2**31 - 1,
 }
 #: Every duration is at most 30 days.
 MAX_SECONDS = 30 * 24 * 3600.0
@@ -104,6 +104,12 @@ class JobSpec:
     startup_timeout_s: float = 180.0
     #: SIGTERM -> SIGKILL grace period when a generation is stopped.
     stop_grace_period_s: float = 10.0
+    #: Memory the job's processes may use on each node, in MiB (0: the node's job_memory_limit_mb,
+    #: which is also the most a job gets). Past it the kernel's OOM killer ends one of them.
+    memory_limit_mb: int = 0
+    #: Processes and threads the job may have on each node (0: the node's job_max_processes, also
+    #: the most); a fork past it fails. A MindSpore rank runs about a hundred threads.
+    max_processes: int = 0
     #: Extra environment for the workers.
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -174,13 +180,19 @@ class JobSpec:
                     "quarantine_after_failures"):
             if getattr(self, key) <= 0:
                 _fail(key, f"must be a positive integer (got {getattr(self, key)})")
-        for key in ("max_restarts", "snapshot_interval_steps"):
+        for key in ("max_restarts", "snapshot_interval_steps", "memory_limit_mb", "max_processes"):
             if getattr(self, key) < 0:
                 _fail(key, f"must be >= 0 (got {getattr(self, key)})")
         for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
                     "quarantine_cooldown_s", "scale_up_settle_s"):
             if not getattr(self, key) > 0:
                 _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")
+        if 0 < self.memory_limit_mb < 256:
+            _fail("memory_limit_mb", f"must be 0 (the node's) or at least 256: a MindSpore rank alone takes more "
+                                     f"(got {self.memory_limit_mb})")
+        if 0 < self.max_processes < 64:
+            _fail("max_processes", f"must be 0 (the node's) or at least 64: msrun, its scheduler and a rank run "
+                                   f"dozens of threads (got {self.max_processes})")
         if self.min_nodes > self.max_nodes:
             _fail("min_nodes", f"must be <= max_nodes (got {self.min_nodes} > {self.max_nodes})")
         for key, top in MAX_INTS.items():

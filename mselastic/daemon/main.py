@@ -40,7 +40,8 @@ import sys
 import grpc
 
 from mselastic import metrics
-from mselastic.agent import procs
+from mselastic.agent import cgroups, procs
+from mselastic.agent.cgroups import Limits, Tree, default_limits
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve
@@ -51,8 +52,8 @@ from mselastic.daemon import liveness, logs, notify
 from mselastic.daemon.auth import Authorizer
 from mselastic.daemon.control import ControlService
 from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
-from mselastic.daemon.settings import (MAX_REQUEST_BYTES, Settings, SettingsError, bad, names, parse_args,
-                                       snapshot_root, unusable_dir)
+from mselastic.daemon.settings import (MAX_REQUEST_BYTES, Settings, SettingsError, bad, names, namespace_tag,
+                                       parse_args, snapshot_root, unusable_dir)
 from mselastic.store import versions
 from mselastic.store.embedded import EmbeddedEtcd, etcd_binary, etcd_version
 from mselastic.store.etcd import EtcdAuth, PermanentError, RetryPolicy, Store, TemporaryError
@@ -184,12 +185,14 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
     return server, local, f"{s.advertise_host}:{port}"
 
 
-def _agent(s: Settings, store: Store, address: str, worker: WorkerUser) -> NodeAgent:
+def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tree | None) -> NodeAgent:
     return NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                         slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                         worker_user=worker, allow_env=s.allowed_env, pass_env=names(s.pass_env),
                                         warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
-                                        snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s))
+                                        snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,
+                                        cgroups=tree, job_limits=Limits(*default_limits(s.job_memory_limit_mb,
+                                                                                        s.job_max_processes))))
 
 
 def _coordinator(s: Settings, store: Store, address: str, local: str) -> Coordinator:
@@ -204,6 +207,11 @@ def _coordinator(s: Settings, store: Store, address: str, local: str) -> Coordin
 async def serve(s: Settings) -> None:
     """Run elasticd until SIGTERM or SIGINT (see the module's doc for the shutdown)."""
     worker = await _check_node(s)
+    try:  # (before the embedded etcd starts: on cgroup v2, elasticd may move itself into a leaf)
+        tree = cgroups.setup(f"{s.node_id}-{namespace_tag(s)}", s.cgroups)
+    except cgroups.CgroupError as e:
+        raise bad("cgroups", f"required, but {e}; set cgroups = auto or off, or run elasticd where it may make "
+                             f"cgroups (root, Delegate=yes under systemd)") from None
     etcd, endpoint, etcd_auth = await _start_etcd(s)
     if s.metrics_listen:
         try:
@@ -220,7 +228,7 @@ async def serve(s: Settings) -> None:
     server, local, address = _grpc_server(s, store)
     if s.one_machine:
         address = local  # (the peers are on this machine; see Settings.one_machine)
-    agent = _agent(s, store, address, worker)
+    agent = _agent(s, store, address, worker, tree)
     coordinator = _coordinator(s, store, address, local)
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is
@@ -282,6 +290,7 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         await agent.shut_down(s.shutdown_grace_s)
         await agent.standbys.close()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await agent.close_cgroups()
         await asyncio.gather(*checks, return_exceptions=True)
     return refusal
 

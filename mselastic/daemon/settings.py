@@ -139,6 +139,15 @@ class Settings:
     #: hash>/<job>``, removed when the job ends (or is deleted), and when elasticd stops without
     #: it running here. "": no snapshots on this node. Another user's default: ``-<uid>`` added.
     snapshot_dir: str = "/dev/shm/mselastic"
+    #: Every job's processes in cgroups of their own (mselastic.agent.cgroups): "auto" (when this
+    #: node offers them; elasticd says why not otherwise), "required" (refuse to start without),
+    #: "off" (a generation's processes found by the marker in their environment; no limits).
+    cgroups: str = "auto"
+    #: A job's limits on this node, where its spec sets none (and the most a spec may set):
+    #: memory in MiB (0: the node's memory less 10 %, at least 1 GiB, kept for elasticd and the
+    #: system), processes and threads together (0: a quarter of the kernel's pid_max).
+    job_memory_limit_mb: int = 0
+    job_max_processes: int = 0
 
     def validate(self) -> "Settings":
         """This, once every value is one elasticd can run with; else SettingsError, naming the key."""
@@ -200,6 +209,11 @@ class Settings:
             raise bad("keep_events_s", f"must be 60 s to 10 years (got {self.keep_events_s})")
         if self.progress_interval_s < 0:
             raise bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
+        if self.cgroups not in ("auto", "required", "off"):
+            raise bad("cgroups", f"must be auto, required or off (got {self.cgroups!r})")
+        for key in ("job_memory_limit_mb", "job_max_processes"):
+            if not 0 <= getattr(self, key) <= 2**40:
+                raise bad(key, f"must be 0 (the node's default) or a positive number (got {getattr(self, key)})")
         if self.log_format not in ("text", "json"):
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
@@ -372,6 +386,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                             "loses a race with its own event loop); ranks go back to the default policy after init()",
         "peer_evidence": "while leading, ping the agents of running jobs' nodes: one whose connection drops is asked "
                          "at once what it runs, and replaced as soon as it says nothing",
+        "cgroups": "auto, required or off: every job's processes in cgroups of their own (teardown by cgroup.kill, "
+                   "memory and process limits)",
+        "job_memory_limit_mb": "a job's memory limit here when its spec sets none, and the most it may set (0: the "
+                               "node's memory less 10%%, at least 1 GiB)",
+        "job_max_processes": "a job's limit on processes and threads here when its spec sets none, and the most "
+                             "(0: a quarter of the kernel's pid_max)",
         "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
                         "another user than root, /dev/shm/mselastic-UID by default)",
     }
@@ -463,9 +483,15 @@ def _read_config(path: str) -> dict[str, object]:
     return data
 
 
+def namespace_tag(s: "Settings") -> str:
+    """A short tag of ``namespace``: several elasticds of one node id on one machine (nodes of test
+    clusters in other namespaces) keep their folders and cgroups apart by it."""
+    return hashlib.sha256(s.namespace.encode()).hexdigest()[:8]
+
+
 def snapshot_root(s: "Settings") -> str:
     """This elasticd's own folder under ``snapshot_dir``: several (nodes of a test cluster, two
     namespaces) may share a machine."""
     if not s.snapshot_dir:
         return ""
-    return os.path.join(s.snapshot_dir, f"{s.node_id}-{hashlib.sha256(s.namespace.encode()).hexdigest()[:8]}")
+    return os.path.join(s.snapshot_dir, f"{s.node_id}-{namespace_tag(s)}")

@@ -135,6 +135,10 @@ def test_installed_from_the_wheel_it_runs_a_job_as_mselastic_under_the_hardened_
     # SCHED_BATCH through the unit's seccomp filter (msrun's scheduler is still under it) and train
     # under the default policy again.
     uids = {int(c.run("stat", "-c", "%u", f"/proc/{p}").stdout) for p in _in_container(c, _worker_pids(c))}
+    # ... each in its generation's cgroup, below the unit's (Delegate=yes): cgroup.kill ends them all.
+    groups = {open(f"/proc/{p}/cgroup").read().split("0::", 1)[1].split()[0] for p in _worker_pids(c)}
+    assert len(groups) == 1 and "/system.slice/elasticd.service/mselastic-n0-" in next(iter(groups)) and \
+        "/hardened/gen-hardened.1.n0." in next(iter(groups)), groups
     mselastic_uid = int(c.run("id", "-u", "mselastic").stdout)
     assert uids == {mselastic_uid}, uids
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # (what the unit's processes have without chrt)
