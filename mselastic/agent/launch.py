@@ -72,7 +72,7 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     started = False
     try:
         proc = await asyncio.create_subprocess_exec(
-            *join_prefix([group] if group else []), *with_parent_death(cmd, (who.uid, who.gid) if who else None),
+            *join_prefix([group] if group else []), *with_parent_death(cmd, who.setpriv_args() if who else None),
             env=env, cwd=cwd, start_new_session=True,
             pass_fds=(env_r,) if who else (), **io)
         started = True

@@ -42,8 +42,12 @@ def mindspore_cluster_env(world_size: int) -> dict[str, str]:
     return {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
-def heartbeat_socket(run_id: str) -> str:
-    """The abstract socket name a generation's ranks send their beats to."""
+def heartbeat_socket(run_id: str, folder: str = "") -> str:
+    """Where a generation's ranks send their beats: a socket in ``folder`` (elasticd's own, see
+    :mod:`mselastic.agent.beats`), named by a hash of the run id (a socket's path is short: 108
+    bytes); without a folder, an abstract name."""
+    if folder:
+        return os.path.join(folder, hashlib.sha256(run_id.encode()).hexdigest()[:16])
     return "mselastic-hb-" + run_id
 
 
@@ -66,6 +70,8 @@ class LaunchEnv:
     #: mselastic.agent.cgroups): msrun starts in the generation's, a fork server in one of the job's.
     job_group: Group | None = None
     gen_group: Group | None = None
+    #: Where the ranks send their beats (:func:`heartbeat_socket`; "": its abstract name).
+    heartbeat: str = ""
 
     @property
     def switch(self) -> bool:
@@ -104,7 +110,7 @@ class LaunchEnv:
             contract.ENV_TOTAL_STEPS: str(self.spec.total_steps),
             contract.ENV_GLOBAL_BATCH: str(self.spec.global_batch_size),
             contract.ENV_MICRO_BATCHES: ",".join(map(str, self.spec.micro_batch_sizes)),
-            contract.ENV_HEARTBEAT: heartbeat_socket(self.run_id),
+            contract.ENV_HEARTBEAT: self.heartbeat or heartbeat_socket(self.run_id),
             contract.ENV_RUN_ID: self.run_id,
             contract.ENV_STOP_FILE: self.stop_file,
         })

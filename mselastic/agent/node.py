@@ -78,6 +78,11 @@ class AgentConfig:
     #: its spec sets none (also the most it may set).
     cgroups: Tree | None = None
     job_limits: Limits = Limits()
+    #: The uids jobs run as, one each (elasticd's job_uids; None: they run as worker_user).
+    job_uids: range | None = None
+    #: elasticd's folder for the generations' heartbeat sockets ("": abstract names; see
+    #: mselastic.agent.beats).
+    heartbeat_dir: str = ""
 
 
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
@@ -487,6 +492,7 @@ class NodeAgent:
             if status_kv is not None and (state := JobStatus.from_json(status_kv.value).state).terminal:
                 raise LaunchRefused(f"job {plan.job} is {state.value}")
             spec = JobSpec.from_json(spec_kv.value)
+            user = await self._job_user(plan.job)
             if current is not None and not current.done.is_set():
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
@@ -495,15 +501,16 @@ class NodeAgent:
                 raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd since this launch began; "
                                     f"it launches the plans committed once it is registered again")
             gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
-                             user=self.cfg.worker_user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
+                             user=user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
-                             cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits)
+                             cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
+                             heartbeat_dir=self.cfg.heartbeat_dir)
             gen.prepare_snapshots()
             gen.take_standbys(self.standbys.take(plan.job, gen.launch_env.launch_key(),
                                                      gen.member.local_workers + (gen.member.node_rank == 0)))
             if self.cfg.snapshot_root and plan.job not in self._swept:
                 self._swept.add(plan.job)  # once per job and elasticd: the folders of jobs long gone
-                self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root, self.cfg.worker_user,
+                self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root,
                                                    {j for j, g in self.generations.items() if not g.done.is_set()}
                                                    | {plan.job}))
             gen.on_joined = self._tell_peers_joined
@@ -512,6 +519,19 @@ class NodeAgent:
             await gen.start()
             self._changed(gen)
             return "launched"
+
+    async def _job_user(self, job: str) -> WorkerUser | None:
+        """Who ``job``'s processes run as here: the uid of job_uids it got at submit (the same on
+        every node), else the worker user. Raises LaunchRefused for a uid outside this node's range."""
+        kv = await self.store.get(self.store.keys.job_uid(job))
+        if kv is None:
+            return self.cfg.worker_user
+        uid = int(kv.value) if kv.value.isdigit() else -1
+        if self.cfg.job_uids is None or uid not in self.cfg.job_uids or self.cfg.worker_user is None:
+            have = f"{self.cfg.job_uids.start}-{self.cfg.job_uids.stop - 1}" if self.cfg.job_uids else "none"
+            raise LaunchRefused(f"job {job} runs as uid {kv.value.decode(errors='replace')[:20]}, outside this node's "
+                                f"job_uids ({have}); give every node the same job_uids")
+        return self.cfg.worker_user.for_job(uid)
 
     async def stop(self, job: str, generation: int, grace_s: float, stop_at: int = 0, reason: str = "",
                    final: bool = False) -> list[int]:
@@ -596,7 +616,7 @@ class NodeAgent:
             except OSError as e:
                 log.warning("snapshot folder %s not removed: %s", path, e, extra=dict(job=job))
                 return
-            self._spawn(remove_snapshot_folder(gone, self.cfg.worker_user))
+            self._spawn(remove_snapshot_folder(gone))
 
     async def _remove_job_group(self, job: str) -> None:
         """The job's cgroup here, once it ended: whatever is left in it (its fork server, what its

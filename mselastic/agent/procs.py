@@ -47,13 +47,17 @@ class Proc:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 #: The users whose processes' environment root reads with their fsuid when refused (see above).
-_READ_AS: set[int] = set()
+_READ_AS: list[range] = []
 
 
-def read_as(uid: int) -> None:
-    """Processes of ``uid`` (the worker user) may be read with its fsuid when a plain read is refused."""
-    if uid != 0:
-        _READ_AS.add(uid)
+def read_as(uids: int | range) -> None:
+    """Processes of ``uids`` (the worker user, the jobs' uids) may be read with their fsuid when a
+    plain read is refused."""
+    _READ_AS.append(range(uids, uids + 1) if isinstance(uids, int) else uids)
+
+
+def _may_read_as(uid: int) -> bool:
+    return uid != 0 and any(uid in r for r in _READ_AS)
 
 
 def _environ(p: psutil.Process) -> dict[str, str] | None:
@@ -63,7 +67,7 @@ def _environ(p: psutil.Process) -> dict[str, str] | None:
         if os.geteuid() != 0 or not _READ_AS:
             return None
         try:
-            if p.uids().real not in _READ_AS:
+            if not _may_read_as(p.uids().real):
                 return None
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
@@ -183,7 +187,7 @@ def exit_status(pid: int, create_time: float) -> int | None:
             st = os.stat(f"/proc/{pid}")  # (the directory's owner: the process's euid and egid, zombie or not)
         except OSError:
             return None
-        if st.st_uid in _READ_AS:
+        if _may_read_as(st.st_uid):
             with _as_owner(st.st_uid, st.st_gid):
                 fields = _stat(pid, create_time)
             if fields is None or fields[0] != b"Z" or len(fields) < 50:

@@ -42,12 +42,14 @@ def snapshot_folder(root: str, job: str, user: WorkerUser | None) -> str:
     return path
 
 
-async def remove_snapshot_folder(path: str, user: WorkerUser | None) -> None:
-    """Remove a job's snapshot folder, off the event loop: its content as the worker user (it owns
-    the folder, mode 0700; elasticd has no CAP_DAC_OVERRIDE under the unit), then the folder
-    itself from elasticd's own. Errors are logged, never raised."""
+async def remove_snapshot_folder(path: str) -> None:
+    """Remove a job's snapshot folder, off the event loop: its content as the folder's owner (the
+    worker user or the job's uid, mode 0700; elasticd has no CAP_DAC_OVERRIDE under the unit),
+    then the folder itself from elasticd's own. Errors are logged, never raised."""
     try:
-        if user is not None and user.switch:
+        st = await asyncio.to_thread(os.lstat, path)
+        user = WorkerUser(f"uid {st.st_uid}", st.st_uid, st.st_gid, passwd=False)
+        if user.switch:
             proc = await asyncio.create_subprocess_exec(
                 *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete", env={"PATH": "/usr/bin:/bin"},
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
@@ -63,7 +65,7 @@ async def remove_snapshot_folder(path: str, user: WorkerUser | None) -> None:
         log.warning("snapshot folder %s not removed: %s", path, e)
 
 
-async def sweep_snapshot_folders(root: str, user: WorkerUser | None, keep: set[str]) -> None:
+async def sweep_snapshot_folders(root: str, keep: set[str]) -> None:
     """Folders of jobs that failed for good, were stopped or deleted are memory nobody reads:
     removed once untouched for ``SNAPSHOT_KEEP_S`` (a training job's is written every few steps);
     never the ``keep`` ones (jobs running here)."""
@@ -74,4 +76,4 @@ async def sweep_snapshot_folders(root: str, user: WorkerUser | None, keep: set[s
         return
     for name, mtime, is_dir in entries:
         if name not in keep and is_dir and time.time() - mtime > SNAPSHOT_KEEP_S:
-            await remove_snapshot_folder(os.path.join(root, name), user)
+            await remove_snapshot_folder(os.path.join(root, name))

@@ -78,7 +78,7 @@ class Generation:
                  user: WorkerUser | None = None, allow_env: frozenset[str] = frozenset(),
                  pass_env: frozenset[str] = frozenset(), standbys: list[Standby] | None = None,
                  snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
-                 node_limits: Limits = Limits()) -> None:
+                 node_limits: Limits = Limits(), heartbeat_dir: str = "") -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -94,6 +94,8 @@ class Generation:
         self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
         self._asked: set[int] = set()  # ranks that asked for a stop step (logged once each)
         self.run_id = f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
+        #: Where its ranks send their beats (see mselastic.agent.beats).
+        self.heartbeat = heartbeat_socket(self.run_id, heartbeat_dir)
         self.state = GenerationState.STARTING
         self.phase = Phase.PREPARING
         self.ranks = {r: RankState(r) for r in range(self.first_rank, self.first_rank + member.local_workers)}
@@ -151,7 +153,7 @@ class Generation:
         """What this generation's processes are started with."""
         return LaunchEnv(self.spec, self.plan, self.node_id, self.log_dir, self.stop_file, self.run_id, self.user,
                          self.allow_env, self.pass_env, self.batch_scheduling, self.snapshot_dir, self.job_group,
-                         self.launch.group)
+                         self.launch.group, self.heartbeat)
 
     @property
     def warm(self) -> bool:
@@ -203,8 +205,15 @@ class Generation:
                 return
         self.phase = Phase.LAUNCHING
         senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
-                          lambda pid: any(rs.pid == pid for rs in self.ranks.values()))
-        self._beats = BeatSocket(heartbeat_socket(self.run_id), senders, self._received, self._ctx)
+                          lambda pid: any(rs.pid == pid for rs in self.ranks.values()),
+                          uid=self.user.uid if self.user is not None else os.geteuid())
+        try:
+            self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
+                                     owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
+        except OSError as e:
+            await self._fail(-1, f"the heartbeat socket {self.heartbeat} could not be made: {e}",
+                             FailureCause.LAUNCH_NODE)
+            return
         if self.launch.path is Path.WARM and not all(sb.alive for sb in self.launch.standbys):
             # One died since it was taken (the OOM killer, a signal): cold, rather than blame the node.
             log.warning("a standby worker exited before its handover; starting cold", extra=self._ctx)

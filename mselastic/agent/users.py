@@ -45,10 +45,25 @@ class WorkerUser:
     gid: int
     #: Other groups it is in (the socket's group may not be one of them).
     groups: frozenset[int] = frozenset()
+    #: A user of the passwd database (its groups are its own: setpriv --init-groups); False for a
+    #: job's uid of ``job_uids`` (no entry: ``groups`` are all it gets).
+    passwd: bool = True
 
     @property
     def is_root(self) -> bool:
         return self.uid == 0
+
+    def setpriv_args(self) -> list[str]:
+        """setpriv's options that make a process this user, with its groups."""
+        groups = ["--init-groups"] if self.passwd else \
+            [f"--groups={','.join(map(str, sorted(self.groups)))}"] if self.groups else ["--clear-groups"]
+        return [f"--reuid={self.uid}", f"--regid={self.gid}", *groups]
+
+    def for_job(self, uid: int) -> "WorkerUser":
+        """The user a job of ``job_uids`` runs as: ``uid``, its group the same number, and this
+        (the worker) user's group besides, for shared folders (checkpoints) made for the workers
+        (never root's group)."""
+        return WorkerUser(str(uid), uid, uid, frozenset({self.gid}) if self.gid else frozenset(), passwd=False)
 
     @property
     def switch(self) -> bool:
@@ -83,7 +98,7 @@ def resolve(name: str) -> WorkerUser:
 
 def setpriv(user: WorkerUser) -> list[str]:
     """The command prefix that runs what follows as ``user`` (its groups too)."""
-    return [shutil.which("setpriv") or "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--"]
+    return [shutil.which("setpriv") or "setpriv", *user.setpriv_args(), "--"]
 
 
 def _probe(user: WorkerUser, cmd: list[str]) -> tuple[subprocess.CompletedProcess[str], str]:
@@ -134,3 +149,11 @@ def cannot_start_batch(user: WorkerUser) -> str:
 def _user(pw: pwd.struct_passwd) -> WorkerUser:
     groups = frozenset(g.gr_gid for g in grp.getgrall() if pw.pw_name in g.gr_mem)
     return WorkerUser(pw.pw_name, pw.pw_uid, pw.pw_gid, groups)
+
+
+def users_in(uids: range) -> tuple[int, str] | None:
+    """(uid, name) of the first user of the passwd database whose uid is in ``uids``; None when none is."""
+    for pw in pwd.getpwall():
+        if pw.pw_uid in uids:
+            return pw.pw_uid, pw.pw_name
+    return None

@@ -25,7 +25,7 @@ ENV_STOP_CHECK_INTERVAL = "MSELASTIC_STOP_CHECK_INTERVAL_STEPS"
 ENV_TOTAL_STEPS = "MSELASTIC_TOTAL_STEPS"
 ENV_GLOBAL_BATCH = "MSELASTIC_GLOBAL_BATCH_SIZE"
 ENV_MICRO_BATCHES = "MSELASTIC_MICRO_BATCH_SIZES"  # comma-separated; empty: any
-ENV_HEARTBEAT = "MSELASTIC_HEARTBEAT"  # abstract unix datagram socket name
+ENV_HEARTBEAT = "MSELASTIC_HEARTBEAT"  # unix datagram socket: a path, or an abstract name (no "/")
 ENV_RUN_ID = "MSELASTIC_RUN_ID"  # marks every process of one generation on one node
 #: A file holding the step at which every rank of the generation stops (a planned stop): written by
 #: the agent before it sends the ranks SIGTERM, read by a rank once it got the signal.
@@ -164,3 +164,8 @@ class Beat:
                    generation=int(raw["generation"]), step=int(raw["step"]), loss=float(raw.get("loss", 0.0)),
                    resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)),
                    note=str(raw.get("note", ""))[:NOTE_MAX])
+
+
+def socket_address(heartbeat: str) -> str:
+    """What a rank sends its beats to, from ``ENV_HEARTBEAT``: a path as is, an abstract name with its NUL."""
+    return heartbeat if heartbeat.startswith("/") else "\0" + heartbeat

@@ -17,17 +17,17 @@ import signal
 _PR_SET_PDEATHSIG = 1
 
 
-def with_parent_death(cmd: list[str], user: tuple[int, int] | None = None) -> list[str]:
+def with_parent_death(cmd: list[str], switch: list[str] | None = None) -> list[str]:
     """``cmd`` prefixed so that it is SIGKILLed when the process that starts it dies; with
-    ``user`` (uid, gid), run as that user with its groups (setpriv sets the death signal after
-    changing the credentials, which would clear it). The switch is setpriv's, not a fork that
-    calls setuid in elasticd: a forked copy of a process running gRPC's threads may crash before
-    it execs (seen: msrun and mkdir children dying with SIGSEGV), a vfork'ed setpriv does not."""
+    ``switch`` (setpriv's options that change the user: ``--reuid``, ``--regid`` and the groups),
+    run as that user (setpriv sets the death signal after changing the credentials, which would
+    clear it). The switch is setpriv's, not a fork that calls setuid in elasticd: a forked copy
+    of a process running gRPC's threads may crash before it execs (seen: msrun and mkdir children
+    dying with SIGSEGV), a vfork'ed setpriv does not."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         raise RuntimeError("setpriv (util-linux) not found: install util-linux")
-    switch = [f"--reuid={user[0]}", f"--regid={user[1]}", "--init-groups"] if user else []
-    return [setpriv, *switch, "--pdeathsig", "KILL", "--", *cmd]
+    return [setpriv, *(switch or []), "--pdeathsig", "KILL", "--", *cmd]
 
 
 def die_with_parent(signum: int = signal.SIGKILL, parent: int = 0) -> None:

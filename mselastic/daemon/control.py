@@ -121,10 +121,16 @@ def unseen_paths(spec: JobSpec) -> str:
     return ""
 
 
+class _UidTaken(Exception):
+    """The uid a submit chose was taken by another submit meanwhile."""
+
+
 class ControlService(pb_grpc.ControlServicer):
     def __init__(self, store: Store, coordinator: Coordinator, allow_env: frozenset[str] = frozenset(),
-                 etcd_members: Callable[[], list[tuple[str, str, str]]] = list) -> None:
+                 etcd_members: Callable[[], list[tuple[str, str, str]]] = list, job_uids: range | None = None) -> None:
         self.store = store
+        #: The uids jobs get one of each at submit (elasticd's job_uids; None: they run as worker_user).
+        self.job_uids = job_uids
         self.coordinator = coordinator
         #: (endpoint, version, warning) of each etcd member, as this elasticd last read them.
         self.etcd_members = etcd_members
@@ -208,14 +214,23 @@ class ControlService(pb_grpc.ControlServicer):
         claim = k.checkpoint_dir(spec.checkpoint_dir)
         try:
             unchanged = tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)
-            ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged,
-                                       tx.create(claim.encode()) == 0], [
-                tx.put(k.spec(spec.name).encode(), spec.to_json().encode()),
-                tx.put(k.status(spec.name).encode(), status.to_json().encode()),
-                tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
-                tx.put(claim.encode(), spec.name.encode()),
-            ])
+            async for attempt in tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(5), reraise=True,
+                                                        retry=tenacity.retry_if_exception_type(_UidTaken)):
+                with attempt:
+                    uid_compare, uid_puts = await self._uid_for(spec.name, context)
+                    ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged,
+                                               tx.create(claim.encode()) == 0, *uid_compare], [
+                        tx.put(k.spec(spec.name).encode(), spec.to_json().encode()),
+                        tx.put(k.status(spec.name).encode(), status.to_json().encode()),
+                        tx.put(k.event(spec.name, time.time_ns()).encode(), event.to_json().encode()),
+                        tx.put(claim.encode(), spec.name.encode()), *uid_puts,
+                    ])
+                    if not ok and uid_compare and await self.store.get(k.spec(spec.name)) is None \
+                            and await self.store.get(claim) is None:
+                        raise _UidTaken()  # (another submit took the uid meanwhile: choose again)
             holder = None if ok else await self.store.get(claim)
+        except _UidTaken:
+            await abort(context, grpc.StatusCode.ABORTED, "other jobs were submitted meanwhile; submit again")
         except TemporaryError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         if not ok and holder is not None and holder.value.decode(errors="replace") != spec.name:
@@ -228,6 +243,30 @@ class ControlService(pb_grpc.ControlServicer):
         self.coordinator.wake()
         warnings.append(await self._range_warning(spec))
         return pb.SubmitResponse(job=spec.name, warning="; ".join(filter(None, warnings)))
+
+    async def _uid_for(self, job: str, context: grpc.aio.ServicerContext) -> tuple[list[Any], list[Any]]:
+        """The compare and the puts that give ``job`` a uid of ``job_uids`` in the submit's
+        transaction (none without job_uids): the one this job name had before (its files on disk
+        are that uid's), else one no job ever had, else one a deleted job released (then that
+        job's files left on disk become this one's: said in the README)."""
+        if self.job_uids is None:
+            return [], []
+        k, tx = self.store.keys, self.store.tx
+        _, kvs = await self.store.get_prefix(k.uid_claims)
+        claims = {int(name): kv for kv in kvs if (name := kv.key.rpartition("/")[2]).isdigit()}
+        held = {uid: kv.value.decode(errors="replace") for uid, kv in claims.items()}
+        uid = next((u for u, holder in held.items() if holder == f"-{job}" and u in self.job_uids), None)
+        if uid is None:
+            uid = next((u for u in self.job_uids if u not in held), None)
+        if uid is None:
+            uid = next((u for u in self.job_uids if held.get(u, "").startswith("-")), None)
+        if uid is None:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"every uid of job_uids ({self.job_uids.start}-{self.job_uids.stop - 1}) belongs to a job; "
+                        f"delete jobs that are over, or widen job_uids on every node")
+        key = k.uid_claim(uid).encode()
+        compare = tx.value(key) == claims[uid].value if uid in claims else tx.create(key) == 0
+        return [compare], [tx.put(key, job.encode()), tx.put(k.job_uid(job).encode(), str(uid).encode())]
 
     async def _check_fit_and_dir(self, spec: JobSpec, force: bool, context: grpc.aio.ServicerContext) -> list[str]:
         """Refuse a job no registered node is large enough for, a checkpoint_dir another job uses,
@@ -433,6 +472,7 @@ class ControlService(pb_grpc.ControlServicer):
         prefixes = [k.job(view.name), k.job_reports(view.name), k.plans(view.name), k.events(view.name)]
         try:
             spec_kv = await self.store.get(k.spec(view.name))
+            uid_kv = await self.store.get(k.job_uid(view.name))
             ok = await self.store.txn(
                 [(await self._term(context)).guard(self.store),
                  tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0)],
@@ -446,6 +486,11 @@ class ControlService(pb_grpc.ControlServicer):
             claim = k.checkpoint_dir(view.spec.checkpoint_dir).encode()
             with contextlib.suppress(TemporaryError):
                 await self.store.txn([tx.value(claim) == view.name.encode()], [tx.delete(claim)])
+        if uid_kv is not None and uid_kv.value.isdigit():  # released, remembered: the name gets it back
+            uid_claim = k.uid_claim(int(uid_kv.value)).encode()
+            with contextlib.suppress(TemporaryError):
+                await self.store.txn([tx.value(uid_claim) == view.name.encode()],
+                                     [tx.put(uid_claim, f"-{view.name}".encode())])
         self.coordinator.forget(view.name)
         # Every node lets the job's standbys and snapshot folder go (a node that misses this sweeps
         # the folder after SNAPSHOT_KEEP_S; its standbys went when the generation ended).

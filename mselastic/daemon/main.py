@@ -29,6 +29,7 @@ node's registration is revoked; exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
 import logging
 import os
@@ -44,7 +45,8 @@ from mselastic.agent import cgroups, procs
 from mselastic.agent.cgroups import Limits, Tree, default_limits
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
-from mselastic.agent.users import UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve
+from mselastic.agent.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
+                                   users_in)
 from mselastic.core import fencing
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
@@ -139,6 +141,18 @@ async def _check_node(s: Settings) -> WorkerUser:
                                  f"/opt/mselastic) or name another worker_user")
     if s.batch_scheduling and (why := await asyncio.to_thread(cannot_start_batch, worker)):
         raise bad("batch_scheduling", f"{why}; set batch_scheduling = false")
+    if (uids := s.job_uid_range) is not None:
+        if os.geteuid() != 0:
+            raise bad("job_uids", "only an elasticd running as root starts jobs as other users; leave job_uids empty")
+        if taken := await asyncio.to_thread(users_in, uids):
+            raise bad("job_uids", f"uid {taken[0]} of {s.job_uids} belongs to user {taken[1]}: give a range no user "
+                                  f"has (a job would run as that user)")
+        if worker.uid in uids:
+            raise bad("job_uids", f"{s.job_uids} holds the worker user's uid {worker.uid}")
+        if why := await asyncio.to_thread(cannot_run_python, worker.for_job(uids.start)):
+            raise bad("job_uids", f"{why}; install mselastic where any user can read it (a system Python, "
+                                  f"/opt/mselastic)")
+        procs.read_as(uids)
     return worker
 
 
@@ -185,6 +199,35 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
     return server, local, f"{s.advertise_host}:{port}"
 
 
+def heartbeat_dir() -> str:
+    """elasticd's folder for the heartbeat sockets (see mselastic.agent.beats): /run/mselastic/hb
+    for root, $XDG_RUNTIME_DIR/mselastic/hb for another user; "" (abstract sockets, which any
+    local user can reach) where none can be had that is elasticd's alone."""
+    base = "/run/mselastic" if os.geteuid() == 0 else os.path.join(os.environ.get("XDG_RUNTIME_DIR", ""), "mselastic")
+    if not os.path.isabs(base):
+        log.warning("no private folder for the heartbeat sockets ($XDG_RUNTIME_DIR unset): abstract sockets, which "
+                    "any local user can reach (and flood)")
+        return ""
+    path = os.path.join(base, "hb")
+    try:
+        for d in (base, path):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o711)
+            st = os.lstat(d)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+                # (the umask took the others' x, or the local socket's folder was made so: a job's
+                # user must pass through to its socket; x alone, nobody lists the folder)
+                os.chmod(d, stat.S_IMODE(st.st_mode) | 0o011)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o066:
+            raise OSError(f"{path} is not a folder of elasticd's own that only it may list and write")
+    except OSError as e:
+        log.warning("no private folder for the heartbeat sockets (%s): abstract sockets, which any local user can "
+                    "reach (and flood)", e)
+        return ""
+    return path
+
+
 def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tree | None) -> NodeAgent:
     return NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                         slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
@@ -192,7 +235,8 @@ def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tr
                                         warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,
                                         cgroups=tree, job_limits=Limits(*default_limits(s.job_memory_limit_mb,
-                                                                                        s.job_max_processes))))
+                                                                                        s.job_max_processes)),
+                                        job_uids=s.job_uid_range, heartbeat_dir=heartbeat_dir()))
 
 
 def _coordinator(s: Settings, store: Store, address: str, local: str) -> Coordinator:
@@ -235,7 +279,7 @@ async def serve(s: Settings) -> None:
     # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.
     control_store = Store(endpoint, Keys(s.namespace), retry=RetryPolicy(attempts=3, budget_s=2.0), auth=etcd_auth)
     pb_grpc.add_ControlServicer_to_server(ControlService(control_store, coordinator, s.allowed_env,
-                                                         etcd_versions.members), server)
+                                                         etcd_versions.members, s.job_uid_range), server)
     await server.start()
     _share_socket(s, worker)
     log.info("elasticd %s serving on %s%s and %s, etcd %s; workers run as %s (uid %d)", s.node_id, address,

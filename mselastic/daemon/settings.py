@@ -148,6 +148,24 @@ class Settings:
     #: system), processes and threads together (0: a quarter of the kernel's pid_max).
     job_memory_limit_mb: int = 0
     job_max_processes: int = 0
+    #: "START-END": each job runs as a uid of its own from this range (no passwd entry; its group
+    #: the same number, the worker user's group besides), allocated at submit and the same on every
+    #: node: one job can then neither read another's files nor signal or trace its processes.
+    #: Give every node the same range, unused by any user. "": every job runs as worker_user.
+    job_uids: str = ""
+
+    @property
+    def job_uid_range(self) -> range | None:
+        """``job_uids`` as a range (None: empty); ValueError when it is not one elasticd can use."""
+        if not self.job_uids:
+            return None
+        start, sep, end = self.job_uids.partition("-")
+        if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+            raise ValueError(f"{self.job_uids!r} must be START-END, as 62000-62999")
+        lo, hi = int(start), int(end)
+        if not 1000 <= lo <= hi < 2**31 - 1 or hi - lo >= 65536:
+            raise ValueError(f"{self.job_uids!r} must lie in 1000..2147483646, START <= END, at most 65536 uids")
+        return range(lo, hi + 1)
 
     def validate(self) -> "Settings":
         """This, once every value is one elasticd can run with; else SettingsError, naming the key."""
@@ -214,6 +232,11 @@ class Settings:
         for key in ("job_memory_limit_mb", "job_max_processes"):
             if not 0 <= getattr(self, key) <= 2**40:
                 raise bad(key, f"must be 0 (the node's default) or a positive number (got {getattr(self, key)})")
+        if self.job_uids:
+            try:
+                self.job_uid_range
+            except ValueError as e:
+                raise bad("job_uids", str(e)) from None
         if self.log_format not in ("text", "json"):
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
@@ -392,6 +415,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                                "node's memory less 10%%, at least 1 GiB)",
         "job_max_processes": "a job's limit on processes and threads here when its spec sets none, and the most "
                              "(0: a quarter of the kernel's pid_max)",
+        "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
+                    "no user); empty: every job runs as worker_user",
         "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
                         "another user than root, /dev/shm/mselastic-UID by default)",
     }

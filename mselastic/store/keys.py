@@ -82,6 +82,18 @@ class Keys:
     def plan(self, job: str) -> str:
         return self.job(job) + "plan"
 
+    def job_uid(self, job: str) -> str:
+        """The uid a job runs as (one of the leader's ``job_uids``; absent: the worker user)."""
+        return self.job(job) + "uid"
+
+    def uid_claim(self, uid: int) -> str:
+        """Which job holds ``uid`` of ``job_uids`` (one job per uid, cluster-wide)."""
+        return f"{self.uid_claims}{uid}"
+
+    @property
+    def uid_claims(self) -> str:
+        return f"{self.namespace}/uids/"
+
     def plans(self, job: str) -> str:
         return f"{self.namespace}/plans/{check_id('job name', job)}/"
 

@@ -46,7 +46,7 @@ def _phase(name: str) -> None:
                 step=-1, at=time.time(), note=name)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(beat.encode(), "\0" + address)
+            s.sendto(beat.encode(), contract.socket_address(address))
     except OSError:
         pass
 
@@ -261,7 +261,7 @@ class ElasticContext:
         b = Beat(kind=kind, rank=self.rank, pid=os.getpid(), generation=self.generation, step=step,
                  loss=float(loss), resumed_step=resumed_step, at=time.time(), note=note)
         try:
-            self._sock.sendto(b.encode(), "\0" + self.heartbeat_address)
+            self._sock.sendto(b.encode(), contract.socket_address(self.heartbeat_address))
         except OSError:
             pass  # the agent is gone or busy; it will judge us by our process
 

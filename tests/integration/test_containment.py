@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
-from tests.harness import Etcd, Processes, elasticctl, lenet_spec, start_node, wait_for
+from tests.harness import Etcd, Processes, elasticctl, generation_processes, lenet_spec, start_node, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -209,3 +212,123 @@ def test_a_fork_bomb_and_a_memory_hog_stay_in_their_jobs_limits(
     assert procs.started[0].poll() is None
     print(f"bomb: {forks} forks, then EAGAIN; hog: {report.reason}; elasticctl jobs {took:.2f}s; b at step "
           f"{etcd.report('b', 1, 'n0').step}")
+
+
+#: Job a's rank: its "weights" in its checkpoint_dir, its pid where b can read it. Job b's rank: what
+#: it can do to a (read a's file and environment, signal and trace its rank), to argv[2] as JSON.
+ISOLATED = """import ctypes, json, os, sys, time
+drop, ckpt = sys.argv[1], sys.argv[2]
+if os.environ.get("MS_ROLE") == "MS_WORKER" and os.environ["MSELASTIC_JOB"] == "a":
+    os.makedirs(ckpt, exist_ok=True)
+    with open(os.path.join(ckpt, "weights.bin"), "w") as f:
+        f.write("a's weights")
+    with open(os.path.join(drop, "a.pid.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.chmod(os.path.join(drop, "a.pid.tmp"), 0o644)
+    os.rename(os.path.join(drop, "a.pid.tmp"), os.path.join(drop, "a.pid"))
+elif os.environ.get("MS_ROLE") == "MS_WORKER":
+    while not os.path.exists(os.path.join(drop, "a.pid")):
+        time.sleep(0.1)
+    pid = int(open(os.path.join(drop, "a.pid")).read())
+    tried = {"uid": os.getuid(), "groups": os.getgroups()}
+    for what, act in (("read", lambda: open(os.path.join(drop, "a-ckpt", "weights.bin")).read()),
+                      ("environ", lambda: open(f"/proc/{pid}/environ", "rb").read()),
+                      ("signal", lambda: os.kill(pid, 0))):
+        try:
+            act()
+            tried[what] = "allowed"
+        except OSError as e:
+            tried[what] = e.errno
+    libc = ctypes.CDLL(None, use_errno=True)
+    tried["ptrace"] = "allowed" if libc.ptrace(16, pid, None, None) == 0 else ctypes.get_errno()  # PTRACE_ATTACH
+    with open(os.path.join(drop, "b.json.tmp"), "w") as f:
+        json.dump(tried, f)
+    os.chmod(os.path.join(drop, "b.json.tmp"), 0o644)
+    os.rename(os.path.join(drop, "b.json.tmp"), os.path.join(drop, "b.json"))
+time.sleep(3600)
+"""
+
+
+def test_with_job_uids_one_job_can_neither_read_nor_signal_nor_trace_another(
+        procs: Processes, etcd: Etcd, namespace: str, shared_tmp: str, python_for_nobody: None) -> None:
+    """Before: every job ran as the one worker user, and job b read a's checkpoint and signalled its
+    rank. With job_uids each job runs as a uid of its own (allocated at submit, kept by its name
+    across a delete): b's attempts on a's checkpoint, environment and rank are all refused."""
+    drop = os.path.join(shared_tmp, "drop")
+    os.makedirs(drop)
+    os.chmod(drop, 0o1777)  # (the jobs' checkpoint_dirs are made by their own uids, as on shared storage)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(shared_tmp, "work"), "--job-uids", "62100-62109",
+                          "--slots", "3")
+    script = os.path.join(shared_tmp, "isolated.py")
+    with open(script, "w") as f:
+        f.write(ISOLATED)
+    os.chmod(script, 0o644)
+    for name in ("a", "b"):
+        spec = lenet_spec(os.path.join(shared_tmp, f"{name}.toml"), name, drop, os.path.join(drop, f"{name}-ckpt"), 10,
+                          workers=1, script=script, args=[drop, os.path.join(drop, f"{name}-ckpt")],
+                          startup_timeout_s=600)
+        r = elasticctl("submit", spec, endpoint=endpoint)
+        assert r.returncode == 0, r.stdout + r.stderr
+    wait_for("b's attempts on a", lambda: os.path.exists(os.path.join(drop, "b.json")), 90, 0.2)
+    with open(os.path.join(drop, "b.json")) as f:
+        tried = json.load(f)
+    with open(os.path.join(drop, "a.pid")) as f:
+        a_pid = int(f.read())
+    a_uid = psutil.Process(a_pid).uids().real
+    assert a_uid in range(62100, 62110) and tried["uid"] in range(62100, 62110) and a_uid != tried["uid"], tried
+    assert os.stat(os.path.join(drop, "a-ckpt", "weights.bin")).st_uid == a_uid
+    assert 0 not in tried["groups"], tried  # (the worker user here is root: its group is never given)
+    assert (tried["read"], tried["environ"], tried["signal"], tried["ptrace"]) == \
+        (errno.EACCES, errno.EACCES, errno.EPERM, errno.EPERM), tried
+    assert etcd.get(etcd.keys.job_uid("a")) == str(a_uid).encode()
+    # The uid stays the name's: deleted and submitted again, a gets it back (its files are that uid's).
+    for cmd in (("stop", "a"), ("delete", "a")):
+        wait_for(f"elasticctl {' '.join(cmd)}", lambda: elasticctl(*cmd, endpoint=endpoint).returncode == 0, 60, 0.5)
+    assert elasticctl("submit", os.path.join(shared_tmp, "a.toml"), endpoint=endpoint).returncode == 0
+    assert etcd.get(etcd.keys.job_uid("a")) == str(a_uid).encode()
+    print(f"a ran as uid {a_uid}, b as {tried['uid']}; b's attempts: {tried}")
+
+
+#: Another local user's flood: as many datagrams as it can send to the path in argv[1] for argv[2]
+#: seconds; prints how many went through and the errors it got.
+FLOOD = """import collections, socket, sys, time
+path, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
+sent, errors = 0, collections.Counter()
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+    while time.monotonic() < until:
+        try:
+            s.sendto(b'{"kind": "step", "rank": 0, "step": 999999}', path)
+            sent += 1
+        except OSError as e:
+            errors[e.errno] += 1
+print(sent, dict(errors))
+"""
+
+
+def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket(
+        procs: Processes, etcd: Etcd, namespace: str, shared_tmp: str, python_for_nobody: None) -> None:
+    """Before: the heartbeat socket had an abstract name anyone could send to, and a flood filled its
+    queue, dropping the ranks' own beats. Now it is a file in elasticd's folder (0711), the
+    generation's user's, mode 0600: nobody (uid 65534) gets EACCES for every datagram while the job
+    trains to its end in its first generation."""
+    endpoint = start_node(procs, etcd, namespace, os.path.join(shared_tmp, "work"))
+    spec = lenet_spec(os.path.join(shared_tmp, "a.toml"), "a", os.path.join(shared_tmp, "out"),
+                      os.path.join(shared_tmp, "ckpt"), 40, workers=2, hang_timeout_s=10)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("a training", lambda: (r := etcd.report("a", 1, "n0")) and r.step >= 1, 120, 0.2)
+    rank = next(p for p in generation_processes(procs, 1, "a") if p.environ().get("MS_ROLE") == "MS_WORKER")
+    path = rank.environ()["MSELASTIC_HEARTBEAT"]
+    assert path.startswith("/run/mselastic/hb/"), path
+    st = os.stat(path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    flood = os.path.join(shared_tmp, "flood.py")
+    with open(flood, "w") as f:
+        f.write(FLOOD)
+    os.chmod(flood, 0o644)
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, flood, path,
+                        "5"], capture_output=True, text=True, timeout=60, cwd="/")
+    sent, errors = r.stdout.split(" ", 1)
+    assert r.returncode == 0 and int(sent) == 0 and str(errno.EACCES) in errors, r.stdout + r.stderr
+    wait_for("a done", lambda: (s := etcd.status("a")) is not None and s.state.value == "SUCCEEDED", 120, 0.2)
+    assert etcd.status("a").generation == 1  # (no false verdict, no relaunch)
+    print(f"nobody's flood: {sent} sent, errors {errors.strip()}")
