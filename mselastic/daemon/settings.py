@@ -110,8 +110,9 @@ class Settings:
     #: elasticd's own environment variables the workers inherit besides locale, PATH, proxies,
     #: PYTHONPATH, LD_LIBRARY_PATH and MS_*, GLOG_*, ASCEND_*, HCCL_*: names, or prefixes as NAME*.
     pass_env: str = ""
-    #: Serve plaintext gRPC on an address other machines reach (no TLS): anyone who reaches it
-    #: can submit jobs. Only on a network where that is acceptable.
+    #: Serve plaintext gRPC on an address other machines reach (no TLS), and reach an etcd on
+    #: another machine without a client certificate or user: anyone who reaches either can run
+    #: jobs. Only on a network where that is acceptable.
     insecure: bool = False
     #: The local Unix socket: whoever may open it is admin (elasticctl's default endpoint).
     #: "": /run/mselastic/elasticd.sock for root, else $XDG_RUNTIME_DIR/mselastic/elasticd.sock
@@ -271,10 +272,29 @@ class Settings:
             raise bad("listen", f"{self.listen} is reachable from other machines, without TLS: anyone who reaches it "
                                  f"could run jobs here. Give tls_cert, tls_key and tls_cacert, or listen on loopback, "
                                  f"or set insecure = true on a network you trust")
+        self._check_etcd_protected()
         for key in ("allow_env", "pass_env"):
             for name in names(getattr(self, key)):
                 if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*" + (r"\*?" if key == "pass_env" else ""), name):
                     raise bad(key, f"{name!r} is not a variable name" + (" (or NAME*)" if key == "pass_env" else ""))
+
+    def _check_etcd_protected(self) -> None:
+        """etcd decides what every node runs: one other machines reach must want a client
+        certificate or a user (unless ``insecure``), and must not trust the cluster's CA (which
+        also signs admin and viewer certificates: etcd would take each as a writer)."""
+        if self.embedded_etcd_dir or self.join_embedded_etcd:
+            return  # (its own private CA, on loopback)
+        remote = [e.strip() for e in self.etcd_endpoint.split(",")
+                  if not _loopback(e.strip().rpartition(":")[0].strip("[]"))]
+        if remote and not (self.etcd_cacert and self.etcd_cert) and not self.etcd_user and not self.insecure:
+            raise bad("etcd_endpoint", f"{remote[0]} is reachable from other machines and elasticd would reach it "
+                                       f"without credentials: whoever reaches that etcd decides what every node runs. "
+                                       f"Give etcd_cacert, etcd_cert and etcd_key (etcd with --client-cert-auth), or "
+                                       f"etcd_user and etcd_password, or set insecure = true on a network you trust")
+        if self.etcd_cacert and self.tls_cacert and _same_certificates(self.etcd_cacert, self.tls_cacert):
+            raise bad("etcd_cacert", f"{self.etcd_cacert} is the cluster's CA (tls_cacert): etcd trusting it takes "
+                                     f"every admin and viewer certificate as a writer. Give etcd a CA of its own "
+                                     f"(elasticctl certs ca DIR; README \"Three nodes\")")
 
     @property
     def etcd_auth(self) -> EtcdAuth:
@@ -311,6 +331,15 @@ class _Parser(argparse.ArgumentParser):
 
 def names(text: str) -> frozenset[str]:
     return frozenset(filter(None, (n.strip() for n in text.split(","))))
+
+
+def _same_certificates(a: str, b: str) -> bool:
+    """Whether two PEM files hold the same certificates (whatever their whitespace)."""
+    def certs(path: str) -> set[str]:
+        with open(path) as f:
+            text = f.read()
+        return {"".join(block.split("-----")[1].split()) for block in text.split("-----BEGIN CERTIFICATE")[1:]}
+    return bool(certs(a) & certs(b))
 
 
 def _loopback(host: str) -> bool:
@@ -403,7 +432,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
         "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
         "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
-        "insecure": "true: serve plaintext on a non-loopback listen address (anyone reaching it can run jobs)",
+        "insecure": "true: serve plaintext on a non-loopback listen address, and reach an etcd on another machine "
+                    "without a client certificate or user (anyone reaching either can run jobs)",
         "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
         "batch_scheduling": "start the jobs' processes under SCHED_BATCH (MindSpore's registration then seldom "
                             "loses a race with its own event loop); ranks go back to the default policy after init()",

@@ -284,14 +284,18 @@ def etcd_nodes(pki: str, endpoint: str) -> list[str]:
 def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os.PathLike[str]) -> None:
     """Two containers on a bridge, each node with its own systemd and elasticd; etcd on the host's
     end of the bridge; every connection (elasticd<->elasticd, elasticd->etcd, elasticctl) over
-    TLS with certificates from ``elasticctl certs``, as the README's three-node setup does."""
+    TLS with certificates from ``elasticctl certs``, as the README's three-node setup does: etcd
+    with a CA of its own (elasticd refuses one that trusts the cluster's CA)."""
     assert not WHY_NOT, f"CI must boot a systemd container: {WHY_NOT}"
     tmp = str(tmp_path)
-    pki = os.path.join(tmp, "pki")
+    pki, etcd_pki = os.path.join(tmp, "pki"), os.path.join(tmp, "etcd-pki")
     ctl_host = os.path.join(VENV_BIN, "elasticctl")
-    subprocess.run([ctl_host, "certs", "ca", pki], check=True, capture_output=True, timeout=60)
-    for name, ip in (("n0", f"{BRIDGE_NET}.10"), ("n1", f"{BRIDGE_NET}.11"), ("etcd", f"{BRIDGE_NET}.1")):
-        subprocess.run([ctl_host, "certs", "issue", pki, name, "--role", "node", "--host", ip], check=True,
+    for ca in (pki, etcd_pki):
+        subprocess.run([ctl_host, "certs", "ca", ca], check=True, capture_output=True, timeout=60)
+    for where, name, ip in ((pki, "n0", f"{BRIDGE_NET}.10"), (pki, "n1", f"{BRIDGE_NET}.11"),
+                            (etcd_pki, "etcd", f"{BRIDGE_NET}.1"), (etcd_pki, "n0", f"{BRIDGE_NET}.10"),
+                            (etcd_pki, "n1", f"{BRIDGE_NET}.11")):
+        subprocess.run([ctl_host, "certs", "issue", where, name, "--role", "node", "--host", ip], check=True,
                        capture_output=True, timeout=60)
     subprocess.run([ctl_host, "certs", "issue", pki, "ops", "--role", "admin"], check=True, capture_output=True,
                    timeout=60)
@@ -305,9 +309,10 @@ def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os
         subprocess.run(["ip", "addr", "add", f"{BRIDGE_NET}.1/24", "dev", bridge], check=True, timeout=10)
         subprocess.run(["ip", "link", "set", bridge, "up"], check=True, timeout=10)
         etcd = EmbeddedEtcd(os.path.join(tmp, "etcd"), host=f"{BRIDGE_NET}.1",
-                            tls=(f"{pki}/etcd.pem", f"{pki}/etcd-key.pem", f"{pki}/ca.pem")).start()
+                            tls=(f"{etcd_pki}/etcd.pem", f"{etcd_pki}/etcd-key.pem", f"{etcd_pki}/ca.pem")).start()
         binds = {dist: "/mnt/dist", os.path.join(REPO, "build", "systemd", "wheelhouse"): "/mnt/wheelhouse",
-                 os.path.join(REPO, "examples"): "/srv/examples", DATA_DIR: "/srv/data", pki: "/etc/mselastic/pki"}
+                 os.path.join(REPO, "examples"): "/srv/examples", DATA_DIR: "/srv/data", pki: "/etc/mselastic/pki",
+                 etcd_pki: "/etc/mselastic/etcd-pki"}
         with Container("n0", image(), tmp, binds, bridge=bridge) as n0, \
                 Container("n1", image(), tmp, binds, bridge=bridge) as n1:
             for c, name in ((n0, "n0"), (n1, "n1")):
@@ -321,8 +326,8 @@ def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os
                     f'node_id = "{name}"\netcd_endpoint = "{etcd.endpoint}"\nlisten = "{ip}:7070"\nslots = 1\n'
                     f'lease_ttl_s = 3\ntls_cert = "/etc/mselastic/pki/{name}.pem"\n'
                     f'tls_key = "/etc/mselastic/pki/{name}-key.pem"\ntls_cacert = "/etc/mselastic/pki/ca.pem"\n'
-                    f'etcd_cacert = "/etc/mselastic/pki/ca.pem"\netcd_cert = "/etc/mselastic/pki/{name}.pem"\n'
-                    f'etcd_key = "/etc/mselastic/pki/{name}-key.pem"\n'))
+                    f'etcd_cacert = "/etc/mselastic/etcd-pki/ca.pem"\netcd_cert = "/etc/mselastic/etcd-pki/{name}.pem"\n'
+                    f'etcd_key = "/etc/mselastic/etcd-pki/{name}-key.pem"\n'))
                 c.run("install", "-d", "-o", "mselastic", "-g", "mselastic", "-m", "0750", JOBS)
             n0.run("systemctl", "start", UNIT)  # returns once registered in the host's etcd
             # READY=1 only once registered: n1 starts while a blackhole route hides etcd from it.
@@ -331,10 +336,10 @@ def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os
             wait_for("n1's elasticd retrying etcd", lambda: "unreachable" in n1.run(
                 "journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout, 60, 0.5)
             assert n1.show(UNIT, "ActiveState")["ActiveState"] == "activating"
-            assert etcd_nodes(pki, etcd.endpoint) == ["n0"]
+            assert etcd_nodes(etcd_pki, etcd.endpoint) == ["n0"]
             n1.run("ip", "route", "del", "blackhole", f"{BRIDGE_NET}.1/32")
             wait_for("n1 active", lambda: n1.show(UNIT, "ActiveState")["ActiveState"] == "active", 60, 0.2)
-            assert etcd_nodes(pki, etcd.endpoint) == ["n0", "n1"]  # registered before systemd said active
+            assert etcd_nodes(etcd_pki, etcd.endpoint) == ["n0", "n1"]  # registered before systemd said active
             submit(n0, "pair", total_steps=10, workers_per_node=1, min_nodes=2, max_nodes=2)
             done = ended(n0, "pair")
             assert done["state"] == "SUCCEEDED" and done["generation"] == 1 and done["world_size"] == 2, done
