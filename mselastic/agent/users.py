@@ -2,9 +2,10 @@
 
 elasticd runs as root (it must signal and reap every process of a generation, and bind
 the ports it is given); the jobs it starts run the scripts operators submit, so they run
-as an unprivileged user: ``worker_user`` (default: ``mselastic`` when that system user
-exists, else ``nobody``). Running them as root takes ``worker_user = "root"``, written
-out. An elasticd that is not root starts its workers as itself.
+as an unprivileged user: ``worker_user`` (default: the ``mselastic`` system user; elasticd
+refuses to start without one, and refuses ``nobody``, which other daemons share). Running them
+as root takes ``worker_user = "root"``, written out. An elasticd that is not root starts its
+workers as itself.
 
 The workers' environment is built, not inherited: the daemon's variables on an
 allowlist (locale, time zone, PATH, proxies, MindSpore's, glog's and Ascend's own settings,
@@ -88,12 +89,19 @@ def resolve(name: str) -> WorkerUser:
         try:
             return _user(pwd.getpwnam("mselastic"))
         except KeyError:
-            name = "nobody"
+            raise UserError("there is no user mselastic on this node (the default worker user): create it "
+                            "(elasticctl install-unit does; or useradd --system --no-create-home mselastic), or name "
+                            "another worker_user") from None
     try:
-        return _user(pwd.getpwnam(name))
+        user = _user(pwd.getpwnam(name))
     except KeyError:
         raise UserError(f"there is no user {name!r} on this node; create it (useradd --system {name}) or name "
                         f"another") from None
+    if user.name == "nobody" or user.uid == 65534:
+        raise UserError(f"{name} is shared by other daemons (NFS's anonymous user, ...): jobs running as it could "
+                        f"reach their files and processes, and they the jobs'; create a user for the workers "
+                        f"(useradd --system --no-create-home mselastic) and leave worker_user empty")
+    return user
 
 
 def setpriv(user: WorkerUser) -> list[str]:

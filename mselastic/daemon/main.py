@@ -122,6 +122,10 @@ async def _check_node(s: Settings) -> WorkerUser:
     # Logs, checkpoints and sockets are not for everyone: files 0640, directories 0750 (the
     # workers inherit it through msrun).
     os.umask(0o027)
+    for key in ("work_dir", "embedded_etcd_dir"):  # checked here, not when parsing: creating them is an action
+        path = getattr(s, key)
+        if path and (why := unusable_dir(path)):
+            raise bad(key, f"{path!r} {why}; give a directory elasticd may write (created if missing)")
     try:
         worker = resolve(s.worker_user)
     except UserError as e:
@@ -132,10 +136,6 @@ async def _check_node(s: Settings) -> WorkerUser:
     if s.insecure and not s.tls_cert:
         log.warning("insecure = true: plaintext gRPC on %s; anyone who reaches it can run jobs on this cluster",
                     s.listen)
-    for key in ("work_dir", "embedded_etcd_dir"):  # checked here, not when parsing: creating them is an action
-        path = getattr(s, key)
-        if path and (why := unusable_dir(path)):
-            raise bad(key, f"{path!r} {why}; give a directory elasticd may write (created if missing)")
     if why := await asyncio.to_thread(cannot_run_python, worker):
         raise bad("worker_user", f"{why}; install mselastic where that user can read it (a system Python, "
                                  f"/opt/mselastic) or name another worker_user")

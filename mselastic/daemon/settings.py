@@ -101,8 +101,9 @@ class Settings:
     etcd_accept_version: str = ""
     #: "text" or "json".
     log_format: str = "text"
-    #: The user the workers run as (when elasticd is root). Default: mselastic if that user
-    #: exists, else nobody; "root" runs every job's script as root and must be written out.
+    #: The user the workers run as (when elasticd is root). Default: the mselastic system user
+    #: (elasticd refuses to start without one; nobody, shared by other daemons, is refused);
+    #: "root" runs every job's script as root and must be written out.
     worker_user: str = ""
     #: Loader or interpreter variables (LD_*, PYTHON*, PATH, ...) a job's env may set anyway,
     #: comma-separated: each lets a job run code of its choosing before its script.
@@ -427,7 +428,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "etcd_password": "etcd user's password",
         "etcd_accept_version": "accept this exact etcd version although it is below the supported ones "
                                f"({versions.POLICY}); warned about in the log and in status",
-        "worker_user": "user the workers run as (default: mselastic if it exists, else nobody; root only if named)",
+        "worker_user": "user the workers run as (default: the mselastic system user; nobody is refused; root only "
+                       "if named)",
         "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",
         "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
         "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",

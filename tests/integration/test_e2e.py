@@ -25,27 +25,28 @@ JOB = "lenet"  # the harness helpers assume this job name
 
 def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
         procs: Processes, etcd: Etcd, namespace: str, shared_tmp: str, digits: str, python_for_nobody: None) -> None:
-    """elasticd (root) runs the job as nobody: msrun and every worker have nobody's uid, inherit
-    none of elasticd's own environment beyond the allowlist, and write files others cannot read;
-    a job env that sets a loader variable is refused; describe hides env values."""
+    """elasticd (root) runs the job as a uid of its own (job_uids: the first of the range, the
+    namespace being new): msrun and every worker have that uid, inherit none of elasticd's own
+    environment beyond the allowlist, and write files others cannot read; a job env that sets a
+    loader variable is refused; describe hides env values."""
     tmp = shared_tmp
     port = free_port()
-    cmd = elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "work"), namespace, worker_user="nobody")
+    cmd = elasticd_cmd("n0", etcd.endpoint, port, os.path.join(tmp, "work"), namespace) + ["--job-uids", "62300-62309"]
     procs.start("elasticd-n0", cmd, env={"ELASTICD_TEST_SECRET": "s3cret"})
     wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
     endpoint = "unix:" + local_socket(os.path.join(tmp, "work"))
     # The job's folders are the worker user's: out made for it, checkpoint_dir made by it (under a
     # folder of its own: root never creates or hands over a path a spec names).
-    nobody = pwd.getpwnam("nobody").pw_uid
+    job_uid = 62300  # (the job's uid: the first of job_uids)
     out, jobs = os.path.join(tmp, "out"), os.path.join(tmp, "jobs")
     for d in (out, jobs):
         os.makedirs(d)
-        os.chown(d, nobody, -1)
+        os.chown(d, job_uid, -1)
     ckpt = os.path.join(jobs, "lenet", "ckpt")
     bad = lenet_spec(os.path.join(tmp, "bad.toml"), JOB, out, ckpt, total_steps=40, env={"LD_PRELOAD": "/tmp/x.so"})
     r = elasticctl("submit", bad, endpoint=endpoint)
     assert r.returncode == 2 and "LD_PRELOAD may not be set by a job" in r.stderr and len(r.stderr.splitlines()) == 1
-    pace = Pace(tmp, 0.3)  # until its processes are looked at (nobody can see the release in tmp)
+    pace = Pace(tmp, 0.3)  # until its processes are looked at (the job's uid can see the release in tmp)
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, ckpt, total_steps=20, env={"API_TOKEN": "t0ken"},
                       args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", *pace.args])
     r = elasticctl("submit", spec, endpoint=endpoint)
@@ -55,9 +56,9 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
     still_running(etcd, JOB, "its processes were looked at")
     assert len(worker_pids(procs, 1)) == 2 and len(processes) >= 3  # msrun, its scheduler, the workers
     for p in processes:
-        assert p.uids().real == nobody and p.uids().effective == nobody, (p.pid, p.cmdline()[:3], p.uids())
+        assert p.uids().real == job_uid and p.uids().effective == job_uid, (p.pid, p.cmdline()[:3], p.uids())
         env = p.environ()
-        assert "ELASTICD_TEST_SECRET" not in env and env["API_TOKEN"] == "t0ken" and env["USER"] == "nobody"
+        assert "ELASTICD_TEST_SECRET" not in env and env["API_TOKEN"] == "t0ken" and env["USER"] == "62300"
     described = elasticctl("describe", "job", JOB, "-o", "json", endpoint=endpoint).stdout
     assert "t0ken" not in described and "API_TOKEN" in described
     pace.release()
@@ -74,12 +75,12 @@ def test_lenet_completes_as_an_unprivileged_user_with_identical_parameters(
         assert np.array_equal(p0[name], p1[name]), f"{name} differs between ranks"
     report = etcd.report(JOB, 1, "n0")
     assert report is not None and report.state is GenerationState.SUCCEEDED and report.step == 20
-    # What the job wrote belongs to nobody and is not for others (elasticd's umask 027, inherited).
+    # What the job wrote belongs to its uid and is not for others (elasticd's umask 027, inherited).
     written = [os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.startswith("ckpt-")]
     logs = os.path.join(tmp, "work", "logs", JOB, "g000001")
     written += [os.path.join(logs, n) for n in os.listdir(logs)]
-    assert os.stat(ckpt).st_uid == nobody
-    assert written and all(os.stat(f).st_uid == nobody for f in written if not f.endswith("msrun.log"))
+    assert os.stat(ckpt).st_uid == job_uid
+    assert written and all(os.stat(f).st_uid == job_uid for f in written if not f.endswith("msrun.log"))
     assert all(os.stat(f).st_mode & 0o007 == 0 for f in written), {f: oct(os.stat(f).st_mode) for f in written}
     wait_for("generation 1 processes gone", lambda: not generation_processes(procs, 1), 15)
 

@@ -124,6 +124,11 @@ def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], co
     (["--work-dir", "/proc/x"], "elasticd: work_dir: '/proc/x' cannot be created (No such file or directory)"),
     (["--embedded-etcd-dir", "/proc/x/etcd"], "elasticd: embedded_etcd_dir: '/proc/x/etcd' cannot be created"),
     (["--worker-user", "no-such-user-x"], "elasticd: worker_user: there is no user 'no-such-user-x' on this node"),
+    (["--worker-user", "nobody"], "elasticd: worker_user: nobody is shared by other daemons"),
+    (["--worker-user", ""], "elasticd: worker_user: there is no user mselastic on this node (the default worker "
+                            "user): create it"),
+    (["--job-uids", "0-100"], "elasticd: job_uids (from --job-uids): '0-100' must lie in 1000..2147483646"),
+    (["--etcd-endpoint", "10.9.9.9:2379"], "elasticd: etcd_endpoint (from --etcd-endpoint): 10.9.9.9:2379 is reachable from other machines"),
 ])
 def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str], words: str,
                                                                  tmp_path: os.PathLike[str]) -> None:
