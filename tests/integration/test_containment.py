@@ -16,7 +16,8 @@ import time
 import psutil
 import pytest
 
-from tests.harness import Etcd, Processes, elasticctl, generation_processes, lenet_spec, start_node, wait_for
+from tests.harness import (Etcd, Processes, elasticctl, lenet_spec, standby_processes, start_node, wait_for,
+                           worker_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -305,30 +306,50 @@ print(sent, dict(errors))
 """
 
 
-def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket(
+def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket_and_a_warm_relaunch_runs_as_the_job(
         procs: Processes, etcd: Etcd, namespace: str, shared_tmp: str, python_for_nobody: None) -> None:
     """Before: the heartbeat socket had an abstract name anyone could send to, and a flood filled its
     queue, dropping the ranks' own beats. Now it is a file in elasticd's folder (0711), the
     generation's user's, mode 0600: nobody (uid 65534) gets EACCES for every datagram while the job
-    trains to its end in its first generation."""
-    endpoint = start_node(procs, etcd, namespace, os.path.join(shared_tmp, "work"))
-    spec = lenet_spec(os.path.join(shared_tmp, "a.toml"), "a", os.path.join(shared_tmp, "out"),
-                      os.path.join(shared_tmp, "ckpt"), 40, workers=2, hang_timeout_s=10)
+    trains. The job runs as its uid of job_uids with standbys (the production default, which the
+    suite otherwise runs as root): a rank killed from outside is relaunched warm, its standbys and
+    ranks of the job's uid, and the only relaunch is the one for that kill (no false verdict)."""
+    job_uid = 62400  # (the first of the range: the namespace is new)
+    out, drop = os.path.join(shared_tmp, "out"), os.path.join(shared_tmp, "drop")
+    os.makedirs(out)
+    os.chown(out, job_uid, -1)
+    os.makedirs(drop)
+    os.chmod(drop, 0o1777)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(shared_tmp, "work"), "--job-uids", "62400-62409",
+                          warm=True)
+    spec = lenet_spec(os.path.join(shared_tmp, "a.toml"), "lenet", out, os.path.join(drop, "ckpt"), 40, workers=2,
+                      hang_timeout_s=10, snapshot_interval_steps=1)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
-    wait_for("a training", lambda: (r := etcd.report("a", 1, "n0")) and r.step >= 1, 120, 0.2)
-    rank = next(p for p in generation_processes(procs, 1, "a") if p.environ().get("MS_ROLE") == "MS_WORKER")
-    path = rank.environ()["MSELASTIC_HEARTBEAT"]
-    assert path.startswith("/run/mselastic/hb/"), path
-    st = os.stat(path)
-    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
     flood = os.path.join(shared_tmp, "flood.py")
     with open(flood, "w") as f:
         f.write(FLOOD)
     os.chmod(flood, 0o644)
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, flood, path,
-                        "5"], capture_output=True, text=True, timeout=60, cwd="/")
-    sent, errors = r.stdout.split(" ", 1)
-    assert r.returncode == 0 and int(sent) == 0 and str(errno.EACCES) in errors, r.stdout + r.stderr
-    wait_for("a done", lambda: (s := etcd.status("a")) is not None and s.state.value == "SUCCEEDED", 120, 0.2)
-    assert etcd.status("a").generation == 1  # (no false verdict, no relaunch)
-    print(f"nobody's flood: {sent} sent, errors {errors.strip()}")
+    floods = []
+    for generation in (1, 2):
+        wait_for(f"generation {generation} training", lambda: (r := etcd.report("lenet", generation, "n0")) and r.step >= 1,
+                 120, 0.1)
+        ranks = worker_pids(procs, generation)
+        path = psutil.Process(ranks[0]).environ()["MSELASTIC_HEARTBEAT"]
+        assert path.startswith("/run/mselastic/hb/"), path
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == job_uid, st
+        assert {psutil.Process(pid).uids().real for pid in ranks.values()} == {job_uid}
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, flood,
+                            path, "3"], capture_output=True, text=True, timeout=60, cwd="/")
+        sent, errors = r.stdout.split(" ", 1)
+        assert r.returncode == 0 and int(sent) == 0 and str(errno.EACCES) in errors, r.stdout + r.stderr
+        floods.append(errors.strip())
+        if generation == 1:
+            ready = wait_for("three standbys", lambda: len(x := [s for s in standby_processes(procs)]) >= 4 and x,
+                             120, 0.2)  # (three and their fork server)
+            assert {p.uids().real for p in ready} == {job_uid}
+            os.kill(ranks[1], signal.SIGKILL)
+    assert etcd.report("lenet", 2, "n0").warm  # (its ranks are the standbys, of the job's uid: checked above)
+    wait_for("the job done", lambda: (s := etcd.status("lenet")) is not None and s.state.value == "SUCCEEDED", 120, 0.2)
+    assert etcd.status("lenet").generation == 2  # (the kill's relaunch, and no other)
+    print(f"nobody's floods (3 s each, generations 1 and 2): errors {floods}")
