@@ -28,6 +28,7 @@ import grpc
 
 from mselastic import __version__
 from mselastic.agent import committed
+from mselastic.agent import logcap
 from mselastic.agent.cgroups import Limits, Tree
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
@@ -83,6 +84,8 @@ class AgentConfig:
     #: elasticd's folder for the generations' heartbeat sockets ("": abstract names; see
     #: mselastic.agent.beats).
     heartbeat_dir: str = ""
+    #: Each log file of a generation is rotated past this many MiB (0: never; mselastic.agent.logcap).
+    max_log_mb: int = 1024
 
 
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
@@ -180,6 +183,7 @@ class NodeAgent:
         reporter = asyncio.create_task(self.reports.run(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
         deadline = asyncio.create_task(self._deadline_loop(), name="fence-deadline")
+        capper = asyncio.create_task(self._cap_logs(stop), name="log-caps")
         try:
             await committed.close_stale_reports(self.store, self.cfg.node_id, stop)
             while not stop.is_set():
@@ -231,9 +235,18 @@ class NodeAgent:
                     guard.cancel()
                     await asyncio.gather(guard, return_exceptions=True)
                 self._closed.set()
-                for t in (reporter, fencer, deadline):
+                for t in (reporter, fencer, deadline, capper):
                     t.cancel()
-                await asyncio.gather(reporter, fencer, deadline, *self._kills, return_exceptions=True)
+                await asyncio.gather(reporter, fencer, deadline, capper, *self._kills, return_exceptions=True)
+
+    async def _cap_logs(self, stop: asyncio.Event) -> None:
+        """Every logcap.CHECK_S, the log files of the generations running here rotated past max_log_mb."""
+        while self.cfg.max_log_mb and not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(logcap.CHECK_S):
+                    await stop.wait()
+            folders = [g.log_dir for g in self.generations.values() if not g.done.is_set()]
+            await logcap.cap(folders, self.cfg.max_log_mb << 20)
 
     async def _release_after_workers(self, lease: KeptLease) -> None:
         """On shutdown, revoke the registration only once the local workers are gone (elasticd

@@ -126,6 +126,10 @@ async def _check_node(s: Settings) -> WorkerUser:
         path = getattr(s, key)
         if path and (why := unusable_dir(path)):
             raise bad(key, f"{path!r} {why}; give a directory elasticd may write (created if missing)")
+    if not s.max_log_mb and s.embedded_etcd_dir and s.work_dir and \
+            os.stat(s.work_dir).st_dev == os.stat(s.embedded_etcd_dir).st_dev:
+        raise bad("max_log_mb", f"0 (no cap) with work_dir {s.work_dir} on the embedded etcd's disk: a job's logs "
+                                f"could fill it and stop etcd; give max_log_mb, or a work_dir on another disk")
     try:
         worker = resolve(s.worker_user)
     except UserError as e:
@@ -236,7 +240,8 @@ def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tr
                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,
                                         cgroups=tree, job_limits=Limits(*default_limits(s.job_memory_limit_mb,
                                                                                         s.job_max_processes)),
-                                        job_uids=s.job_uid_range, heartbeat_dir=heartbeat_dir()))
+                                        job_uids=s.job_uid_range, heartbeat_dir=heartbeat_dir(),
+                                        max_log_mb=s.max_log_mb))
 
 
 def _coordinator(s: Settings, store: Store, address: str, local: str) -> Coordinator:

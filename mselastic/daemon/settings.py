@@ -155,6 +155,10 @@ class Settings:
     #: node: one job can then neither read another's files nor signal or trace its processes.
     #: Give every node the same range, unused by any user. "": every job runs as worker_user.
     job_uids: str = ""
+    #: Each log file of a generation (msrun's, the scheduler's, each rank's) is rotated once it
+    #: takes more than this many MiB: its last half kept as NAME.1, the file emptied. 0: never,
+    #: refused when work_dir is on the disk of the embedded etcd (a full disk stops etcd).
+    max_log_mb: int = 1024
 
     @property
     def job_uid_range(self) -> range | None:
@@ -239,6 +243,8 @@ class Settings:
                 self.job_uid_range
             except ValueError as e:
                 raise bad("job_uids", str(e)) from None
+        if not 0 <= self.max_log_mb <= 2**20:
+            raise bad("max_log_mb", f"must be 0 (no cap) to 1048576 (got {self.max_log_mb})")
         if self.log_format not in ("text", "json"):
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
@@ -449,6 +455,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                              "(0: a quarter of the kernel's pid_max)",
         "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
                     "no user); empty: every job runs as worker_user",
+        "max_log_mb": "rotate each log file of a generation past this many MiB (its last half kept as NAME.1); 0: "
+                      "never (refused when work_dir shares the embedded etcd's disk)",
         "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
                         "another user than root, /dev/shm/mselastic-UID by default)",
     }

@@ -97,6 +97,9 @@ def _cgroup_of(pid: int) -> str:
 #: reaches a step. Its pid goes to argv[1].
 ESCAPE = """import os, sys, time
 if os.environ.get("MS_ROLE") == "MS_WORKER":
+    for _ in range(20):  # 20 MiB to its log, more than the cap the test gives elasticd
+        sys.stdout.write(("x" * 1023 + "\\n") * 1024)
+    sys.stdout.flush()
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
@@ -113,9 +116,11 @@ def test_a_process_that_clears_its_environment_and_leaves_its_session_goes_with_
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
     """Before: a generation's processes were found by a marker in their environment and by their
     ancestry, and a process that dropped both outlived its job. Now every process of a generation
-    is in its cgroup, and `elasticctl stop` ends it with the job's others (cgroup.kill)."""
+    is in its cgroup, and `elasticctl stop` ends it with the job's others (cgroup.kill). The rank
+    also writes 20 MiB to its log, past the 4 MiB cap given: the log is rotated (its last 2 MiB
+    kept as worker_0.log.1) while the rank holds it open."""
     tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--max-log-mb", "4")
     pid_file = os.path.join(tmp, "escaped.pid")
     script = os.path.join(tmp, "escape.py")
     with open(script, "w") as f:
@@ -133,6 +138,10 @@ def test_a_process_that_clears_its_environment_and_leaves_its_session_goes_with_
         assert p.environ() == {} and not psutil.pid_exists(sid) or psutil.Process(sid).status() == "zombie", sid
         group = _cgroup_of(pid)
         assert "/mselastic-n0-" in group and "/a/gen-a.1.n0." in group, group  # (the generation's cgroup)
+        log = os.path.join(tmp, "work", "logs", "a", "g000001", "worker_0.log")
+        wait_for("the rank's log rotated", lambda: os.path.exists(log + ".1") and os.stat(log).st_blocks * 512 <= 4 << 20,
+                 30, 0.2)
+        assert os.path.getsize(log + ".1") == 2 << 20 and os.path.getsize(log) < 4 << 20
         r = elasticctl("stop", "a", endpoint=endpoint)
         assert r.returncode == 0, r.stdout + r.stderr
         wait_for("job a stopped", lambda: (s := etcd.status("a")) is not None and s.state.value == "STOPPED", 60, 0.2)

@@ -127,11 +127,13 @@ def test_bad_settings_stop_elasticd_with_one_line(tmp_path: os.PathLike[str], co
     (["--worker-user", "nobody"], "elasticd: worker_user: nobody is shared by other daemons"),
     (["--worker-user", ""], "elasticd: worker_user: there is no user mselastic on this node (the default worker "
                             "user): create it"),
+    (["--max-log-mb", "0", "--embedded-etcd-dir", "ETCD"], "elasticd: max_log_mb: 0 (no cap) with work_dir"),
     (["--job-uids", "0-100"], "elasticd: job_uids (from --job-uids): '0-100' must lie in 1000..2147483646"),
     (["--etcd-endpoint", "10.9.9.9:2379"], "elasticd: etcd_endpoint (from --etcd-endpoint): 10.9.9.9:2379 is reachable from other machines"),
 ])
 def test_bad_flags_and_unusable_directories_are_one_line_exit_2(args: list[str], words: str,
                                                                  tmp_path: os.PathLike[str]) -> None:
+    args = [a.replace("ETCD", os.path.join(str(tmp_path), "etcd")) for a in args]  # (on work_dir's disk)
     r = subprocess.run([os.path.join(VENV_BIN, "elasticd"), "--config", os.devnull, "--metrics-listen", "",
                         "--work-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and words in r.stderr, r.stderr
