@@ -1,10 +1,13 @@
 """Bounded logs: a generation's log files (msrun's, the scheduler's, each rank's) never grow past
-``max_log_mb`` each. A file over it is rotated as its owner (a job's file is the job's user's,
-mode 0640, and elasticd has no CAP_DAC_OVERRIDE; running as the owner also means whatever the
-job made of its folder, links included, only ever touches its own files): its last half-cap is
-kept as ``NAME.1`` (replacing the one before), and the file is emptied in place. The writer keeps
-its descriptor: with O_APPEND it goes on at the start; without (msrun's workers' files) at its
-offset, over a hole that takes no disk. So a log costs at most one and a half caps of disk."""
+``max_log_mb`` each. A file of the job's own over it is rotated as the job's user (elasticd has
+no CAP_DAC_OVERRIDE; and the folder is the job's: whatever it planted there, links included, a
+rotation as its user only ever touches what that user may): its last half-cap is kept as
+``NAME.1`` (replacing the one before), and the file is emptied in place. The writer keeps its
+descriptor: with O_APPEND it goes on at the start; without (msrun's workers' files) at its offset,
+over a hole that takes no disk. So a log costs at most one and a half caps of disk. A file there
+that is not the job's user's is never touched by path (root would follow what the job planted):
+msrun's own log, root's, is emptied through the descriptor elasticd opened it with (it holds
+copies of the ranks' lines, which their own rotated logs keep)."""
 
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ CHECK_S = 10.0
 _ROTATE = 'tail -c "$1" -- "$2" > "$2.1.tmp" && mv -f -- "$2.1.tmp" "$2.1" && truncate -s 0 -- "$2"'
 
 
-def oversized(folder: str, cap_bytes: int) -> list[tuple[str, int, int]]:
-    """(path, owner uid, gid) of each regular file of ``folder`` that takes more than ``cap_bytes``
-    of disk (its blocks: a file emptied in place keeps its size over a hole), rotations aside."""
+def oversized(folder: str, cap_bytes: int, uid: int) -> list[tuple[str, int, int]]:
+    """(path, uid, gid) of each regular file of ``folder`` owned by ``uid`` (the job's user) that
+    takes more than ``cap_bytes`` of disk (its blocks: a file emptied in place keeps its size over
+    a hole), rotations aside."""
     found = []
     try:
         entries = list(os.scandir(folder))
@@ -39,7 +43,7 @@ def oversized(folder: str, cap_bytes: int) -> list[tuple[str, int, int]]:
             st = e.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_blocks * 512 > cap_bytes:
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_blocks * 512 > cap_bytes:
             found.append((e.path, st.st_uid, st.st_gid))
     return found
 
@@ -63,8 +67,17 @@ async def rotate(path: str, uid: int, gid: int, keep_bytes: int) -> None:
         log.warning("log %s not rotated: %s", path, e)
 
 
-async def cap(folders: list[str], cap_bytes: int) -> None:
-    """Rotate every file of ``folders`` over ``cap_bytes`` (the scan off the event loop)."""
-    for folder in folders:
-        for path, uid, gid in await asyncio.to_thread(oversized, folder, cap_bytes):
-            await rotate(path, uid, gid, cap_bytes // 2)
+def empty_if_over(fd: int, cap_bytes: int) -> bool:
+    """Empty the file open as ``fd`` (msrun's log, O_APPEND: its writers go on at the start) once it
+    takes more than ``cap_bytes`` of disk; True when it did."""
+    if os.fstat(fd).st_blocks * 512 <= cap_bytes:
+        return False
+    os.ftruncate(fd, 0)
+    return True
+
+
+async def cap(folders: list[tuple[str, int]], cap_bytes: int) -> None:
+    """Rotate the files of each (folder, the job's uid) over ``cap_bytes`` (the scan off the event loop)."""
+    for folder, uid in folders:
+        for path, owner, gid in await asyncio.to_thread(oversized, folder, cap_bytes, uid):
+            await rotate(path, owner, gid, cap_bytes // 2)

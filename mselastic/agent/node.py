@@ -245,8 +245,13 @@ class NodeAgent:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(logcap.CHECK_S):
                     await stop.wait()
-            folders = [g.log_dir for g in self.generations.values() if not g.done.is_set()]
-            await logcap.cap(folders, self.cfg.max_log_mb << 20)
+            running = [g for g in self.generations.values() if not g.done.is_set()]
+            for g in running:
+                if g.launch.log is not None and logcap.empty_if_over(g.launch.log.fileno(), self.cfg.max_log_mb << 20):
+                    log.info("msrun's log of generation %d was over max_log_mb: emptied", g.plan.generation,
+                             extra=dict(self._ctx, job=g.plan.job, generation=g.plan.generation))
+            await logcap.cap([(g.log_dir, g.user.uid if g.user else os.geteuid()) for g in running],
+                             self.cfg.max_log_mb << 20)
 
     async def _release_after_workers(self, lease: KeptLease) -> None:
         """On shutdown, revoke the registration only once the local workers are gone (elasticd
