@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 NUDGE_AFTER_S = 0.1
 
 #: How long a launch's checks (:func:`preflight`: files on shared storage, the worker user's probes)
-#: may take before the launch fails on this node.
+#: may take before the launch fails on this node (at most a third of the job's startup_timeout_s).
 PREFLIGHT_S = 60.0
 
 #: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
@@ -178,15 +178,17 @@ class Generation:
         """Hand the generation to the standbys it was given (warm), else start msrun (cold). Anything
         that keeps it from starting (see :func:`preflight`, a master port in use on node_rank 0,
         msrun failing to spawn, a standby gone) fails it at once, with the reason."""
+        within_s = min(PREFLIGHT_S, self.spec.startup_timeout_s / 3)  # (a part of the start-up's time)
         try:  # (off the event loop, in a thread nothing waits for past the deadline: storage may hang)
-            await bounded(preflight, self.spec, self.log_dir, MSRUN, self.user, self.allow_env, within_s=PREFLIGHT_S)
+            await bounded(preflight, self.spec, self.log_dir, MSRUN, self.user, self.allow_env, within_s=within_s)
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
             return
         except (Unreadable, subprocess.TimeoutExpired) as e:
+            why = "storage not answering" if isinstance(e, Unreadable) else f"storage not answering: {e}"
             await self._fail(-1, f"the launch's checks of {self.spec.script}, {self.spec.checkpoint_dir} and "
-                                 f"{self.log_dir} did not finish within {PREFLIGHT_S:.0f}s (storage not answering: "
-                                 f"{e})", FailureCause.LAUNCH_NODE)
+                                 f"{self.log_dir} did not finish within {within_s:.0f}s ({why})",
+                             FailureCause.LAUNCH_NODE)
             return
         with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
             os.unlink(self.stop_file)

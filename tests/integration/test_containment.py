@@ -4,6 +4,7 @@ controls never holds elasticd, whose reads of them are bounded, nor keeps it fro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from typing import Any, Iterator
 
 import psutil
 import pytest
@@ -363,3 +365,63 @@ def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket_and_a_w
     wait_for("the job done", lambda: (s := etcd.status("lenet")) is not None and s.state.value == "SUCCEEDED", 120, 0.2)
     assert etcd.status("lenet").generation == 2  # (the kill's relaunch, and no other)
     print(f"nobody's floods (3 s each, generations 1 and 2): errors {floods}")
+
+
+@contextlib.contextmanager
+def hung_mount(path: str) -> Iterator[None]:
+    """A file system at ``path`` whose server never answers (a FUSE mount nobody serves: the stand-in
+    for an NFS server that stopped); every access below it waits, until the server's end is
+    closed on the way out (the waits then fail with ENOTCONN) and the mount detached."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open("/dev/fuse", os.O_RDWR)
+    try:
+        if libc.mount(b"mselastic-hung", path.encode(), b"fuse", 0,
+                      f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other".encode()) != 0:
+            pytest.skip(f"cannot mount a FUSE file system here: {os.strerror(ctypes.get_errno())}")
+        yield
+    finally:
+        os.close(fd)
+        libc.umount2(path.encode(), 2)  # MNT_DETACH
+
+
+def test_storage_that_stops_answering_during_a_launch_fails_that_launch_only(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """Before: a launch's checks of shared storage ran on the event loop, and a hung mount stalled it
+    past the lease and systemd's watchdog. Now they run in a bounded thread: with job a's
+    checkpoint_dir on storage that never answers, a's launch fails after a third of its
+    startup_timeout_s saying so, while the node stays registered on the same lease, elasticctl
+    answers and job b trains."""
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--slots", "3")
+    b = lenet_spec(os.path.join(tmp, "b.toml"), "b", os.path.join(tmp, "b-out"), os.path.join(tmp, "b-ckpt"), 1000,
+                   workers=1)
+    assert elasticctl("submit", b, endpoint=endpoint).returncode == 0
+    wait_for("job b's first step", lambda: (r := etcd.report("b", 1, "n0")) and r.step >= 1, 120, 0.2)
+
+    async def registration(store: Any) -> tuple[int, int]:
+        kv = await store.get(etcd.keys.node("n0"))
+        return kv.lease, kv.create_revision
+
+    registered = etcd._run(registration)
+    mount = os.path.join(tmp, "nfs")
+    os.makedirs(mount)
+    with hung_mount(mount):
+        spec = lenet_spec(os.path.join(tmp, "a.toml"), "a", os.path.join(tmp, "a-out"), os.path.join(mount, "ckpt"),
+                          10, workers=1, startup_timeout_s=15, max_restarts=0)
+        t0 = time.monotonic()
+        r = elasticctl("submit", spec, "--force", endpoint=endpoint)
+        assert r.returncode == 0, r.stdout + r.stderr
+        submitted = time.monotonic() - t0
+        failed = wait_for("a's launch failed", lambda: (rep := etcd.report("a", 1, "n0")) and rep.state.terminal and rep,
+                          60, 0.2)
+        assert failed.state.value == "FAILED" and "did not finish within 5s (storage not answering" in failed.reason, \
+            failed
+        step = etcd.report("b", 1, "n0").step
+        took = []
+        for _ in range(3):
+            t1 = time.monotonic()
+            assert elasticctl("jobs", endpoint=endpoint).returncode == 0
+            took.append(time.monotonic() - t1)
+        wait_for("job b training on", lambda: etcd.report("b", 1, "n0").step >= step + 3, 60, 0.2)
+        assert etcd._run(registration) == registered  # (the same lease all along: never expired, never re-made)
+    print(f"submit took {submitted:.2f}s; a failed: {failed.reason}; elasticctl jobs took at most {max(took):.2f}s")
