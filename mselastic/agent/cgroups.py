@@ -34,6 +34,7 @@ environment (:mod:`mselastic.agent.procs`), which a process that rewrites it esc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -164,7 +165,8 @@ def find(node_id: str) -> Layout | str:
                 pids, pids_v2 = members, True
             mode = "hybrid" if {"memory", "pids"} & set(v1) else "v2"
         else:
-            os.rmdir(candidate)
+            with contextlib.suppress(OSError):  # (one an earlier run left with groups in it stays)
+                os.rmdir(candidate)
     if "memory" in v1 and "memory" in mine:
         memory = _subtree(v1["memory"], mine["memory"], name)
     if "pids" in v1 and "pids" in mine:
@@ -208,6 +210,10 @@ def _enable_v2(layout: Layout) -> str:
     into a leaf ``elasticd`` of it first."""
     wanted = " ".join(f"+{c}" for c, on in (("memory", layout.memory_v2), ("pids", layout.pids_v2)) if on)
     parent = os.path.dirname(layout.members)
+    if not os.path.exists(os.path.join(parent, "cgroup.type")):  # (only the hierarchy's root has none)
+        enabled = set(_read_or(os.path.join(parent, "cgroup.subtree_control")).split())
+        if not {w[1:] for w in wanted.split()} <= enabled:
+            return f"elasticd runs in the hierarchy's root, whose controllers are not elasticd's to hand down"
     try:
         _write(os.path.join(parent, "cgroup.subtree_control"), wanted)
     except OSError as e:
@@ -417,26 +423,49 @@ class Limits:
 class Tree:
     """This node's subtree: one group per job, its pools and generations under it."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, all_jobs: Limits = Limits()) -> None:
         self.layout = layout
         self.root = Group(layout, "")
+        #: The limits each job's group has (written again only when they change).
+        self._limits: dict[str, Limits] = {}
+        # Every job together (a job's own limit is up to the node's, several at once could reach
+        # what elasticd and its etcd need; and a job may set its oom_score_adj back to elasticd's).
+        try:
+            self.root.enable_children_limits()
+            self.root.limit(all_jobs.memory_bytes, all_jobs.max_tasks)
+        except CgroupError as e:
+            log.warning("cgroups: no limit on all the jobs together: %s", e)
 
     def job(self, job: str, limits: Limits) -> Group:
-        """The job's group, made, its limits set (again: cheap, and a changed spec's apply)."""
+        """The job's group, made, its limits set (when they change: a spec submitted again). A limit
+        the kernel refuses (below what the job's group uses now) is kept as it was, and logged."""
         group = self.root.child(job).make()
-        group.enable_children_limits()
-        group.limit(limits.memory_bytes, limits.max_tasks)
+        if self._limits.get(job) != limits or not os.path.isdir(group.path(self.layout.members)):
+            group.enable_children_limits()
+            try:
+                group.limit(limits.memory_bytes, limits.max_tasks)
+                self._limits[job] = limits
+            except CgroupError as e:
+                log.warning("cgroups: job %s keeps its limits: %s", job, e, extra=dict(job=job))
         return group
+
+    def forget(self, job: str) -> None:
+        self._limits.pop(job, None)
 
     async def sweep(self) -> None:
         """Kill what an earlier elasticd of this node left in the subtree, and remove its groups
-        (its processes die with it anyway, by their parent-death signal: these are stragglers)."""
-        if self.root.pids():
+        (its processes die with it anyway, by their parent-death signal: these are stragglers),
+        side by side."""
+        try:
+            left = self.root.pids()
+            names = [n for n in os.listdir(self.layout.members) if os.path.isdir(os.path.join(self.layout.members, n))]
+        except OSError as e:
+            log.warning("cgroups: cannot look at %s: %s", self.layout.members, e)
+            return
+        if left:
             log.warning("cgroups: %d processes left by an earlier elasticd of this node in %s; killing them",
-                        len(self.root.pids()), self.layout.members)
-        for name in os.listdir(self.layout.members):
-            if os.path.isdir(os.path.join(self.layout.members, name)):
-                await self.root.child(name).stop()
+                        len(left), self.layout.members)
+        await asyncio.gather(*(self.root.child(name).stop() for name in names))
 
     async def close(self) -> None:
         """At elasticd's exit: kill anything left and remove the subtree."""
@@ -466,7 +495,8 @@ def setup(node_id: str, mode: str) -> Tree | None:
                     "one that rewrites it outlives its job, and jobs have no memory or process limits", found)
         return None
     log.info("cgroups %s", found.describe())
-    return Tree(found)
+    memory, tasks = default_limits(0, 0)
+    return Tree(found, Limits(memory, min(tasks * 2, _pid_max() - 1024)))
 
 
 def node_memory_bytes() -> int:
@@ -478,13 +508,14 @@ def default_limits(memory_mb: int, max_tasks: int) -> tuple[int, int]:
     the system (10 %, at least 1 GiB), and a quarter of the kernel's pid_max."""
     total = node_memory_bytes()
     memory = memory_mb * 2**20 if memory_mb else max(total - max(total // 10, 2**30), total // 2)
-    if not max_tasks:
-        try:
-            pid_max = int(_read("/proc/sys/kernel/pid_max"))
-        except (OSError, ValueError):
-            pid_max = 32768
-        max_tasks = max(1024, pid_max // 4)
-    return memory, max_tasks
+    return memory, max_tasks or max(1024, _pid_max() // 4)
+
+
+def _pid_max() -> int:
+    try:
+        return int(_read("/proc/sys/kernel/pid_max"))
+    except (OSError, ValueError):
+        return 32768
 
 
 def effective(spec_value: int, node_value: int) -> int:

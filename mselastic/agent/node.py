@@ -643,6 +643,7 @@ class NodeAgent:
         async with self._lock(job):
             if not self._running(job):
                 left = await self.cfg.cgroups.root.child(job).stop()
+                self.cfg.cgroups.forget(job)
                 if left:
                     log.error("processes of ended job %s left in its cgroup: %s", job, left, extra=self._ctx)
 

@@ -61,10 +61,9 @@ class WorkerUser:
         return [f"--reuid={self.uid}", f"--regid={self.gid}", *groups]
 
     def for_job(self, uid: int) -> "WorkerUser":
-        """The user a job of ``job_uids`` runs as: ``uid``, its group the same number, and this
-        (the worker) user's group besides, for shared folders (checkpoints) made for the workers
-        (never root's group)."""
-        return WorkerUser(str(uid), uid, uid, frozenset({self.gid}) if self.gid else frozenset(), passwd=False)
+        """The user a job of ``job_uids`` runs as: ``uid``, its group the same number, no other
+        (a group shared by the jobs would let each read what another made group-readable)."""
+        return WorkerUser(str(uid), uid, uid, frozenset(), passwd=False)
 
     @property
     def switch(self) -> bool:
@@ -160,8 +159,12 @@ def _user(pw: pwd.struct_passwd) -> WorkerUser:
 
 
 def users_in(uids: range) -> tuple[int, str] | None:
-    """(uid, name) of the first user of the passwd database whose uid is in ``uids``; None when none is."""
-    for pw in pwd.getpwall():
-        if pw.pw_uid in uids:
-            return pw.pw_uid, pw.pw_name
+    """(id, "user NAME" or "group NAME") of the first user or group whose id is in ``uids`` (each
+    id asked for: a directory service, SSSD or LDAP, need not list its users); None when none is."""
+    for i in uids:
+        for kind, lookup in (("user", lambda n: pwd.getpwuid(n).pw_name), ("group", lambda n: grp.getgrgid(n).gr_name)):
+            try:
+                return i, f"{kind} {lookup(i)}"
+            except KeyError:
+                continue
     return None

@@ -34,7 +34,7 @@ MAX_INTS: dict[str, int] = {
     "workers_per_node": 1024, "min_nodes": 100_000, "max_nodes": 100_000, "max_restarts": 1_000_000,
     "quarantine_after_failures": 1_000_000, "total_steps": 2**53, "global_batch_size": 2**31 - 1,
     "checkpoint_interval_steps": 2**53, "keep_checkpoints": 10_000, "stop_check_interval_steps": 1_000_000,
-    "snapshot_interval_steps": 2**53, "memory_limit_mb": 2**40, "max_processes": 2**31 - 1,
+    "snapshot_interval_steps": 2**53, "memory_limit_mb": 2**40, "max_processes": 4194304,
 }
 #: Every duration is at most 30 days.
 MAX_SECONDS = 30 * 24 * 3600.0

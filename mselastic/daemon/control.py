@@ -473,10 +473,14 @@ class ControlService(pb_grpc.ControlServicer):
         try:
             spec_kv = await self.store.get(k.spec(view.name))
             uid_kv = await self.store.get(k.job_uid(view.name))
+            # Its uid released in the same transaction, remembered for the name (see _uid_for).
+            release = [tx.put(k.uid_claim(int(uid_kv.value)).encode(), f"-{view.name}".encode())] \
+                if uid_kv is not None and uid_kv.value.isdigit() else []
             ok = await self.store.txn(
                 [(await self._term(context)).guard(self.store),
-                 tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0)],
-                [*(tx.delete(p.encode(), k.range_end(p).encode()) for p in prefixes),
+                 tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0),
+                 *([tx.mod(k.job_uid(view.name).encode()) == uid_kv.mod_revision] if uid_kv and release else [])],
+                [*(tx.delete(p.encode(), k.range_end(p).encode()) for p in prefixes), *release,
                  tx.put(k.deleted(view.name).encode(), DeletedJob(last, time.time()).to_json().encode())])
         except TemporaryError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
@@ -486,11 +490,6 @@ class ControlService(pb_grpc.ControlServicer):
             claim = k.checkpoint_dir(view.spec.checkpoint_dir).encode()
             with contextlib.suppress(TemporaryError):
                 await self.store.txn([tx.value(claim) == view.name.encode()], [tx.delete(claim)])
-        if uid_kv is not None and uid_kv.value.isdigit():  # released, remembered: the name gets it back
-            uid_claim = k.uid_claim(int(uid_kv.value)).encode()
-            with contextlib.suppress(TemporaryError):
-                await self.store.txn([tx.value(uid_claim) == view.name.encode()],
-                                     [tx.put(uid_claim, f"-{view.name}".encode())])
         self.coordinator.forget(view.name)
         # Every node lets the job's standbys and snapshot folder go (a node that misses this sweeps
         # the folder after SNAPSHOT_KEEP_S; its standbys went when the generation ended).

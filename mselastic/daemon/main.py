@@ -149,8 +149,8 @@ async def _check_node(s: Settings) -> WorkerUser:
         if os.geteuid() != 0:
             raise bad("job_uids", "only an elasticd running as root starts jobs as other users; leave job_uids empty")
         if taken := await asyncio.to_thread(users_in, uids):
-            raise bad("job_uids", f"uid {taken[0]} of {s.job_uids} belongs to user {taken[1]}: give a range no user "
-                                  f"has (a job would run as that user)")
+            raise bad("job_uids", f"id {taken[0]} of {s.job_uids} is {taken[1]}'s: give a range no user or group has "
+                                  f"(a job would run as that user, or in that group)")
         if worker.uid in uids:
             raise bad("job_uids", f"{s.job_uids} holds the worker user's uid {worker.uid}")
         if why := await asyncio.to_thread(cannot_run_python, worker.for_job(uids.start)):

@@ -151,7 +151,7 @@ class Settings:
     job_memory_limit_mb: int = 0
     job_max_processes: int = 0
     #: "START-END": each job runs as a uid of its own from this range (no passwd entry; its group
-    #: the same number, the worker user's group besides), allocated at submit and the same on every
+    #: the same number and no other), allocated at submit and the same on every
     #: node: one job can then neither read another's files nor signal or trace its processes.
     #: Give every node the same range, unused by any user. "": every job runs as worker_user.
     job_uids: str = ""
@@ -235,9 +235,9 @@ class Settings:
             raise bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
         if self.cgroups not in ("auto", "required", "off"):
             raise bad("cgroups", f"must be auto, required or off (got {self.cgroups!r})")
-        for key in ("job_memory_limit_mb", "job_max_processes"):
-            if not 0 <= getattr(self, key) <= 2**40:
-                raise bad(key, f"must be 0 (the node's default) or a positive number (got {getattr(self, key)})")
+        for key, top in (("job_memory_limit_mb", 2**40), ("job_max_processes", 4194304)):  # (the kernel's pid limit)
+            if not 0 <= getattr(self, key) <= top:
+                raise bad(key, f"must be 0 (the node's default) to {top} (got {getattr(self, key)})")
         if self.job_uids:
             try:
                 self.job_uid_range

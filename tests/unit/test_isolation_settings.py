@@ -17,14 +17,15 @@ def test_job_uids_must_be_a_usable_range() -> None:
             Settings(node_id="n0", job_uids=bad).validate()
 
 
-def test_a_jobs_user_has_no_passwd_entry_its_own_group_and_the_workers_but_never_roots() -> None:
+def test_a_jobs_user_has_no_passwd_entry_and_its_own_group_alone() -> None:
     worker = WorkerUser("mselastic", 998, 997)
     job = worker.for_job(62000)
-    assert (job.uid, job.gid, job.groups, job.passwd) == (62000, 62000, frozenset({997}), False)
-    assert job.setpriv_args() == ["--reuid=62000", "--regid=62000", "--groups=997"]
+    assert (job.uid, job.gid, job.groups, job.passwd) == (62000, 62000, frozenset(), False)
+    assert job.setpriv_args() == ["--reuid=62000", "--regid=62000", "--clear-groups"]
     assert WorkerUser("root", 0, 0).for_job(62001).setpriv_args() == ["--reuid=62001", "--regid=62001",
                                                                        "--clear-groups"]
     assert worker.setpriv_args() == ["--reuid=998", "--regid=997", "--init-groups"]
+    assert WorkerUser("x", 5, 5, frozenset({7, 6}), passwd=False).setpriv_args()[2] == "--groups=6,7"
 
 
 def test_an_etcd_other_machines_reach_needs_credentials_and_a_ca_of_its_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
