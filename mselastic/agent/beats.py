@@ -53,10 +53,14 @@ class Senders:
     can carry it. Remembered per (pid, start time), the answer either way, so a reused pid is
     looked at again."""
 
-    def __init__(self, roots: Callable[[], set[int]], is_rank: Callable[[int], bool], uid: int = -1) -> None:
+    def __init__(self, roots: Callable[[], set[int]], is_rank: Callable[[int], bool], uid: int = -1,
+                 cgroup: str = "") -> None:
         self._roots, self._is_rank = roots, is_rank
         #: The generation's user (-1: any): a sender of another uid (root aside) is refused at once.
         self._uid = uid
+        #: The generation's cgroup ("/...gen-<run id>"; "": none): a sender is of the generation when
+        #: the kernel puts it there (one read of /proc/PID/cgroup, no walk of its ancestors).
+        self._cgroup = cgroup
         self._known: dict[tuple[int, float], bool] = {}
 
     def ours(self, pid: int, uid: int = -1) -> bool:
@@ -74,11 +78,20 @@ class Senders:
                 if len(self._known) >= MAX_KNOWN:  # the older half goes (insertion order)
                     for old in list(self._known)[:MAX_KNOWN // 2]:
                         del self._known[old]
-                self._known[key] = pid in roots or any(p.pid in roots for p in proc.parents())
+                self._known[key] = pid in roots or (self._in_cgroup(pid) if self._cgroup
+                                                    else any(p.pid in roots for p in proc.parents()))
             return self._known[key]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             # A rank's last beat (planned_exit) is read after it exited: known senders still count.
             return any(ok and key[0] == pid for key, ok in self._known.items())
+
+
+    def _in_cgroup(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                return any(line.rstrip("\n").endswith(self._cgroup) for line in f)
+        except OSError:
+            return False
 
 
 class BeatSocket:

@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 
+from mselastic.agent.cgroups import join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ async def rotate(path: str, uid: int, gid: int, keep_bytes: int) -> None:
     cmd = ["/bin/sh", "-c", _ROTATE, "rotate", str(keep_bytes), path]
     owner = WorkerUser(str(uid), uid, gid, passwd=False)
     if owner.switch:
-        cmd = [*setpriv(owner), *cmd]
+        cmd = [*join_prefix([]), *setpriv(owner), *cmd]  # (a job's process may not take it over at -900)
     try:
         proc = await asyncio.create_subprocess_exec(*cmd, env={"PATH": "/usr/bin:/bin"}, cwd="/",
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)

@@ -32,12 +32,14 @@ class LaunchError(Exception):
 
 
 def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None = None,
-              allow_env: frozenset[str] = frozenset()) -> None:
+              allow_env: frozenset[str] = frozenset(), join: list[str] | None = None) -> None:
     """What msrun would otherwise fail on later, or never report: checked before anything starts.
 
     The script and the checkpoint directory come from the spec (the same on every node, on shared
     storage): not usable here means not usable at all, so the job fails with the path and the
-    error. The log directory and msrun belong to the node."""
+    error. The log directory and msrun belong to the node. ``join``: the prefix that puts the
+    worker user's probes in the job's cgroup (:func:`mselastic.agent.cgroups.join_prefix`): they
+    run as the job's user, and another process of it could take them over."""
     def os_error(e: OSError) -> str:
         return e.strerror or str(e)
 
@@ -55,7 +57,7 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
         # spec names would let a job choose where it may write (a venv's site-packages...). Then
         # asked of that user whether it may write there (a read-only mount, an ACL, ProtectSystem
         # without ReadWritePaths: the mode bits do not tell).
-        as_worker = setpriv(user)
+        as_worker = [*(join or []), *setpriv(user)]
         made = subprocess.run([*as_worker, "mkdir", "-p", "--", spec.checkpoint_dir],
                               capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
         if made.returncode != 0:

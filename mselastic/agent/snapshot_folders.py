@@ -11,6 +11,7 @@ import shutil
 import stat
 import time
 
+from mselastic.agent.cgroups import join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ async def remove_snapshot_folder(path: str) -> None:
         user = WorkerUser(f"uid {st.st_uid}", st.st_uid, st.st_gid, passwd=False)
         if user.switch:
             proc = await asyncio.create_subprocess_exec(
-                *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete", env={"PATH": "/usr/bin:/bin"},
+                *join_prefix([]), *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete", env={"PATH": "/usr/bin:/bin"},
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 300)
             if proc.returncode:

@@ -27,7 +27,7 @@ import psutil
 from mselastic import metrics
 from mselastic.agent import observe, procs, ranks as rank_rules, verdict
 from mselastic.agent.beats import BeatSocket, Senders
-from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective
+from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
 from mselastic.agent.jobfiles import Unreadable, bounded
 from mselastic.agent.launch import MSRUN, Launch, Path
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
@@ -178,9 +178,18 @@ class Generation:
         """Hand the generation to the standbys it was given (warm), else start msrun (cold). Anything
         that keeps it from starting (see :func:`preflight`, a master port in use on node_rank 0,
         msrun failing to spawn, a standby gone) fails it at once, with the reason."""
+        if self.cgroups is not None:
+            try:
+                self.job_group = self.cgroups.job(self.spec.name, self.limits)
+                self.launch.group = self.job_group.child(f"gen-{self.run_id}").make()
+            except CgroupError as e:
+                await self._fail(-1, f"the generation's cgroup could not be made: {e}", FailureCause.LAUNCH_NODE)
+                return
         within_s = min(PREFLIGHT_S, self.spec.startup_timeout_s / 3)  # (a part of the start-up's time)
+        join = join_prefix([self.launch.group] if self.launch.group else [])
         try:  # (off the event loop, in a thread nothing waits for past the deadline: storage may hang)
-            await bounded(preflight, self.spec, self.log_dir, MSRUN, self.user, self.allow_env, within_s=within_s)
+            await bounded(preflight, self.spec, self.log_dir, MSRUN, self.user, self.allow_env, join,
+                          within_s=within_s)
         except LaunchError as e:
             await self._fail(-1, str(e), e.cause)
             return
@@ -198,17 +207,11 @@ class Generation:
             await self._fail(-1, f"master port {p.master_port} is in use on node {self.node_id}",
                              FailureCause.LAUNCH_NODE)
             return
-        if self.cgroups is not None:
-            try:
-                self.job_group = self.cgroups.job(self.spec.name, self.limits)
-                self.launch.group = self.job_group.child(f"gen-{self.run_id}").make()
-            except CgroupError as e:
-                await self._fail(-1, f"the generation's cgroup could not be made: {e}", FailureCause.LAUNCH_NODE)
-                return
         self.phase = Phase.LAUNCHING
         senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
                           lambda pid: any(rs.pid == pid for rs in self.ranks.values()),
-                          uid=self.user.uid if self.user is not None else os.geteuid())
+                          uid=self.user.uid if self.user is not None else os.geteuid(),
+                          cgroup="/" + self.launch.group.rel if self.launch.group is not None else "")
         try:
             self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
                                      owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
