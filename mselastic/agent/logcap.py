@@ -22,7 +22,7 @@ from mselastic.agent.users import WorkerUser, setpriv
 log = logging.getLogger(__name__)
 
 #: How often the logs of the running generations are looked at.
-CHECK_S = 10.0
+CHECK_S = 2.0
 
 #: Empties ``$2`` after keeping its last ``$1`` bytes in ``$2.1``.
 _ROTATE = 'tail -c "$1" -- "$2" > "$2.1.tmp" && mv -f -- "$2.1.tmp" "$2.1" && truncate -s 0 -- "$2"'

@@ -116,12 +116,13 @@ class AgentService(pb_grpc.AgentServicer):
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{path} cannot be read safely: {e.strerror}")
-        st, user, uids = os.fstat(fd), self.agent.cfg.worker_user, self.agent.cfg.job_uids or range(0)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or (st.st_uid not in {0, user.uid if user else 0}
-                                                                 and st.st_uid not in uids):
+        # Its owner must be the generation's user: the one elasticd handed the generation's folder to
+        # (the folder's parent is root's: the job can neither rename nor replace it).
+        st, owner = os.fstat(fd), os.lstat(os.path.dirname(path)).st_uid
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid not in {0, owner}:
             os.close(fd)  # (a hard link would show another job's file, of the same worker user, as this one's)
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{path} is not the rank's log (not a regular file of the worker user's with one link)")
+                        f"{path} is not the rank's log (not a regular file of the generation's user with one link)")
         with os.fdopen(fd, "rb") as f:
             if request.tail_bytes:
                 f.seek(max(0, os.fstat(fd).st_size - request.tail_bytes))

@@ -52,8 +52,8 @@ async def remove_snapshot_folder(path: str) -> None:
         user = WorkerUser(f"uid {st.st_uid}", st.st_uid, st.st_gid, passwd=False)
         if user.switch:
             proc = await asyncio.create_subprocess_exec(
-                *join_prefix([]), *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete", env={"PATH": "/usr/bin:/bin"},
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                *join_prefix([]), *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete",
+                env={"PATH": "/usr/bin:/bin"}, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 300)
             if proc.returncode:
                 raise OSError(err.decode(errors="replace").strip()[-300:] or f"find exited {proc.returncode}")

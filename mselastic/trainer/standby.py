@@ -60,7 +60,8 @@ import sys
 import threading
 from typing import Any
 
-from mselastic.core.contract import ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_FORKS, STANDBY_READY
+from mselastic.core.contract import (ENV_GENERATION, ENV_JOB, ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_FORKS,
+                                     STANDBY_READY)
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.core.threads import each_thread
 
@@ -112,6 +113,30 @@ def _rewrite_environ_block(environ: dict[str, str]) -> bool:
     return True
 
 
+def retitle(title: str) -> None:
+    """What ``ps`` shows for this process: ``/proc/<pid>/cmdline`` reads the bytes of the arguments
+    it was started with (``/proc/self/stat``'s arg_start..arg_end), rewritten here in place, cut to
+    their length (about 55 bytes: a venv's python, ``-m``, this module), as setproctitle does.
+    Python's own ``sys.argv`` is a copy and stays as it is."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5), counted from 1
+    except (OSError, ValueError, IndexError):
+        return
+    if end - start < 2:
+        return
+    data = title.encode(errors="replace")[:end - start - 1]
+    ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
+
+
+def _title(env: dict[str, str] | os._Environ[str], argv: list[str]) -> str:
+    """A handed-over process's title: what it is (job, generation, rank or scheduler), then the script."""
+    role = f"rank {env.get('RANK_ID', '?')}" if env.get("MS_ROLE") == "MS_WORKER" else "scheduler"
+    script = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else ""
+    return f"mselastic {env.get(ENV_JOB, '?')} g{env.get(ENV_GENERATION, '?')} {role}: {script}"
+
+
 def _adopt_c_environment() -> None:
     """Take into ``os.environ`` what the imports set in the C environment (MindSpore's sets
     ``OMP_NUM_THREADS`` when unset): a process msrun starts inherits those from msrun, which has
@@ -142,6 +167,7 @@ def become(handover: dict[str, Any]) -> None:
     os.environ.pop(ENV_STANDBY_SLOT, None)  # (its bytes are about to hold other entries)
     os.environ.update(env)
     _rewrite_environ_block(dict(os.environ))
+    retitle(_title(os.environ, argv))
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
 
@@ -267,12 +293,15 @@ def _child(fd: int, marker: str, server: int) -> None:
         started = _entries(f.read())
     os.environ[ENV_RUN_ID] = marker
     _rewrite_environ_block({**started, ENV_RUN_ID: marker})  # the kernel's view too: the marker only
+    retitle(f"mselastic {marker.split('.')[1] if marker.count('.') >= 3 else '?'} standby (idle)")
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # (Python's own random reseeds itself after a fork; numpy's does not)
         numpy.random.seed()
 
 
 def main() -> None:
+    marker = os.environ.get(ENV_RUN_ID, "")
+    retitle(f"mselastic {marker.split('.')[1] if marker.count('.') >= 3 else '?'} standby server")
     nice = _wait_nicely()
     for name in PRELOAD:
         __import__(name)

@@ -34,15 +34,11 @@ time.sleep(3600)
 """
 
 
-def test_a_fifo_a_device_link_or_a_huge_file_in_a_jobs_folder_never_holds_elasticd(
-        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+def _files_that_would_hold_elasticd(procs: Processes, etcd: Etcd, endpoint: str, tmp: str) -> None:
     """Job a's own script plants a FIFO where elasticd reads a job's progress (then the test swaps
     in a link to /dev/zero and a 10 GiB sparse file): every `elasticctl jobs` still answers at
-    once (before: 12 of 12 hung past 5 s, six threads stuck in open()), an honest job b submitted
-    meanwhile trains, and a SIGTERM stops elasticd within its grace (before: alive five minutes
-    later)."""
-    tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"))
+    once (before: 12 of 12 hung past 5 s, six threads stuck in open(); elasticd then outlived its
+    SIGTERM by five minutes: the test's end checks that too), and a keeps its generation."""
     ckpt = os.path.join(tmp, "a-ckpt")
     script = os.path.join(tmp, "plant.py")
     with open(script, "w") as f:
@@ -74,16 +70,7 @@ def test_a_fifo_a_device_link_or_a_huge_file_in_a_jobs_folder_never_holds_elasti
     assert max(took) < 1.5, [round(t, 2) for t in took]  # (a read given up on takes READ_S, 2 s)
     status = etcd.status("a")
     assert status is not None and status.generation == 1, status  # (the same generation all along)
-    # Another job still starts and trains beside it.
-    b = lenet_spec(os.path.join(tmp, "b.toml"), "b", os.path.join(tmp, "b-out"), os.path.join(tmp, "b-ckpt"), 5,
-                   workers=1)
-    assert elasticctl("submit", b, endpoint=endpoint).returncode == 0
-    wait_for("job b's first step", lambda: (r := etcd.report("b", 1, "n0")) and r.step >= 1, 120, 0.2)
-    elasticd = procs.started[0]
-    t0 = time.monotonic()
-    elasticd.send_signal(signal.SIGTERM)
-    assert elasticd.wait(30) == 0
-    print(f"elasticctl jobs took at most {max(took):.2f}s; elasticd stopped {time.monotonic() - t0:.1f}s after SIGTERM")
+    print(f"elasticctl jobs took at most {max(took):.2f}s beside a FIFO, a link to /dev/zero, a 10 GiB file")
 
 
 def _job_cgroups(pid: int, job: str) -> list[str]:
@@ -175,6 +162,17 @@ def test_a_process_that_clears_its_environment_and_leaves_its_session_goes_with_
     wait_for("the job's cgroups removed", lambda: not any(map(os.path.exists, job_groups)), 10, 0.05)
 
 
+def _node_training_b(procs: Processes, etcd: Etcd, namespace: str, tmp: str) -> str:
+    """A node of 4 slots training job b (one rank, 1000 steps: beside the test's other jobs, all
+    its run long); returns the node's endpoint once b made its first step."""
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--slots", "4")
+    b = lenet_spec(os.path.join(tmp, "b.toml"), "b", os.path.join(tmp, "b-out"), os.path.join(tmp, "b-ckpt"), 1000,
+                   workers=1)
+    assert elasticctl("submit", b, endpoint=endpoint).returncode == 0
+    wait_for("job b's first step", lambda: (r := etcd.report("b", 1, "n0")) and r.step >= 1, 120, 0.2)
+    return endpoint
+
+
 #: Job "bomb": its rank forks until the kernel refuses (each child sleeps), then waits; its count to
 #: argv[1]. Job "hog": its rank takes memory 64 MiB at a time, each page written, until killed.
 BOMB = """import os, sys, time
@@ -201,18 +199,11 @@ time.sleep(3600)
 """
 
 
-def test_a_fork_bomb_and_a_memory_hog_stay_in_their_jobs_limits(
-        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+def _a_fork_bomb_and_a_memory_hog(procs: Processes, etcd: Etcd, endpoint: str, tmp: str) -> None:
     """Before: jobs lived in elasticd's own cgroup, unbounded. Now each job has a cgroup with the
     spec's max_processes and memory_limit_mb: a fork bomb is refused at its limit and a memory hog
-    is killed by the OOM killer inside its job (the failure says so), while another job trains
-    and elasticd answers."""
-    tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--slots", "3")
-    b = lenet_spec(os.path.join(tmp, "b.toml"), "b", os.path.join(tmp, "b-out"), os.path.join(tmp, "b-ckpt"), 1000,
-                   workers=1)
-    assert elasticctl("submit", b, endpoint=endpoint).returncode == 0
-    wait_for("job b's first step", lambda: (r := etcd.report("b", 1, "n0")) and r.step >= 1, 120, 0.2)
+    is killed by the OOM killer inside its job (the failure says so), while b trains and elasticd
+    answers."""
     counted = os.path.join(tmp, "forks")
     for name, text, limits in (("bomb", BOMB, dict(max_processes=256)), ("hog", HOG, dict(memory_limit_mb=768))):
         with open(os.path.join(tmp, f"{name}.py"), "w") as f:
@@ -360,8 +351,8 @@ def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket_and_a_w
     os.chmod(flood, 0o644)
     floods = []
     for generation in (1, 2):
-        wait_for(f"generation {generation} training", lambda: (r := etcd.report("lenet", generation, "n0")) and r.step >= 1,
-                 120, 0.1)
+        wait_for(f"generation {generation} training",
+                 lambda: (r := etcd.report("lenet", generation, "n0")) and r.step >= 1, 120, 0.1)
         ranks = worker_pids(procs, generation)
         path = psutil.Process(ranks[0]).environ()["MSELASTIC_HEARTBEAT"]
         assert path.startswith("/run/mselastic/hb/"), path
@@ -377,7 +368,13 @@ def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket_and_a_w
             ready = wait_for("three standbys", lambda: len(x := [s for s in standby_processes(procs)]) >= 4 and x,
                              120, 0.2)  # (three and their fork server)
             assert {p.uids().real for p in ready} == {job_uid}
+            titles = sorted(" ".join(p.cmdline()).strip() for p in ready)  # (what ps shows: what each one is)
+            assert titles[:3] == ["mselastic lenet standby (idle)"] * 3 and titles[3].startswith(
+                "mselastic lenet standby server"), titles
             os.kill(ranks[1], signal.SIGKILL)
+        else:
+            titles = {r: " ".join(psutil.Process(pid).cmdline()).strip() for r, pid in ranks.items()}
+            assert all(t.startswith(f"mselastic lenet g2 rank {r}: train.py") for r, t in titles.items()), titles
     assert etcd.report("lenet", 2, "n0").warm  # (its ranks are the standbys, of the job's uid: checked above)
     wait_for("the job done", lambda: (s := etcd.status("lenet")) is not None and s.state.value == "SUCCEEDED", 120, 0.2)
     assert etcd.status("lenet").generation == 2  # (the kill's relaunch, and no other)
@@ -401,19 +398,12 @@ def hung_mount(path: str) -> Iterator[None]:
         libc.umount2(path.encode(), 2)  # MNT_DETACH
 
 
-def test_storage_that_stops_answering_during_a_launch_fails_that_launch_only(
-        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+def _storage_that_stops_answering(procs: Processes, etcd: Etcd, endpoint: str, tmp: str) -> None:
     """Before: a launch's checks of shared storage ran on the event loop, and a hung mount stalled it
-    past the lease and systemd's watchdog. Now they run in a bounded thread: with job a's
-    checkpoint_dir on storage that never answers, a's launch fails after a third of its
+    past the lease and systemd's watchdog. Now they run in a bounded thread: with job nfs's
+    checkpoint_dir on storage that never answers, its launch fails after a third of its
     startup_timeout_s saying so, while the node stays registered on the same lease, elasticctl
     answers and job b trains."""
-    tmp = str(tmp_path)
-    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--slots", "3")
-    b = lenet_spec(os.path.join(tmp, "b.toml"), "b", os.path.join(tmp, "b-out"), os.path.join(tmp, "b-ckpt"), 1000,
-                   workers=1)
-    assert elasticctl("submit", b, endpoint=endpoint).returncode == 0
-    wait_for("job b's first step", lambda: (r := etcd.report("b", 1, "n0")) and r.step >= 1, 120, 0.2)
 
     async def registration(store: Any) -> tuple[int, int]:
         kv = await store.get(etcd.keys.node("n0"))
@@ -423,22 +413,39 @@ def test_storage_that_stops_answering_during_a_launch_fails_that_launch_only(
     mount = os.path.join(tmp, "nfs")
     os.makedirs(mount)
     with hung_mount(mount):
-        spec = lenet_spec(os.path.join(tmp, "a.toml"), "a", os.path.join(tmp, "a-out"), os.path.join(mount, "ckpt"),
-                          10, workers=1, startup_timeout_s=15, max_restarts=0)
+        spec = lenet_spec(os.path.join(tmp, "nfs.toml"), "nfs", os.path.join(tmp, "nfs-out"),
+                          os.path.join(mount, "ckpt"), 10, workers=1, startup_timeout_s=15, max_restarts=0)
         t0 = time.monotonic()
         r = elasticctl("submit", spec, "--force", endpoint=endpoint)
         assert r.returncode == 0, r.stdout + r.stderr
         submitted = time.monotonic() - t0
-        failed = wait_for("a's launch failed", lambda: (rep := etcd.report("a", 1, "n0")) and rep.state.terminal and rep,
-                          60, 0.2)
+        failed = wait_for("nfs's launch failed",
+                          lambda: (rep := etcd.report("nfs", 1, "n0")) and rep.state.terminal and rep, 60, 0.2)
         assert failed.state.value == "FAILED" and "did not finish within 5s (storage not answering" in failed.reason, \
             failed
         step = etcd.report("b", 1, "n0").step
-        took = []
-        for _ in range(3):
-            t1 = time.monotonic()
-            assert elasticctl("jobs", endpoint=endpoint).returncode == 0
-            took.append(time.monotonic() - t1)
+        t1 = time.monotonic()
+        assert elasticctl("jobs", endpoint=endpoint).returncode == 0
+        took = [time.monotonic() - t1]
         wait_for("job b training on", lambda: etcd.report("b", 1, "n0").step >= step + 3, 60, 0.2)
         assert etcd._run(registration) == registered  # (the same lease all along: never expired, never re-made)
-    print(f"submit took {submitted:.2f}s; a failed: {failed.reason}; elasticctl jobs took at most {max(took):.2f}s")
+    print(f"submit took {submitted:.2f}s; nfs failed: {failed.reason}; elasticctl jobs took at most {max(took):.2f}s")
+
+
+def test_hostile_jobs_harm_neither_elasticd_nor_the_job_training_beside_them(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """One node trains job b all along; beside it, one after the other, jobs that would have held
+    or starved elasticd or b before #31 (each part says what it shows, and what was seen before):
+    files in a job's folder that block or never end, a fork bomb and a memory hog, storage that
+    stops answering during a launch. At the end a SIGTERM stops elasticd, exit 0, within its grace
+    (before: alive five minutes after it, threads stuck on a job's FIFO)."""
+    tmp = str(tmp_path)
+    endpoint = _node_training_b(procs, etcd, namespace, tmp)
+    _files_that_would_hold_elasticd(procs, etcd, endpoint, tmp)
+    _a_fork_bomb_and_a_memory_hog(procs, etcd, endpoint, tmp)
+    _storage_that_stops_answering(procs, etcd, endpoint, tmp)
+    elasticd = procs.started[0]
+    t0 = time.monotonic()
+    elasticd.send_signal(signal.SIGTERM)
+    assert elasticd.wait(30) == 0
+    print(f"elasticd stopped {time.monotonic() - t0:.1f}s after SIGTERM")

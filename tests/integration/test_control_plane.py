@@ -346,9 +346,11 @@ def test_drain_of_the_only_node_fails_fast_with_the_reason(procs: Processes, etc
 
 def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Processes, etcd: Etcd, namespace: str,
                                                                     tmp_path: os.PathLike[str], digits: str) -> None:
-    """Any local user can reach the abstract heartbeat socket, and its name (the generation's run
-    id) is public in /proc/net/unix. A 'finished' beat for rank 1 (it would hide rank 1's death),
-    forged by a process that even carries the run id, is dropped, and the kill is still found."""
+    """Root (or, without job_uids, another job of the worker user) can reach the generation's
+    heartbeat socket, and its path is public in /proc/net/unix. A 'finished' beat for rank 1 (it
+    would hide rank 1's death), forged by a process that even carries the run id, is dropped (it is
+    not in the generation's cgroup), and the kill is still found. (Another local user cannot send
+    at all: tests/integration/test_containment.py.)"""
     from mselastic.core.contract import Beat, BeatKind
 
     tmp = str(tmp_path)
@@ -358,7 +360,7 @@ def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Proces
     env = psutil.Process(victim).environ()
     forger = ("import os, socket, sys; from mselastic.core.contract import Beat; "
               "b = Beat(kind=sys.argv[1], rank=1, pid=os.getpid(), generation=1, step=2000); "
-              "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); s.sendto(b.encode(), '\\0' + sys.argv[2]); "
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); s.sendto(b.encode(), sys.argv[2]); "
               "print(os.getpid())")
     out = subprocess.run([sys.executable, "-c", forger, BeatKind.FINISHED.value, env["MSELASTIC_HEARTBEAT"]],
                          env={**os.environ, "MSELASTIC_RUN_ID": env["MSELASTIC_RUN_ID"]}, capture_output=True,
@@ -368,7 +370,7 @@ def test_a_forged_heartbeat_from_outside_the_generation_is_dropped(procs: Proces
 
     def dropped() -> bool:
         with open(log_path) as f:
-            return f"heartbeat from pid {forger_pid}, not a process of this generation: dropped" in f.read()
+            return f"heartbeat from pid {forger_pid} (uid 0), not a process of this generation: dropped" in f.read()
     wait_for("the forged beat read and dropped", dropped, 10, 0.05)  # before the kill: it must not hide it
     os.kill(victim, signal.SIGKILL)
     killed = time.time()
