@@ -113,11 +113,12 @@ def _rewrite_environ_block(environ: dict[str, str]) -> bool:
     return True
 
 
-def retitle(title: str) -> None:
+def retitle(args: list[str]) -> None:
     """What ``ps`` shows for this process: ``/proc/<pid>/cmdline`` reads the bytes of the arguments
-    it was started with (``/proc/self/stat``'s arg_start..arg_end), rewritten here in place, cut to
-    their length (about 55 bytes: a venv's python, ``-m``, this module), as setproctitle does.
-    Python's own ``sys.argv`` is a copy and stays as it is."""
+    it was started with (``/proc/self/stat``'s arg_start..arg_end), rewritten here in place as
+    ``args`` (NUL-separated, as arguments are), cut to their length (about 55 bytes: a venv's
+    python, ``-m``, this module), as setproctitle does. Python's own ``sys.argv`` is a copy and stays
+    as it is. (MindSpore names a process in its log lines by the first argument's base name.)"""
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
@@ -126,15 +127,21 @@ def retitle(title: str) -> None:
         return
     if end - start < 2:
         return
-    data = title.encode(errors="replace")[:end - start - 1]
+    data = b"\0".join(a.encode(errors="replace") for a in args)[:end - start - 1]
     ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
 
 
-def _title(env: dict[str, str] | os._Environ[str], argv: list[str]) -> str:
-    """A handed-over process's title: what it is (job, generation, rank or scheduler), then the script."""
-    role = f"rank {env.get('RANK_ID', '?')}" if env.get("MS_ROLE") == "MS_WORKER" else "scheduler"
-    script = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else ""
-    return f"mselastic {env.get(ENV_JOB, '?')} g{env.get(ENV_GENERATION, '?')} {role}: {script}"
+def _title(env: dict[str, str] | os._Environ[str], argv: list[str]) -> list[str]:
+    """A handed-over process's arguments as ps shows them: ``python``, as a cold rank's first one
+    (MindSpore's log lines name it so), what it is (``mselastic:<job>:g<generation>:rank<N>`` or
+    ``:scheduler``), then the script and its arguments."""
+    role = f"rank{env.get('RANK_ID', '?')}" if env.get("MS_ROLE") == "MS_WORKER" else "scheduler"
+    script = [os.path.basename(argv[0]), *argv[1:]] if argv else []
+    return ["python", f"mselastic:{env.get(ENV_JOB, '?')}:g{env.get(ENV_GENERATION, '?')}:{role}", *script]
+
+
+def _job_of(marker: str) -> str:
+    return marker.split(".")[1] if marker.count(".") >= 3 else "?"
 
 
 def _adopt_c_environment() -> None:
@@ -293,7 +300,7 @@ def _child(fd: int, marker: str, server: int) -> None:
         started = _entries(f.read())
     os.environ[ENV_RUN_ID] = marker
     _rewrite_environ_block({**started, ENV_RUN_ID: marker})  # the kernel's view too: the marker only
-    retitle(f"mselastic {marker.split('.')[1] if marker.count('.') >= 3 else '?'} standby (idle)")
+    retitle(["mselastic-standby", _job_of(marker), "(idle)"])
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # (Python's own random reseeds itself after a fork; numpy's does not)
         numpy.random.seed()
@@ -301,7 +308,7 @@ def _child(fd: int, marker: str, server: int) -> None:
 
 def main() -> None:
     marker = os.environ.get(ENV_RUN_ID, "")
-    retitle(f"mselastic {marker.split('.')[1] if marker.count('.') >= 3 else '?'} standby server")
+    retitle(["mselastic-standby-server", _job_of(marker)])
     nice = _wait_nicely()
     for name in PRELOAD:
         __import__(name)

@@ -368,13 +368,13 @@ def test_another_local_users_heartbeat_flood_never_reaches_a_jobs_socket_and_a_w
             ready = wait_for("three standbys", lambda: len(x := [s for s in standby_processes(procs)]) >= 4 and x,
                              120, 0.2)  # (three and their fork server)
             assert {p.uids().real for p in ready} == {job_uid}
-            titles = sorted(" ".join(p.cmdline()).strip() for p in ready)  # (what ps shows: what each one is)
-            assert titles[:3] == ["mselastic lenet standby (idle)"] * 3 and titles[3].startswith(
-                "mselastic lenet standby server"), titles
+            titles = sorted([a for a in p.cmdline() if a] for p in ready)  # (what ps shows: what each one is)
+            assert titles == [["mselastic-standby", "lenet", "(idle)"]] * 3 + [["mselastic-standby-server", "lenet"]], \
+                titles
             os.kill(ranks[1], signal.SIGKILL)
         else:
-            titles = {r: " ".join(psutil.Process(pid).cmdline()).strip() for r, pid in ranks.items()}
-            assert all(t.startswith(f"mselastic lenet g2 rank {r}: train.py") for r, t in titles.items()), titles
+            titles = {r: [a for a in psutil.Process(pid).cmdline() if a][:3] for r, pid in ranks.items()}
+            assert titles == {r: ["python", f"mselastic:lenet:g2:rank{r}", "train.py"] for r in ranks}, titles
     assert etcd.report("lenet", 2, "n0").warm  # (its ranks are the standbys, of the job's uid: checked above)
     wait_for("the job done", lambda: (s := etcd.status("lenet")) is not None and s.state.value == "SUCCEEDED", 120, 0.2)
     assert etcd.status("lenet").generation == 2  # (the kill's relaunch, and no other)
