@@ -88,6 +88,10 @@ class Layout:
     pids: str = ""
     pids_v2: bool = False
 
+    def v2_limits(self) -> str:
+        """The v2 controllers the limits need, as cgroup.subtree_control takes them ("" none)."""
+        return " ".join(f"+{c}" for c, on in (("memory", self.memory_v2), ("pids", self.pids_v2)) if on)
+
     def roots(self) -> list[str]:
         return list(dict.fromkeys(r for r in (self.members, self.memory, self.pids) if r))
 
@@ -208,7 +212,7 @@ def _enable_v2(layout: Layout) -> str:
     subtree's root); "" when done, else why not. A cgroup with processes cannot hand controllers
     to its children (no internal processes): an elasticd alone in its (delegated) cgroup moves
     into a leaf ``elasticd`` of it first."""
-    wanted = " ".join(f"+{c}" for c, on in (("memory", layout.memory_v2), ("pids", layout.pids_v2)) if on)
+    wanted = layout.v2_limits()
     parent = os.path.dirname(layout.members)
     if not os.path.exists(os.path.join(parent, "cgroup.type")):  # (only the hierarchy's root has none)
         enabled = set(_read_or(os.path.join(parent, "cgroup.subtree_control")).split())
@@ -259,8 +263,7 @@ class Group:
 
     def enable_children_limits(self) -> None:
         """v2: hand the limit controllers to this group's children (a job's, above its leaves)."""
-        wanted = " ".join(f"+{c}" for c, on in (("memory", self.layout.memory_v2), ("pids", self.layout.pids_v2))
-                          if on)
+        wanted = self.layout.v2_limits()
         if wanted:
             try:
                 _write(os.path.join(self.path(self.layout.members), "cgroup.subtree_control"), wanted)

@@ -12,9 +12,11 @@ copies of the ranks' lines, which their own rotated logs keep)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
+from typing import Any, Callable
 
 from mselastic.agent.cgroups import join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
@@ -82,3 +84,19 @@ async def cap(folders: list[tuple[str, int]], cap_bytes: int) -> None:
     for folder, uid in folders:
         for path, owner, gid in await asyncio.to_thread(oversized, folder, cap_bytes, uid):
             await rotate(path, owner, gid, cap_bytes // 2)
+
+
+async def keep_capped(running: Callable[[], list[tuple[str, int, int, dict[str, Any]]]], cap_bytes: int,
+                      stop: asyncio.Event) -> None:
+    """Every :data:`CHECK_S` until ``stop``: for each generation ``running()`` names (its log folder,
+    its user's uid, msrun's log descriptor or -1, its log context), msrun's log emptied and the
+    job's own files rotated past ``cap_bytes``."""
+    while cap_bytes and not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CHECK_S):
+                await stop.wait()
+        generations = running()
+        for _, _, fd, ctx in generations:
+            if fd >= 0 and empty_if_over(fd, cap_bytes):
+                log.info("msrun's log was over max_log_mb: emptied", extra=ctx)
+        await cap([(folder, uid) for folder, uid, _, _ in generations], cap_bytes)

@@ -183,7 +183,8 @@ class NodeAgent:
         reporter = asyncio.create_task(self.reports.run(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
         deadline = asyncio.create_task(self._deadline_loop(), name="fence-deadline")
-        capper = asyncio.create_task(self._cap_logs(stop), name="log-caps")
+        capper = asyncio.create_task(logcap.keep_capped(self._log_folders, self.cfg.max_log_mb << 20, stop),
+                                     name="log-caps")
         try:
             await committed.close_stale_reports(self.store, self.cfg.node_id, stop)
             while not stop.is_set():
@@ -239,19 +240,11 @@ class NodeAgent:
                     t.cancel()
                 await asyncio.gather(reporter, fencer, deadline, capper, *self._kills, return_exceptions=True)
 
-    async def _cap_logs(self, stop: asyncio.Event) -> None:
-        """Every logcap.CHECK_S, the log files of the generations running here rotated past max_log_mb."""
-        while self.cfg.max_log_mb and not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(logcap.CHECK_S):
-                    await stop.wait()
-            running = [g for g in self.generations.values() if not g.done.is_set()]
-            for g in running:
-                if g.launch.log is not None and logcap.empty_if_over(g.launch.log.fileno(), self.cfg.max_log_mb << 20):
-                    log.info("msrun's log of generation %d was over max_log_mb: emptied", g.plan.generation,
-                             extra=dict(self._ctx, job=g.plan.job, generation=g.plan.generation))
-            await logcap.cap([(g.log_dir, g.user.uid if g.user else os.geteuid()) for g in running],
-                             self.cfg.max_log_mb << 20)
+    def _log_folders(self) -> list[tuple[str, int, int, dict[str, Any]]]:
+        """What logcap.keep_capped looks at: each running generation's log folder, user, msrun's log."""
+        return [(g.log_dir, g.user.uid if g.user else os.geteuid(), g.launch.log.fileno() if g.launch.log else -1,
+                 dict(self._ctx, job=g.plan.job, generation=g.plan.generation))
+                for g in self.generations.values() if not g.done.is_set()]
 
     async def _release_after_workers(self, lease: KeptLease) -> None:
         """On shutdown, revoke the registration only once the local workers are gone (elasticd
