@@ -233,6 +233,12 @@ class Settings:
             raise bad("keep_events_s", f"must be 60 s to 10 years (got {self.keep_events_s})")
         if self.progress_interval_s < 0:
             raise bad("progress_interval_s", f"must be >= 0 (got {self.progress_interval_s})")
+        self._check_containment()
+        if self.log_format not in ("text", "json"):
+            raise bad("log_format", f"must be text or json (got {self.log_format!r})")
+
+    def _check_containment(self) -> None:
+        """The settings that keep a job to itself: cgroups, its limits, its uid, its logs' size."""
         if self.cgroups not in ("auto", "required", "off"):
             raise bad("cgroups", f"must be auto, required or off (got {self.cgroups!r})")
         for key, top in (("job_memory_limit_mb", 2**40), ("job_max_processes", 4194304)):  # (the kernel's pid limit)
@@ -245,8 +251,6 @@ class Settings:
                 raise bad("job_uids", str(e)) from None
         if not 0 <= self.max_log_mb <= 2**20:
             raise bad("max_log_mb", f"must be 0 (no cap) to 1048576 (got {self.max_log_mb})")
-        if self.log_format not in ("text", "json"):
-            raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
     def _check_security(self) -> None:
         """TLS and etcd credentials that go together and are the owner's alone; no plaintext
