@@ -72,6 +72,10 @@ except OSError as e:
 """
 
 
+#: Processes of a group pinned (a pidfd each) at once to be signalled.
+PINNED_AT_ONCE = 256
+
+
 class CgroupError(RuntimeError):
     """A cgroup could not be made, joined or limited."""
 
@@ -305,12 +309,24 @@ class Group:
         return 0
 
     def move(self, pid: int) -> None:
-        """Put process ``pid`` (all its threads) in this group."""
-        for path in self.procs_files():
-            try:
-                _write(path, str(pid))
-            except OSError as e:
-                raise CgroupError(f"cannot move pid {pid} into {path}: {e.strerror}") from None
+        """Put process ``pid`` (all its threads) in this group: only while it is the process it was
+        when called (pinned by a pidfd, alive after each write; a number reused meanwhile by
+        another process would have moved that one instead)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as e:
+            raise CgroupError(f"cannot move pid {pid}: {e.strerror}") from None
+        try:
+            for path in self.procs_files():
+                try:
+                    _write(path, str(pid))
+                    signal.pidfd_send_signal(fd, 0)
+                except ProcessLookupError:
+                    raise CgroupError(f"cannot move pid {pid} into {path}: it ended") from None
+                except OSError as e:
+                    raise CgroupError(f"cannot move pid {pid} into {path}: {e.strerror}") from None
+        finally:
+            os.close(fd)
 
     def _folders(self) -> list[str]:
         """This group's folder in the membership hierarchy and every one below it, deepest first."""
@@ -335,11 +351,25 @@ class Group:
         return bool(self.pids())
 
     def signal(self, signum: int) -> None:
-        for pid in self.pids():
+        """``signum`` to every process in the group and below. A pid read from ``cgroup.procs`` may
+        be another process's by the time it is signalled (its own ended, the number was reused):
+        each is pinned first (a pidfd), the group read again, and only those still in it signalled
+        through their pidfd (no process leaves a job's group by itself: ``cgroup.procs`` is root's)."""
+        pids = sorted(self.pids())
+        for at in range(0, len(pids), PINNED_AT_ONCE):  # (a descriptor each: a fork bomb's thousands)
+            pinned: dict[int, int] = {}
             try:
-                os.kill(pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+                for pid in pids[at:at + PINNED_AT_ONCE]:
+                    with contextlib.suppress(OSError):  # (ended meanwhile)
+                        pinned[pid] = os.pidfd_open(pid)
+                still = self.pids()
+                for pid, fd in pinned.items():
+                    if pid in still:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            signal.pidfd_send_signal(fd, signum)
+            finally:
+                for fd in pinned.values():
+                    os.close(fd)
 
     def kill(self) -> None:
         """SIGKILL to every process in the group and below (v2: cgroup.kill, which nothing escapes

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import time
@@ -113,6 +114,10 @@ class Standby:
     def alive(self) -> bool:
         return self.proc.returncode is None
 
+    def gone(self) -> bool:
+        """Not alive, or (forked) exited as the kernel says this instant."""
+        return not self.alive or (isinstance(self.proc, Forked) and self.proc.ended_now())
+
     async def await_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
         """Read its output until it says it is ready (True), exits or times out (False); then keep
         reading, so that whatever it prints never blocks it."""
@@ -185,6 +190,8 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 #: Starts one standby process: (its marker, the file descriptor for its standard input, output and
 #: error) -> the process.
 Spawner = Callable[[str, int], Awaitable[asyncio.subprocess.Process]]
+#: What to do once a fork server has ended and been reaped (stop what is left in its cgroup).
+Release = Callable[[], Awaitable[None]]
 
 
 
@@ -197,6 +204,13 @@ FORK_ANSWER_S = 10.0
 
 #: Longest line a fork server may send (its answers are short; MindSpore's log lines too).
 MAX_LINE = 1 << 20
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited, as the kernel says this instant (readable)."""
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class Forked:
@@ -212,6 +226,11 @@ class Forked:
         self._exited = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(pidfd, self._on_end)
+
+    def ended_now(self) -> bool:
+        """Whether it has exited, as the kernel says this instant (its pidfd readable), before the
+        event loop has seen it (its server killed a moment ago: it dies with it)."""
+        return self._ended or self.returncode is not None or _exited(self._pidfd)
 
     def _on_end(self) -> None:
         self._loop.remove_reader(self._pidfd)
@@ -269,8 +288,8 @@ class ForkServer:
     pid it names must be its own child, of its own user, opened as a pidfd at once; an answer
     names the request it answers; a line it sends that does not parse is dropped."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
-        self.proc, self._sock = proc, sock
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket, release: Release | None = None) -> None:
+        self.proc, self._sock, self._release = proc, sock, release
         try:  # (signals go through it: once reaped, its pid may be another process's)
             self._pidfd: int | None = os.pidfd_open(proc.pid)
         except OSError:
@@ -283,10 +302,10 @@ class ForkServer:
         self._reader = asyncio.create_task(self._read(), name=f"fork-server-{proc.pid}")
 
     @classmethod
-    async def start(cls, spawn: Spawner, marker: str) -> "ForkServer":
+    async def start(cls, spawn: Spawner, marker: str, release: Release | None = None) -> "ForkServer":
         proc, ours = await _spawn_on_socket(spawn, marker)
         ours.setblocking(False)
-        return cls(proc, ours)
+        return cls(proc, ours, release)
 
     @property
     def pid(self) -> int:
@@ -294,7 +313,12 @@ class ForkServer:
 
     @property
     def alive(self) -> bool:
-        return self.proc.returncode is None and not self._reader.done() and not self._failed
+        return self.proc.returncode is None and not self._failed and self._running_now()
+
+    def _running_now(self) -> bool:
+        """Whether it still runs, by the kernel's word (its output may stay open after its end: a
+        process the job's code started in it holds a copy)."""
+        return not self._reader.done() and self._pidfd is not None and not _exited(self._pidfd)
 
     def running(self) -> list[Forked]:
         """The standbys it forked that have not ended (taken or not)."""
@@ -362,7 +386,7 @@ class ForkServer:
             return f"named pid {pid}: {e}"
         for gone in [c for c in self.children.values() if c.returncode is not None]:
             del self.children[gone.pid]
-        child = self.children[pid] = Forked(pid, pidfd, lambda: not self._reader.done())
+        child = self.children[pid] = Forked(pid, pidfd, self._running_now)
         return child
 
     async def await_ready(self, timeout_s: float) -> bool:
@@ -411,6 +435,9 @@ class ForkServer:
         await self.proc.wait()
         for child in list(self.children.values()):
             child.discard()
+        release, self._release = self._release, None
+        if release is not None:
+            await release()
 
     async def close_after(self, children: list[Forked]) -> None:
         """Close it once ``children`` (standbys that are ranks now) have ended."""

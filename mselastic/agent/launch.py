@@ -22,7 +22,7 @@ import psutil
 import tenacity
 
 from mselastic.agent import observe, procs
-from mselastic.agent.cgroups import Group, join_prefix
+from mselastic.agent.cgroups import CgroupError, Group, join_prefix
 from mselastic.agent.launch_env import LaunchEnv
 from mselastic.agent.preflight import LaunchError
 from mselastic.agent.ranks import RankState
@@ -95,10 +95,28 @@ async def spawn_standby(env: LaunchEnv, marker: str, fd: int) -> asyncio.subproc
     user, with the job's environment and ``marker``, in the script's folder; ``fd`` (its end of a
     socket pair) as its standard input, output and error; in a cgroup of the job's of its own, where
     the standbys it forks (a fork server) stay until a generation takes them."""
-    group = env.job_group.child("pool-" + marker.rpartition(".")[2]).make() if env.job_group else None
+    group = _pool_group(env, marker)
+    if group is not None:
+        group.make()
     return await spawn_as_worker([sys.executable, "-m", "mselastic.trainer.standby"], env.standby_env(marker),
                                  env.job_env(), env.user, env.cwd, batch=env.batch_scheduling, group=group,
                                  stdin=fd, stdout=fd, stderr=fd)
+
+
+def _pool_group(env: LaunchEnv, marker: str) -> Group | None:
+    return env.job_group.child("pool-" + marker.rpartition(".")[2]) if env.job_group else None
+
+
+async def release_standby_group(env: LaunchEnv, marker: str) -> None:
+    """Once the fork server started with ``marker`` has ended: stop whatever is left in its cgroup
+    (a process the job's own code started in it and detached: its import runs the job's
+    ``sitecustomize``, say) and remove the group. Its standbys are gone by then: a taken one was
+    moved into its generation's group, the rest died with the server."""
+    group = _pool_group(env, marker)
+    if group is not None:
+        left = await group.stop()
+        if left:
+            log.warning("standby cgroup %s: pids %s still there after SIGKILL", group.rel, left)
 
 
 def scheduler_host(addr: str) -> str:
@@ -178,6 +196,10 @@ async def reachable(host: str, port: int, within_s: float, stopping: Callable[[]
 
 
 
+class StandbyGone(OSError):
+    """The first standby of a handover was gone when handed its part (nothing was handed over)."""
+
+
 class Path(enum.Enum):
     """How a generation's processes start here."""
 
@@ -219,8 +241,13 @@ class Launch:
             return False
         if self.path is Path.WARM and self.member.node_rank != 0 and not await self._scheduler_reached(env, stopping):
             return False
+        if self.path is Path.WARM and any(sb.gone() for sb in self.standbys):
+            return await self._cold_instead(env, "a standby worker exited before its handover", stopping)
         if self.path is Path.WARM:
-            await self.hand_over(env, ranks, stopping)
+            try:
+                await self.hand_over(env, ranks, stopping)
+            except StandbyGone as e:  # (its fork server killed meanwhile: they all die with it)
+                return await self._cold_instead(env, str(e), stopping)
         return True
 
     async def _standbys_ready(self, env: LaunchEnv, stopping: Callable[[], bool]) -> bool:
@@ -292,11 +319,17 @@ class Launch:
         argv = [env.spec.script, *env.spec.args]
         standbys = list(self.standbys)
         lines = []
+        try:  # the first one: gone (with its fork server), the generation may still start cold
+            self._join(standbys[0])
+        except CgroupError as e:
+            raise StandbyGone(str(e)) from None
         if self.member.node_rank == 0:
             scheduler = standbys.pop(0)
             path = os.path.join(env.log_dir, "scheduler.log")
-            self._join(scheduler)
-            await scheduler.hand_over({**common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, env.cwd, path)
+            try:
+                await scheduler.hand_over({**common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, env.cwd, path)
+            except OSError as e:
+                raise StandbyGone(f"standby pid {scheduler.pid} could not take the scheduler's part: {e}") from None
             lines.append(f"Start scheduler process (warm: standby pid {scheduler.pid}), log file:{path}.")
             # The workers go once it listens (a worker that meets no scheduler retries only half a
             # second later), or after a while anyway: they retry, and startup_timeout_s bounds it all.
@@ -308,9 +341,15 @@ class Launch:
             if stopping():
                 return
             path = os.path.join(env.log_dir, f"worker_{rs.rank}.log")
-            self._join(standby)
-            await standby.hand_over({**common, "MS_NODE_ID": str(rs.rank), "MS_ROLE": "MS_WORKER",
-                                     "RANK_ID": str(rs.rank), "DEVICE_ID": str(i)}, argv, env.cwd, path)
+            if i or self.member.node_rank == 0:
+                self._join(standby)
+            try:
+                await standby.hand_over({**common, "MS_NODE_ID": str(rs.rank), "MS_ROLE": "MS_WORKER",
+                                         "RANK_ID": str(rs.rank), "DEVICE_ID": str(i)}, argv, env.cwd, path)
+            except OSError as e:
+                if i or self.member.node_rank == 0:
+                    raise
+                raise StandbyGone(f"standby pid {standby.pid} could not take rank {rs.rank}'s part: {e}") from None
             rs.pid, rs.create_time = standby.pid, psutil.Process(standby.pid).create_time()
             self.warm_ranks[rs.rank] = standby
             lines.append(f"Start worker process with rank id:{rs.rank} (warm: standby pid {standby.pid}), "

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import stat
 from typing import Any, Callable
 
-from mselastic.agent.cgroups import join_prefix
+from mselastic.agent.cgroups import Group, join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,14 @@ def oversized(folder: str, cap_bytes: int, uid: int) -> list[tuple[str, int, int
     return found
 
 
-async def rotate(path: str, uid: int, gid: int, keep_bytes: int) -> None:
-    """Rotate ``path`` (see the module's notes) as ``uid``/``gid``; errors are logged, never raised."""
+async def rotate(path: str, uid: int, gid: int, keep_bytes: int, group: Group | None = None) -> None:
+    """Rotate ``path`` (see the module's notes) as ``uid``/``gid``, in the generation's cgroup
+    ``group`` (a job's process of that uid may take it over: there it is one of the job's, at
+    the jobs' oom_score_adj, inside its limits and gone with it); errors are logged, never raised."""
     cmd = ["/bin/sh", "-c", _ROTATE, "rotate", str(keep_bytes), path]
     owner = WorkerUser(str(uid), uid, gid, passwd=False)
     if owner.switch:
-        cmd = [*join_prefix([]), *setpriv(owner), *cmd]  # (a job's process may not take it over at -900)
+        cmd = [*join_prefix([group] if group else []), *setpriv(owner), *cmd]
     try:
         proc = await asyncio.create_subprocess_exec(*cmd, env={"PATH": "/usr/bin:/bin"}, cwd="/",
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
@@ -79,24 +82,33 @@ def empty_if_over(fd: int, cap_bytes: int) -> bool:
     return True
 
 
-async def cap(folders: list[tuple[str, int]], cap_bytes: int) -> None:
-    """Rotate the files of each (folder, the job's uid) over ``cap_bytes`` (the scan off the event loop)."""
-    for folder, uid in folders:
-        for path, owner, gid in await asyncio.to_thread(oversized, folder, cap_bytes, uid):
-            await rotate(path, owner, gid, cap_bytes // 2)
+@dataclasses.dataclass(frozen=True)
+class Logs:
+    """A running generation's logs, as the cap sees them."""
+
+    folder: str
+    uid: int  # the job's user's: only its files are rotated
+    msrun_fd: int = -1  # msrun's log, open for appending by elasticd (-1: none)
+    group: Group | None = None  # the generation's cgroup: the rotation, as the job's user, runs there
+    ctx: dict[str, Any] = dataclasses.field(default_factory=dict)  # (its log lines')
 
 
-async def keep_capped(running: Callable[[], list[tuple[str, int, int, dict[str, Any]]]], cap_bytes: int,
-                      stop: asyncio.Event) -> None:
-    """Every :data:`CHECK_S` until ``stop``: for each generation ``running()`` names (its log folder,
-    its user's uid, msrun's log descriptor or -1, its log context), msrun's log emptied and the
-    job's own files rotated past ``cap_bytes``."""
+async def cap(generations: list[Logs], cap_bytes: int) -> None:
+    """Rotate the job's files of each generation's folder over ``cap_bytes`` (the scan off the event loop)."""
+    for g in generations:
+        for path, owner, gid in await asyncio.to_thread(oversized, g.folder, cap_bytes, g.uid):
+            await rotate(path, owner, gid, cap_bytes // 2, g.group)
+
+
+async def keep_capped(running: Callable[[], list[Logs]], cap_bytes: int, stop: asyncio.Event) -> None:
+    """Every :data:`CHECK_S` until ``stop``: for each generation ``running()`` names, msrun's log
+    emptied and the job's own files rotated past ``cap_bytes``."""
     while cap_bytes and not stop.is_set():
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CHECK_S):
                 await stop.wait()
         generations = running()
-        for _, _, fd, ctx in generations:
-            if fd >= 0 and empty_if_over(fd, cap_bytes):
-                log.info("msrun's log was over max_log_mb: emptied", extra=ctx)
-        await cap([(folder, uid) for folder, uid, _, _ in generations], cap_bytes)
+        for g in generations:
+            if g.msrun_fd >= 0 and empty_if_over(g.msrun_fd, cap_bytes):
+                log.info("msrun's log was over max_log_mb: emptied", extra=g.ctx)
+        await cap(generations, cap_bytes)

@@ -33,7 +33,7 @@ from mselastic.agent.cgroups import Limits, Tree
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
 from mselastic.agent.reports import Reports
-from mselastic.agent.launch import spawn_standby
+from mselastic.agent.launch import release_standby_group, spawn_standby
 from mselastic.agent.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.supervisor import Generation
 from mselastic.agent.users import WorkerUser
@@ -240,10 +240,11 @@ class NodeAgent:
                     t.cancel()
                 await asyncio.gather(reporter, fencer, deadline, capper, *self._kills, return_exceptions=True)
 
-    def _log_folders(self) -> list[tuple[str, int, int, dict[str, Any]]]:
-        """What logcap.keep_capped looks at: each running generation's log folder, user, msrun's log."""
-        return [(g.log_dir, g.user.uid if g.user else os.geteuid(), g.launch.log.fileno() if g.launch.log else -1,
-                 dict(self._ctx, job=g.plan.job, generation=g.plan.generation))
+    def _log_folders(self) -> list[logcap.Logs]:
+        """What logcap.keep_capped looks at: each running generation's logs."""
+        return [logcap.Logs(g.log_dir, g.user.uid if g.user else os.geteuid(),
+                            g.launch.log.fileno() if g.launch.log else -1, g.launch.group,
+                            dict(self._ctx, job=g.plan.job, generation=g.plan.generation))
                 for g in self.generations.values() if not g.done.is_set()]
 
     async def _release_after_workers(self, lease: KeptLease) -> None:
@@ -523,7 +524,7 @@ class NodeAgent:
                 self._swept.add(plan.job)  # once per job and elasticd: the folders of jobs long gone
                 self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root,
                                                    {j for j, g in self.generations.items() if not g.done.is_set()}
-                                                   | {plan.job}))
+                                                   | {plan.job}, self.cfg.cgroups))
             gen.on_joined = self._tell_peers_joined
             self.generations[plan.job] = gen
             self._ended.discard(plan.job)  # submitted again
@@ -604,7 +605,8 @@ class NodeAgent:
         for a scheduler (this node may be node_rank 0 next time)."""
         if self.cfg.warm_standbys:
             self.standbys.keep(gen.plan.job, gen.launch_env.launch_key(), gen.member.local_workers + 1,
-                               functools.partial(spawn_standby, gen.launch_env))
+                               functools.partial(spawn_standby, gen.launch_env),
+                               functools.partial(release_standby_group, gen.launch_env))
 
     def _running(self, job: str) -> bool:
         current = self.generations.get(job)
@@ -627,7 +629,7 @@ class NodeAgent:
             except OSError as e:
                 log.warning("snapshot folder %s not removed: %s", path, e, extra=dict(job=job))
                 return
-            self._spawn(remove_snapshot_folder(gone))
+            self._spawn(remove_snapshot_folder(gone, self.cfg.cgroups))
 
     async def _remove_job_group(self, job: str) -> None:
         """The job's cgroup here, once it ended: whatever is left in it (its fork server, what its

@@ -5,12 +5,16 @@ the next relaunch of the same launch, stopped when the job no longer runs here."
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from mselastic.agent.forkserver import READY_TIMEOUT_S, ForkServer, Spawner, Standby
+
+#: What stops whatever is left in a fork server's cgroup once it has ended (by its marker).
+Releaser = Callable[[str], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +32,9 @@ _retiring_servers: set[asyncio.Task[None]] = set()
 class StandbyPool:
     """The standbys this node keeps for one job and launch key, forked by the pool's fork server."""
 
-    def __init__(self, job: str, node_id: str, key: str, spawn: Spawner) -> None:
+    def __init__(self, job: str, node_id: str, key: str, spawn: Spawner, release: Releaser | None = None) -> None:
         self.job, self.node_id, self.key = job, node_id, key
-        self._spawn = spawn  # (starts the fork server)
+        self._spawn, self._release = spawn, release  # (start a fork server; stop what it left)
         self.server: ForkServer | None = None
         self._servers_started = 0
         self.standbys: list[Standby] = []
@@ -77,7 +81,9 @@ class StandbyPool:
         self._servers_started += 1
         started = time.monotonic()
         try:
-            server = self.server = await ForkServer.start(self._spawn, self._marker())
+            marker = self._marker()
+            server = self.server = await ForkServer.start(
+                self._spawn, marker, functools.partial(self._release, marker) if self._release else None)
         except (OSError, RuntimeError) as e:
             self._break(f"a standby could not be started: {e}")
             return None
@@ -195,7 +201,7 @@ class WarmPools:
             return []
         return pool.take(count)
 
-    def keep(self, job: str, key: str, count: int, spawn: Spawner) -> None:
+    def keep(self, job: str, key: str, count: int, spawn: Spawner, release: Releaser | None = None) -> None:
         """Once a generation trains here: ``count`` standbys for its next relaunch, started one
         after the other (a pool of another launch key is replaced)."""
         pool = self.pools.get(job)
@@ -203,7 +209,7 @@ class WarmPools:
             asyncio.create_task(pool.close(), name=f"standbys-close-{job}")
             pool = None
         if pool is None:
-            pool = self.pools[job] = StandbyPool(job, self.node_id, key, spawn)
+            pool = self.pools[job] = StandbyPool(job, self.node_id, key, spawn, release)
         pool.fill(count)
 
     def retire(self, job: str, succeeded: bool, running: Callable[[], bool]) -> None:

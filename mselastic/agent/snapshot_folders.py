@@ -10,8 +10,9 @@ import os
 import shutil
 import stat
 import time
+import uuid
 
-from mselastic.agent.cgroups import join_prefix
+from mselastic.agent.cgroups import Tree, join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
@@ -43,17 +44,22 @@ def snapshot_folder(root: str, job: str, user: WorkerUser | None) -> str:
     return path
 
 
-async def remove_snapshot_folder(path: str) -> None:
+async def remove_snapshot_folder(path: str, cgroups: Tree | None = None) -> None:
     """Remove a job's snapshot folder, off the event loop: its content as the folder's owner (the
     worker user or the job's uid, mode 0700; elasticd has no CAP_DAC_OVERRIDE under the unit),
-    then the folder itself from elasticd's own. Errors are logged, never raised."""
+    then the folder itself from elasticd's own. The removal as the owner runs in a cgroup of its
+    own in ``cgroups`` (a job's process of that uid may take it over: it stays inside the jobs'
+    limits, and whatever it started there is killed once it ends). Errors are logged, never raised."""
+    group = None
     try:
         st = await asyncio.to_thread(os.lstat, path)
         user = WorkerUser(f"uid {st.st_uid}", st.st_uid, st.st_gid, passwd=False)
         if user.switch:
+            group = cgroups.root.child(f"cleanup-{uuid.uuid4().hex[:8]}").make() if cgroups else None
             proc = await asyncio.create_subprocess_exec(
-                *join_prefix([]), *setpriv(user), "find", path, "-xdev", "-mindepth", "1", "-delete",
-                env={"PATH": "/usr/bin:/bin"}, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                *join_prefix([group] if group else []), *setpriv(user), "find", path, "-xdev", "-mindepth", "1",
+                "-delete", env={"PATH": "/usr/bin:/bin"}, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 300)
             if proc.returncode:
                 raise OSError(err.decode(errors="replace").strip()[-300:] or f"find exited {proc.returncode}")
@@ -64,9 +70,12 @@ async def remove_snapshot_folder(path: str) -> None:
         pass
     except Exception as e:  # noqa: BLE001 - memory left behind is logged, never a crash
         log.warning("snapshot folder %s not removed: %s", path, e)
+    finally:
+        if group is not None:
+            await group.stop()
 
 
-async def sweep_snapshot_folders(root: str, keep: set[str]) -> None:
+async def sweep_snapshot_folders(root: str, keep: set[str], cgroups: Tree | None = None) -> None:
     """Folders of jobs that failed for good, were stopped or deleted are memory nobody reads:
     removed once untouched for ``SNAPSHOT_KEEP_S`` (a training job's is written every few steps);
     never the ``keep`` ones (jobs running here)."""
@@ -77,4 +86,4 @@ async def sweep_snapshot_folders(root: str, keep: set[str]) -> None:
         return
     for name, mtime, is_dir in entries:
         if name not in keep and is_dir and time.time() - mtime > SNAPSHOT_KEEP_S:
-            await remove_snapshot_folder(os.path.join(root, name))
+            await remove_snapshot_folder(os.path.join(root, name), cgroups)

@@ -61,30 +61,62 @@ class Conflict(Exception):
     """The job's status changed between our read and our compare-and-set."""
 
 
-async def shown_step(view: JobView) -> int:
+class CheckpointSteps:
+    """The step of each job's newest checkpoint, for the jobs table: read off the event loop with
+    :func:`bounded`, a read reused for :attr:`KEEP_S`, and a poll never waiting more than
+    :attr:`WAIT_S` for one (shared storage may hang: the table then shows what the agents
+    reported; the read goes on, and its answer serves the next poll)."""
+
+    KEEP_S = 5.0
+    WAIT_S = 0.3
+    MAX_JOBS = 4096
+
+    def __init__(self) -> None:
+        self._reads: dict[tuple[str, str], tuple[float, asyncio.Task[int | None]]] = {}
+
+    async def get(self, job: str, checkpoint_dir: str) -> int | None:
+        key, now = (job, checkpoint_dir), time.monotonic()
+        held = self._reads.get(key)
+        if held is None or (held[1].done() and now - held[0] > self.KEEP_S):
+            if len(self._reads) >= self.MAX_JOBS:  # (jobs come and go: the oldest answers go)
+                for old in sorted(self._reads, key=lambda k: self._reads[k][0])[:self.MAX_JOBS // 4]:
+                    if self._reads[old][1].done():
+                        del self._reads[old]
+            held = self._reads[key] = (now, asyncio.create_task(self._read(job, checkpoint_dir)))
+        try:
+            return await asyncio.wait_for(asyncio.shield(held[1]), self.WAIT_S)
+        except asyncio.TimeoutError:
+            return None
+
+    @staticmethod
+    async def _read(job: str, checkpoint_dir: str) -> int | None:
+        try:
+            return await bounded(checkpointed_step, checkpoint_dir, job)
+        except Unreadable:
+            return None
+
+
+async def shown_step(view: JobView, steps: CheckpointSteps) -> int:
     """The newest step the current generation reported; while it starts (no step yet), the step it
-    resumes from: its newest checkpoint (shared storage, read off the event loop), else where the
-    previous generation got to. Between generations the table should not read 0, as if the
+    resumes from (its ranks', once they say), else its newest checkpoint (``steps``), else where
+    the previous generation got to. Between generations the table should not read 0, as if the
     progress were lost."""
     if view.step >= 0 or view.plan is None or view.spec is None:
         return view.step
     resumed = max((r.resumed_step for r in view.current_reports().values()), default=-1)
     if resumed >= 0:
         return resumed
-    try:
-        checkpointed = await bounded(checkpointed_step, view.spec.checkpoint_dir, view.name)
-    except Unreadable:
-        checkpointed = None
+    checkpointed = await steps.get(view.name, view.spec.checkpoint_dir)
     if checkpointed is not None:
         return checkpointed
     before = view.reports.get(view.plan.generation - 1, {}).values()
     return max((r.exit_step if r.exit_step >= 0 else r.step for r in before), default=-1)
 
 
-async def job_to_pb(view: JobView) -> pb.JobStatus:
+async def job_to_pb(view: JobView, steps: CheckpointSteps) -> pb.JobStatus:
     st = view.status
     msg = pb.JobStatus(job=view.name, state=job_state_to_pb(st.state), generation=st.generation,
-                       restart_count=st.restart_count, step=await shown_step(view),
+                       restart_count=st.restart_count, step=await shown_step(view, steps),
                        message=st.message or view.spec_error,
                        total_steps=view.spec.total_steps if view.spec else 0, note=st.note, loss=view.loss)
     if view.spec is not None:
@@ -137,6 +169,8 @@ class ControlService(pb_grpc.ControlServicer):
         #: Loader and interpreter variables a job's env may set anyway (elasticd's allow_env).
         self.allow_env = allow_env
         self._telling: set[asyncio.Task[Any]] = set()  # nodes being told a deleted job is gone
+        #: The jobs' checkpointed steps, as the jobs table shows them while a generation starts.
+        self.steps = CheckpointSteps()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         try:
@@ -153,7 +187,7 @@ class ControlService(pb_grpc.ControlServicer):
             for node_id, n in held.items():
                 used[node_id] = used.get(node_id, 0) + n
         return pb.StatusResponse(
-            jobs=list(await asyncio.gather(*(job_to_pb(v) for _, v in sorted(cluster.jobs.items())))),
+            jobs=list(await asyncio.gather(*(job_to_pb(v, self.steps) for _, v in sorted(cluster.jobs.items())))),
             nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
                                used_slots=used.get(n.node_id, 0),
@@ -446,7 +480,7 @@ class ControlService(pb_grpc.ControlServicer):
                 log.error("skipping malformed plan %s: %s", kv.key, err, extra=dict(job=request.job))
         # The env's values are not shown (tokens, passwords): the names are.
         spec = dataclasses.replace(view.spec, env={k: HIDDEN for k in view.spec.env}) if view.spec else None
-        return pb.DescribeResponse(status=await job_to_pb(view), spec_json=spec.to_json() if spec else "",
+        return pb.DescribeResponse(status=await job_to_pb(view, self.steps), spec_json=spec.to_json() if spec else "",
                                    plans=[plan_to_pb(p) for p in sorted(plans, key=lambda p: p.generation)])
 
     async def _term(self, context: grpc.aio.ServicerContext) -> Term:

@@ -136,6 +136,9 @@ async def _check_node(s: Settings) -> WorkerUser:
         raise bad("worker_user", str(e)) from None
     if worker.is_root:
         log.warning("worker_user = root: every job's script runs as root on this node")
+    elif not s.job_uids:
+        log.info("every job runs as %s here: the jobs of this node can read each other's files and signal each "
+                 "other's processes; job_uids = \"START-END\" gives each job a uid of its own", worker.name)
     procs.read_as(worker.uid)
     if s.insecure and not s.tls_cert:
         log.warning("insecure = true: plaintext gRPC on %s; anyone who reaches it can run jobs on this cluster",

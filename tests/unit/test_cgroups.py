@@ -73,3 +73,24 @@ def test_spec_and_settings_refuse_limits_no_job_could_start_under() -> None:
         JobSpec.from_dict({**base, "max_processes": -1})
     with pytest.raises(SettingsError, match="cgroups: must be auto, required or off"):
         Settings(node_id="n0", cgroups="yes").validate()
+
+
+def test_on_pure_v2_the_limits_go_to_the_v2_files_with_their_controllers_handed_down(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A pure v2 node (unrun on these hybrid machines: the files, as plain files): every job together
+    held by the subtree's memory.max and pids.max, the controllers handed to the jobs' groups and
+    from each job's group to its generations; a limit written again only when it changes."""
+    root = str(tmp_path)
+    layout = cgroups.Layout("v2", root, True, memory=root, memory_v2=True, pids=root, pids_v2=True)
+    tree = cgroups.Tree(layout, cgroups.Limits(8 << 30, 16000))
+    read = lambda *p: (tmp_path.joinpath(*p)).read_text()  # noqa: E731
+    assert read("cgroup.subtree_control") == "+memory +pids"
+    assert (read("memory.max"), read("pids.max")) == (str(8 << 30), "16000")
+    tree.job("a", cgroups.Limits(768 << 20, 256))
+    assert (read("a", "memory.max"), read("a", "pids.max"), read("a", "cgroup.subtree_control")) == \
+        (str(768 << 20), "256", "+memory +pids")
+    tmp_path.joinpath("a", "pids.max").write_text("max")
+    tree.job("a", cgroups.Limits(768 << 20, 256))  # (the same: not written again)
+    assert read("a", "pids.max") == "max"
+    tree.job("a", cgroups.Limits(1 << 30, 512))
+    assert (read("a", "memory.max"), read("a", "pids.max")) == (str(1 << 30), "512")
+    assert layout.v2_limits() == "+memory +pids" and cgroups.Layout("hybrid", root, True).v2_limits() == ""
