@@ -19,7 +19,8 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         kind=cast(pb.RelaunchReason, pb.RelaunchReason.Value(f"RELAUNCH_REASON_{plan.kind.name}")),
         stop_previous_at_step=plan.stop_previous_at_step,
         members=[pb.Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
-                           agent_address=m.agent_address, host=m.host) for m in plan.members])
+                           agent_address=m.agent_address, host=m.host, devices=m.devices,
+                           device_kind=m.device_kind) for m in plan.members])
 
 
 def plan_from_pb(msg: pb.Plan) -> Plan:
@@ -29,7 +30,8 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         kind=RelaunchReason[pb.RelaunchReason.Name(msg.kind).removeprefix("RELAUNCH_REASON_")]
         if msg.kind else RelaunchReason.INITIAL, stop_previous_at_step=msg.stop_previous_at_step,
         members=tuple(Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
-                             agent_address=m.agent_address, host=m.host) for m in msg.members))
+                             agent_address=m.agent_address, host=m.host, devices=tuple(m.devices),
+                             device_kind=m.device_kind) for m in msg.members))
 
 
 def failure_cause_to_pb(cause: FailureCause) -> pb.FailureCause:

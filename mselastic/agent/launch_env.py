@@ -16,6 +16,7 @@ import sys
 from mselastic.agent.cgroups import Group
 from mselastic.agent.users import WorkerUser, inherited_env
 from mselastic.core import contract
+from mselastic.core.devices import visible_env
 from mselastic.core.model import Member, Plan
 from mselastic.core.spec import JobSpec, forbidden_env
 
@@ -121,6 +122,9 @@ class LaunchEnv:
             env[contract.ENV_SNAPSHOT_INTERVAL] = str(self.spec.snapshot_interval_steps)
         for name, value in mindspore_cluster_env(self.plan.world_size).items():
             env.setdefault(name, value)
+        member = self.plan.member(self.node_id)
+        if member is not None:  # (its devices, renumbered from 0: msrun's DEVICE_ID i is devices[i])
+            env.update(visible_env(member.device_kind, member.devices))
         return env
 
     def standby_env(self, marker: str) -> dict[str, str]:

@@ -59,6 +59,9 @@ class AgentConfig:
     slots: int
     work_dir: str
     lease_ttl_s: int
+    #: Its accelerators (see mselastic.core.devices): their kind ("" none) and ids.
+    device_kind: str = ""
+    devices: tuple[int, ...] = ()
     report_interval_s: float = 1.0
     tls: TlsFiles = TlsFiles()
     #: Who the workers run as (None: as elasticd itself), and the env names jobs may set anyway.
@@ -414,7 +417,8 @@ class NodeAgent:
 
     def _record(self) -> NodeRecord:
         return NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
-                          slots=self.cfg.slots, version=__version__)
+                          slots=self.cfg.slots, version=__version__, device_kind=self.cfg.device_kind,
+                          devices=self.cfg.devices)
 
     async def _register(self, lease: KeptLease, stop: asyncio.Event, fencing_by: KeptLease | None = None) -> None:
         """Register the node id under our lease, if it is free (create-if-absent); meanwhile,

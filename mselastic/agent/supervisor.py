@@ -636,4 +636,4 @@ class Generation:
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
             resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause,
             resumed_steps={str(r.rank): r.resumed_step for r in self.ranks.values() if r.resumed_step >= 0},
-            warm=self.warm)
+            warm=self.warm, devices=self.member.devices)

@@ -82,6 +82,14 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
         raise MalformedRecord(f"{cls.__name__}: {e}") from None
 
 
+def _device_ids(value: Any) -> tuple[int, ...]:
+    """A record's device ids: a list of distinct non-negative ints (ValueError otherwise)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in value) or len(set(value)) != len(value):
+        raise ValueError(f"devices must be a list of distinct device ids (got {value!r:.80})")
+    return tuple(value)
+
+
 def _encode(record: Any) -> str:
     def default(o: Any) -> Any:
         if isinstance(o, (JobState, GenerationState, FailureCause, EventKind, RelaunchReason)):
@@ -106,6 +114,15 @@ class NodeRecord:
     cordoned: bool = False
     #: ... and running generations move off it (a planned relaunch without it).
     draining: bool = False
+    #: Its accelerators (see mselastic.core.devices): their kind ("gpu", "ascend"; "" none) and
+    #: the ids a plan may use; with devices, ``slots`` is their number.
+    device_kind: str = ""
+    devices: tuple[int, ...] = ()
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["devices"] = _device_ids(d.get("devices", []))
+        return d
 
     def to_json(self) -> str:
         return _encode(dataclasses.replace(self, create_revision=0, cordoned=False, draining=False))
@@ -123,6 +140,15 @@ class Member:
     local_workers: int
     agent_address: str
     host: str
+    #: The device ids of its node its ranks use, local rank i on devices[i], and their kind (its
+    #: node's); () and "" on a node without devices (see mselastic.core.devices).
+    devices: tuple[int, ...] = ()
+    device_kind: str = ""
+
+    @staticmethod
+    def _convert(d: dict[str, Any]) -> dict[str, Any]:
+        d["devices"] = _device_ids(d.get("devices", []))
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +248,15 @@ class GenerationReport:
     resumed_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Started warm: standby workers were handed the generation (no msrun started).
     warm: bool = False
+    #: The device ids of the node its ranks were launched on (its member's; () without devices):
+    #: held until the generation is over here, whatever the newer plans say.
+    devices: tuple[int, ...] = ()
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
         d["state"] = GenerationState(d["state"])
         d["cause"] = FailureCause(d.get("cause", ""))
+        d["devices"] = _device_ids(d.get("devices", []))
         return d
 
     def to_json(self) -> str:

@@ -278,11 +278,12 @@ def _coerce(key: str, field: dataclasses.Field[Any], value: Any) -> Any:
 
 #: Names a job's env may not set unless the admin allows them: the dynamic loader's, the
 #: interpreters' (PYTHONWARNINGS and PYTHONSTARTUP import modules, PYTHONPATH picks them), the
-#: search path, and the shells' start-up files.
+#: search path, and the shells' start-up files; and which devices a rank sees (the node's business:
+#: see mselastic.core.devices).
 FORBIDDEN_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY")
 FORBIDDEN = frozenset({"PATH", "BASH_ENV", "ENV", "IFS", "GCONV_PATH", "HOSTALIASES", "NODE_OPTIONS", "MALLOC_CONF",
                        "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "TZDIR", "RES_OPTIONS", "LOCALDOMAIN", "MALLOC_TRACE",
-                       "GETCONF_DIR"})
+                       "GETCONF_DIR", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "DEVICE_ID"})
 #: Harmless interpreter variables a job may always set.
 HARMLESS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE"})
 

@@ -93,9 +93,14 @@ def node_state(n: pb.NodeInfo) -> str:
 def nodes_table(res: pb.StatusResponse) -> str:
     if not res.nodes:
         return "No nodes registered."
-    return grid(["NODE", "ADDRESS", "SLOTS", "STATUS", "LEADER", "JOBS", "VERSION"],
-                [[n.node_id, n.agent_address, f"{n.used_slots}/{n.slots}", node_state(n), "*" if n.leader else "",
-                  ",".join(n.running_jobs) or "-", n.version] for n in res.nodes])
+    table = grid(["NODE", "ADDRESS", "SLOTS", "STATUS", "LEADER", "JOBS", "VERSION"],
+                 [[n.node_id, n.agent_address, f"{n.used_slots}/{n.slots}", node_state(n), "*" if n.leader else "",
+                   ",".join(n.running_jobs) or "-", n.version] for n in res.nodes])
+    devices = [[n.node_id, d.id, n.device_kind, d.job or "-", d.rank if d.job else "-"]
+               for n in res.nodes for d in n.devices]
+    if devices:
+        table += "\n\n" + grid(["NODE", "DEVICE", "KIND", "JOB", "RANK"], devices)
+    return table
 
 
 def jobs_table(jobs: list[pb.JobStatus]) -> str:

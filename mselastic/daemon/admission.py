@@ -31,6 +31,30 @@ def slots_held(cluster: ClusterView, inflight: dict[str, Plan]) -> dict[str, dic
     return held
 
 
+def devices_held(cluster: ClusterView, inflight: dict[str, Plan]) -> dict[str, dict[int, str]]:
+    """Per node, the device ids jobs hold there, and which job: as :func:`slots_held` counts the
+    slots, by the same rules, id by id (a generation still starting, running or stopping holds
+    the devices its report names, whatever the newer plans say)."""
+    held: dict[str, dict[int, str]] = {}
+
+    def take(node_id: str, ids: tuple[int, ...], job: str) -> None:
+        for d in ids:
+            held.setdefault(node_id, {})[d] = job
+
+    for view in cluster.jobs.values():
+        if view.plan is not None and not view.status.state.terminal:
+            for m in view.plan.members:
+                take(m.node_id, m.devices, view.name)
+        for reps in view.reports.values():
+            for node_id, rep in reps.items():
+                if not rep.state.terminal:
+                    take(node_id, rep.devices, view.name)
+        plan = inflight.get(view.name)
+        for m in plan.members if plan else ():
+            take(m.node_id, m.devices, view.name)
+    return held
+
+
 def hold(held: dict[str, dict[str, int]], job: str, plan: Plan) -> None:
     """``job``'s ``plan`` holds its members' slots from now on (it is being committed)."""
     mine = held.setdefault(job, {})

@@ -57,6 +57,21 @@ def checkpointed_step(checkpoint_dir: str, job: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def device_users(cluster: ClusterView) -> dict[tuple[str, int], tuple[str, int]]:
+    """(node, device id) → (job, global rank) for the devices the current plans of the jobs not
+    over give their ranks (local rank i of a member on its devices[i])."""
+    users: dict[tuple[str, int], tuple[str, int]] = {}
+    for name, view in cluster.jobs.items():
+        if view.plan is None or view.status.state.terminal:
+            continue
+        first = 0
+        for m in view.plan.members:
+            for i, d in enumerate(m.devices):
+                users[(m.node_id, d)] = (name, first + i)
+            first += m.local_workers
+    return users
+
+
 class Conflict(Exception):
     """The job's status changed between our read and our compare-and-set."""
 
@@ -186,12 +201,17 @@ class ControlService(pb_grpc.ControlServicer):
         for held in slots_held(cluster, {}).values():
             for node_id, n in held.items():
                 used[node_id] = used.get(node_id, 0) + n
+        users = device_users(cluster)
         return pb.StatusResponse(
             jobs=list(await asyncio.gather(*(job_to_pb(v, self.steps) for _, v in sorted(cluster.jobs.items())))),
             nodes=[pb.NodeInfo(node_id=n.node_id, agent_address=n.agent_address, slots=n.slots, version=n.version,
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
                                used_slots=used.get(n.node_id, 0),
-                               running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)))
+                               running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)),
+                               device_kind=n.device_kind,
+                               devices=[pb.DeviceInfo(id=d, job=users.get((n.node_id, d), ("", -1))[0],
+                                                      rank=users.get((n.node_id, d), ("", -1))[1])
+                                        for d in n.devices])
                    for n in cluster.nodes],
             leader=leader,
             etcd=[pb.EtcdMember(endpoint=e, version=v, warning=w) for e, v, w in self.etcd_members()])

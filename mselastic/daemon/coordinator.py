@@ -32,7 +32,7 @@ import time
 from typing import Awaitable
 
 from mselastic import metrics
-from mselastic.core import fencing
+from mselastic.core import devices, fencing
 from mselastic.core.waits import first
 from mselastic.core.kinds import EventKind
 from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
@@ -224,6 +224,8 @@ class Coordinator:
         now, mono = time.time(), time.monotonic()
         self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())
         held = admission.slots_held(cluster, self._inflight)
+        devices_held = admission.devices_held(cluster, self._inflight)
+        nodes = {n.node_id: n for n in cluster.nodes}
         # The first job (in submission order) that waits for slots others hold; a job skipped below
         # (its task still runs, or it backs off) keeps the place it had in the last pass.
         queue_head = ""
@@ -247,7 +249,14 @@ class Coordinator:
                 queued.add(view.name)
                 queue_head = queue_head or view.name
             if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
+                try:  # (the devices its members' ranks use, on nodes that have devices)
+                    decision = dataclasses.replace(decision, plan=devices.assign(decision.plan, nodes, devices_held,
+                                                                                 view.plan))
+                except devices.NoDevices as e:  # (a generation of another job still stopping there)
+                    decision = Decision(Action.WAIT, reason=str(e))
+            if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
                 admission.hold(held, view.name, decision.plan)
+                devices.hold(devices_held, view.name, decision.plan)
                 self._inflight[view.name] = decision.plan
             self._start(view.name, self.applier.apply(term, view, decision, slot_wait=for_slots))
         self._queued = queued

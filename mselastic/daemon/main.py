@@ -41,13 +41,14 @@ import sys
 import grpc
 
 from mselastic import metrics
-from mselastic.agent import cgroups, procs
+from mselastic.agent import cgroups, devices, procs
 from mselastic.agent.cgroups import Limits, Tree, default_limits
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
                                    users_in)
 from mselastic.core import fencing
+from mselastic.core.devices import format_ids
 from mselastic.core.model import LeaderRecord, MalformedRecord
 from mselastic.core.planner import PortRange
 from mselastic.daemon import liveness, logs, notify
@@ -235,9 +236,11 @@ def heartbeat_dir() -> str:
     return path
 
 
-def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tree | None) -> NodeAgent:
+def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tree | None, device_kind: str,
+           device_ids: tuple[int, ...]) -> NodeAgent:
     return NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
-                                        slots=s.slots, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
+                                        slots=len(device_ids) if device_ids else s.slots,
+                                        device_kind=device_kind, devices=device_ids, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                         worker_user=worker, allow_env=s.allowed_env, pass_env=names(s.pass_env),
                                         warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,
@@ -256,9 +259,24 @@ def _coordinator(s: Settings, store: Store, address: str, local: str) -> Coordin
         peer_evidence=s.peer_evidence))
 
 
+async def _devices(s: Settings) -> tuple[str, tuple[int, ...]]:
+    """This node's accelerators (kind, ids) per the settings and what is detected."""
+    try:
+        kind, ids = await asyncio.to_thread(devices.inventory, s.devices, s.device_kind)
+    except ValueError as e:
+        raise bad("devices", str(e)) from None
+    if ids:
+        if s.slots not in (1, len(ids)):
+            raise bad("slots", f"{s.slots}, but this node has {len(ids)} {kind} devices: a device is a slot; leave "
+                               f"slots out")
+        log.info("devices: %s %s, a slot each", kind, format_ids(ids))
+    return kind, ids
+
+
 async def serve(s: Settings) -> None:
     """Run elasticd until SIGTERM or SIGINT (see the module's doc for the shutdown)."""
     worker = await _check_node(s)
+    device_kind, device_ids = await _devices(s)
     try:  # (before the embedded etcd starts: on cgroup v2, elasticd may move itself into a leaf)
         tree = cgroups.setup(f"{s.node_id}-{namespace_tag(s)}", s.cgroups)
     except cgroups.CgroupError as e:
@@ -280,7 +298,7 @@ async def serve(s: Settings) -> None:
     server, local, address = _grpc_server(s, store)
     if s.one_machine:
         address = local  # (the peers are on this machine; see Settings.one_machine)
-    agent = _agent(s, store, address, worker, tree)
+    agent = _agent(s, store, address, worker, tree, device_kind, device_ids)
     coordinator = _coordinator(s, store, address, local)
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is

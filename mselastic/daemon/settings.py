@@ -16,6 +16,7 @@ import tomllib
 from typing import Callable, NoReturn
 
 from mselastic.core.contract import default_sockets
+from mselastic.core.devices import KINDS, parse_ids
 from mselastic.core.planner import PortRange
 from mselastic.store import versions
 from mselastic.store.etcd import EtcdAuth
@@ -57,8 +58,14 @@ class Settings:
     #: Address other nodes reach this one at; msrun's master_addr when this is node_rank 0.
     #: Default: the listen host, or the host name when listening on all addresses.
     advertise_host: str = ""
-    #: Workers this node can run; 0 makes it a coordinator-only node.
+    #: Workers this node can run; 0 makes it a coordinator-only node. With ``devices``: their number.
     slots: int = 1
+    #: This node's accelerators, each a slot (a rank each): "" none (``slots`` counts the
+    #: workers); "auto" detected (nvidia-smi -L, /dev/davinci*); or their ids ("0-7", "0,2,5")
+    #: with ``device_kind``, checked against what is detected where the node's tools show any.
+    devices: str = ""
+    #: "gpu" or "ascend": the kind of the listed devices (with "auto": what must be detected).
+    device_kind: str = ""
     #: Logs of every generation are kept under <work_dir>/logs/<job>/g<generation>.
     work_dir: str = "/var/lib/mselastic"
     #: etcd key namespace (several clusters may share one etcd).
@@ -221,6 +228,7 @@ class Settings:
                                            f"(join_embedded_etcd)")
         if self.slots < 0:
             raise bad("slots", f"must be >= 0 (got {self.slots})")
+        self._check_devices()
         if self.lease_ttl_s < 2:
             raise bad("lease_ttl_s", f"must be >= 2 (got {self.lease_ttl_s})")
         for key in ("reconcile_interval_s", "shutdown_grace_s"):
@@ -236,6 +244,23 @@ class Settings:
         self._check_containment()
         if self.log_format not in ("text", "json"):
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
+
+    def _check_devices(self) -> None:
+        if self.device_kind not in ("", *KINDS):
+            raise bad("device_kind", f"must be one of {', '.join(KINDS)} (got {self.device_kind!r})")
+        if not self.devices:
+            if self.device_kind:
+                raise bad("device_kind", "given without devices: list them (devices = \"0-7\") or devices = auto")
+            return
+        if self.devices != "auto":
+            if not self.device_kind:
+                raise bad("device_kind", f"needed with devices = {self.devices}: one of {', '.join(KINDS)}")
+            try:
+                ids = parse_ids(self.devices)
+            except ValueError as e:
+                raise bad("devices", f"{e}; or auto, or empty") from None
+            if self.slots not in (1, len(ids)):
+                raise bad("slots", f"{self.slots}, but devices lists {len(ids)}: a device is a slot; leave slots out")
 
     def _check_containment(self) -> None:
         """The settings that keep a job to itself: cgroups, its limits, its uid, its logs' size."""
@@ -457,6 +482,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                                "node's memory less 10%%, at least 1 GiB)",
         "job_max_processes": "a job's limit on processes and threads here when its spec sets none, and the most "
                              "(0: a quarter of the kernel's pid_max)",
+        "devices": "this node's accelerators, a slot each: auto (detected), their ids (0-7, 0,2,5) with "
+                   "device_kind, or empty (slots counts the workers)",
+        "device_kind": "gpu or ascend: the kind of the listed devices",
         "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
                     "no user); empty: every job runs as worker_user",
         "max_log_mb": "rotate each log file of a generation past this many MiB (its last half kept as NAME.1); 0: "

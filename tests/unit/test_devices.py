@@ -1,0 +1,92 @@
+"""Devices as the slots (issue #32), the pure parts: the ids a node lists or its tools show, and
+which member of a plan gets which (the launch with them: tests/integration/test_devices.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mselastic.core import devices
+from mselastic.core.model import GenerationReport, MalformedRecord, Member, NodeRecord, Plan
+from mselastic.core.spec import forbidden_env
+from mselastic.core.states import GenerationState
+from mselastic.daemon.settings import Settings, SettingsError
+
+
+def test_device_ids_as_listed_and_as_the_tools_show_them() -> None:
+    assert devices.parse_ids("0-7") == tuple(range(8))
+    assert devices.parse_ids("6, 0-3") == (0, 1, 2, 3, 6)
+    assert devices.format_ids((0, 1, 2, 3, 6)) == "0-3,6" and devices.format_ids(()) == ""
+    for bad, why in (("0-", "not a device id"), ("3-1", "ends before"), ("0,0", "twice"), ("gpu0", "not a device"),
+                     ("0-5000", "more than 1024")):
+        with pytest.raises(ValueError, match=why):
+            devices.parse_ids(bad)
+    smi = ("GPU 0: NVIDIA H200 (UUID: GPU-1b2c)\nGPU 1: NVIDIA H200 (UUID: GPU-3d4e)\n"
+           "  MIG 1g.18gb Device 0: (UUID: MIG-aa)\n")
+    assert devices.nvidia_smi_ids(smi) == (0, 1)
+    assert devices.davinci_ids(["davinci0", "davinci_manager", "davinci3", "devmm_svm", "davinci12"]) == (0, 3, 12)
+    assert devices.visible_env("gpu", (2, 3)) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert devices.visible_env("ascend", (4,)) == {"ASCEND_RT_VISIBLE_DEVICES": "4"}
+    assert devices.visible_env("", ()) == {} and devices.visible_env("gpu", ()) == {}
+
+
+def _node(node_id: str, ids: tuple[int, ...] = (), kind: str = "gpu") -> NodeRecord:
+    return NodeRecord(node_id, f"{node_id}:7070", node_id, len(ids) or 2, "v", device_kind=kind if ids else "",
+                      devices=ids)
+
+
+def _plan(job: str, generation: int, *members: tuple[str, int]) -> Plan:
+    ms = tuple(Member(n, i, w, f"{n}:7070", n) for i, (n, w) in enumerate(members))
+    return Plan(job, generation, ms, sum(w for _, w in members), ms[0].host, 29500, 0, "")
+
+
+def test_two_jobs_on_one_node_get_disjoint_devices_kept_across_relaunches() -> None:
+    nodes = {"n0": _node("n0", (0, 1, 2, 3)), "n1": _node("n1", (0, 1, 2, 3), "ascend"), "cpu": _node("cpu")}
+    held: dict[str, dict[int, str]] = {}
+    a = devices.assign(_plan("a", 1, ("n0", 2), ("n1", 2)), nodes, held)
+    assert [(m.devices, m.device_kind) for m in a.members] == [((0, 1), "gpu"), ((0, 1), "ascend")]
+    devices.hold(held, "a", a)
+    b = devices.assign(_plan("b", 1, ("n0", 2), ("cpu", 2)), nodes, held)
+    assert [(m.devices, m.device_kind) for m in b.members] == [((2, 3), "gpu"), ((), "")]
+    devices.hold(held, "b", b)
+    # a's relaunch keeps its devices, in their order (rank i on the same device)
+    before = dataclasses.replace(a, members=(dataclasses.replace(a.members[0], devices=(1, 0)), a.members[1]))
+    again = devices.assign(_plan("a", 2, ("n0", 2), ("n1", 2)), nodes, {"n0": {1: "a", 0: "a", 2: "b", 3: "b"}},
+                           before)
+    assert again.members[0].devices == (1, 0)
+    # a third job finds no free device on n0
+    with pytest.raises(devices.NoDevices, match="node n0 has 0 free device.*held by: a, b"):
+        devices.assign(_plan("c", 1, ("n0", 1)), nodes, held)
+    # a device gone from the node's list is not given again: the rank that had it gets a free one
+    nodes["n0"] = _node("n0", (0, 2, 3))
+    moved = devices.assign(_plan("a", 3, ("n0", 2)), nodes, {"n0": {3: "b"}}, before)
+    assert moved.members[0].devices == (0, 2)
+
+
+def test_device_ids_in_etcd_records_are_checked() -> None:
+    plan = devices.assign(_plan("a", 1, ("n0", 2)), {"n0": _node("n0", (4, 5))}, {})
+    assert Plan.from_json(plan.to_json()) == plan and plan.members[0].devices == (4, 5)
+    node = _node("n0", (0, 1))
+    assert NodeRecord.from_json(node.to_json()) == node
+    assert NodeRecord.from_json('{"node_id": "x", "agent_address": "a", "host": "h", "slots": 1, "version": "v"}'
+                                ).devices == ()
+    for bad in ('"0-3"', "[0, 0]", "[-1]", "[true]", '["0"]'):
+        with pytest.raises(MalformedRecord, match="devices"):
+            NodeRecord.from_json(f'{{"node_id": "x", "agent_address": "a", "host": "h", "slots": 1, "version": "v", '
+                                 f'"devices": {bad}}}')
+    rep = GenerationReport("a", 1, "n0", GenerationState.RUNNING, devices=(2, 3))
+    assert GenerationReport.from_json(rep.to_json()).devices == (2, 3)
+
+
+def test_settings_and_specs_leave_devices_to_the_node() -> None:
+    assert Settings(node_id="n0", devices="0-3", device_kind="gpu").validate().devices == "0-3"
+    assert Settings(node_id="n0", devices="0-3", device_kind="gpu", slots=4).validate()
+    for kw, why in ((dict(devices="0-3"), "device_kind: needed"), (dict(device_kind="gpu"), "without devices"),
+                    (dict(devices="0-3", device_kind="tpu"), "must be one of gpu, ascend"),
+                    (dict(devices="a-b", device_kind="gpu"), "devices: 'a-b' is not"),
+                    (dict(devices="0-3", device_kind="gpu", slots=2), "slots: 2, but devices lists 4")):
+        with pytest.raises(SettingsError, match=why):
+            Settings(node_id="n0", **kw).validate()  # type: ignore[arg-type]
+    assert forbidden_env({"CUDA_VISIBLE_DEVICES": "0-7", "ASCEND_RT_VISIBLE_DEVICES": "0", "DEVICE_ID": "1",
+                          "OK": "1"}) == ["ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "DEVICE_ID"]
