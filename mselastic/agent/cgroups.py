@@ -39,8 +39,10 @@ import dataclasses
 import errno
 import logging
 import os
+import select
 import signal
 import sys
+import uuid
 import time
 from typing import Iterable
 
@@ -105,6 +107,13 @@ class Layout:
                   if path]
         return (f"{self.mode}: membership{' and cgroup.kill' if self.kill_file else ''} in {self.members}; "
                 f"limits: {', '.join(limits) or 'none'}")
+
+
+def exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (a zombie too), as the kernel says this instant."""
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def _read(path: str) -> str:
@@ -308,25 +317,20 @@ class Group:
                 return int(value)
         return 0
 
-    def move(self, pid: int) -> None:
-        """Put process ``pid`` (all its threads) in this group: only while it is the process it was
-        when called (pinned by a pidfd, alive after each write; a number reused meanwhile by
-        another process would have moved that one instead)."""
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError as e:
-            raise CgroupError(f"cannot move pid {pid}: {e.strerror}") from None
-        try:
-            for path in self.procs_files():
-                try:
-                    _write(path, str(pid))
-                    signal.pidfd_send_signal(fd, 0)
-                except ProcessLookupError:
-                    raise CgroupError(f"cannot move pid {pid} into {path}: it ended") from None
-                except OSError as e:
-                    raise CgroupError(f"cannot move pid {pid} into {path}: {e.strerror}") from None
-        finally:
-            os.close(fd)
+    def move(self, pid: int, pidfd: int) -> None:
+        """Put process ``pid`` (all its threads) in this group, while ``pidfd`` (opened when it was
+        known to be that process: a standby's, when its fork server named it) says it has not
+        exited, before and after each write (a number freed and reused meanwhile would have moved
+        another process: CgroupError then, and the move is not trusted)."""
+        for path in self.procs_files():
+            if exited(pidfd):
+                raise CgroupError(f"cannot move pid {pid} into {path}: it ended")
+            try:
+                _write(path, str(pid))
+            except OSError as e:
+                raise CgroupError(f"cannot move pid {pid} into {path}: {e.strerror}") from None
+            if exited(pidfd):
+                raise CgroupError(f"cannot move pid {pid} into {path}: it ended")
 
     def _folders(self) -> list[str]:
         """This group's folder in the membership hierarchy and every one below it, deepest first."""
@@ -358,15 +362,24 @@ class Group:
         pids = sorted(self.pids())
         for at in range(0, len(pids), PINNED_AT_ONCE):  # (a descriptor each: a fork bomb's thousands)
             pinned: dict[int, int] = {}
+            unpinned: list[int] = []  # (no pidfd to be had: no pidfd_open, no descriptor left)
             try:
                 for pid in pids[at:at + PINNED_AT_ONCE]:
-                    with contextlib.suppress(OSError):  # (ended meanwhile)
+                    try:
                         pinned[pid] = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        pass  # ended meanwhile
+                    except OSError:
+                        unpinned.append(pid)
                 still = self.pids()
                 for pid, fd in pinned.items():
                     if pid in still:
                         with contextlib.suppress(ProcessLookupError, PermissionError):
                             signal.pidfd_send_signal(fd, signum)
+                for pid in unpinned:
+                    if pid in still:  # (by its number, as the best left)
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(pid, signum)
             finally:
                 for fd in pinned.values():
                     os.close(fd)
@@ -484,6 +497,13 @@ class Tree:
 
     def forget(self, job: str) -> None:
         self._limits.pop(job, None)
+
+    def helper(self, what: str) -> Group:
+        """A group of its own for one helper elasticd starts as a job's user (a log rotation, a
+        snapshot removal), made: under the subtree's root, held by the limits of all the jobs
+        together but not by any one job's (a job at its own limits cannot keep it from running),
+        named as no job can be (``.``); stop it once the helper is done (or late)."""
+        return self.root.child(f".{what}-{uuid.uuid4().hex[:8]}").make()
 
     async def sweep(self) -> None:
         """Kill what an earlier elasticd of this node left in the subtree, and remove its groups

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import time
@@ -38,6 +37,7 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import psutil
 
+from mselastic.agent.cgroups import exited
 from mselastic.core.contract import STANDBY_FORKS, STANDBY_READY
 
 log = logging.getLogger(__name__)
@@ -206,13 +206,6 @@ FORK_ANSWER_S = 10.0
 MAX_LINE = 1 << 20
 
 
-def _exited(pidfd: int) -> bool:
-    """Whether the process of ``pidfd`` has exited, as the kernel says this instant (readable)."""
-    poll = select.poll()
-    poll.register(pidfd, select.POLLIN)
-    return bool(poll.poll(0))
-
-
 class Forked:
     """A standby forked by a fork server, which is its parent and reaps it. Its end is the kernel's
     word (a pidfd: readable once it has exited, and the only handle signals go through, so a pid
@@ -227,10 +220,15 @@ class Forked:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(pidfd, self._on_end)
 
+    @property
+    def pidfd(self) -> int:
+        """Its pidfd (open while ``returncode`` is None)."""
+        return self._pidfd
+
     def ended_now(self) -> bool:
         """Whether it has exited, as the kernel says this instant (its pidfd readable), before the
         event loop has seen it (its server killed a moment ago: it dies with it)."""
-        return self._ended or self.returncode is not None or _exited(self._pidfd)
+        return self._ended or self.returncode is not None or exited(self._pidfd)
 
     def _on_end(self) -> None:
         self._loop.remove_reader(self._pidfd)
@@ -300,6 +298,17 @@ class ForkServer:
         self._lock = asyncio.Lock()
         self._failed = False
         self._reader = asyncio.create_task(self._read(), name=f"fork-server-{proc.pid}")
+        # Its end, by the kernel's word (its output may stay open: a process the job's code started
+        # in it may hold a copy): closed then, what it left in its cgroup released at once.
+        self._closing: asyncio.Task[None] | None = None
+        if self._pidfd is not None:
+            asyncio.get_running_loop().add_reader(self._pidfd, self._ended)
+
+    def _ended(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+        if self._closing is None:
+            self._closing = asyncio.create_task(self.close(), name=f"fork-server-ended-{self.pid}")
 
     @classmethod
     async def start(cls, spawn: Spawner, marker: str, release: Release | None = None) -> "ForkServer":
@@ -318,7 +327,7 @@ class ForkServer:
     def _running_now(self) -> bool:
         """Whether it still runs, by the kernel's word (its output may stay open after its end: a
         process the job's code started in it holds a copy)."""
-        return not self._reader.done() and self._pidfd is not None and not _exited(self._pidfd)
+        return not self._reader.done() and self._pidfd is not None and not exited(self._pidfd)
 
     def running(self) -> list[Forked]:
         """The standbys it forked that have not ended (taken or not)."""
@@ -430,6 +439,7 @@ class ForkServer:
             if self.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
         await self.proc.wait()

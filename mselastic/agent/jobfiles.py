@@ -50,13 +50,16 @@ def read_small(path: str, limit: int = SMALL_FILE_BYTES) -> bytes:
         os.close(fd)
 
 
-async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S) -> T:
+async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S,
+                  slots: threading.BoundedSemaphore | None = None) -> T:
     """``fn(*args)`` (which reads a job's files) in a daemon thread of its own, for ``within_s`` at
     most; raises :class:`Unreadable` when it takes longer (the thread is left to finish or hang on
     its own: nothing waits for it, not even elasticd's exit) or when :data:`IN_FLIGHT` reads are
-    still stuck."""
-    if not _in_flight.acquire(blocking=False):
-        raise Unreadable(f"{IN_FLIGHT} reads of job files are not answering; not reading more")
+    still stuck (``slots``: another budget than the launches' and submits', for reads that may
+    wait, the jobs table's)."""
+    in_flight = slots if slots is not None else _in_flight
+    if not in_flight.acquire(blocking=False):
+        raise Unreadable("too many reads of job files are not answering; not reading more")
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
     done.add_done_callback(lambda f: f.cancelled() or f.exception())  # (an answer after the deadline: dropped)
@@ -75,7 +78,7 @@ async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             value, error = None, e
         finally:
-            _in_flight.release()
+            in_flight.release()
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop is closed: elasticd is gone, nobody waits
@@ -84,7 +87,7 @@ async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S)
     try:
         threading.Thread(target=work, name="job-file-read", daemon=True).start()
     except RuntimeError:  # (no thread to be had: the slot is not kept)
-        _in_flight.release()
+        in_flight.release()
         raise Unreadable("no thread to read with") from None
     try:
         return await asyncio.wait_for(asyncio.shield(done), within_s)

@@ -26,7 +26,7 @@ from mselastic.agent.cgroups import CgroupError, Group, join_prefix
 from mselastic.agent.launch_env import LaunchEnv
 from mselastic.agent.preflight import LaunchError
 from mselastic.agent.ranks import RankState
-from mselastic.agent.forkserver import Proc, Standby
+from mselastic.agent.forkserver import Forked, Proc, Standby
 from mselastic.agent.users import WorkerUser, batch_prefix
 from mselastic.core.model import Member
 from mselastic.core.pdeathsig import with_parent_death
@@ -362,9 +362,25 @@ class Launch:
                  ranks[-1].rank if ranks else -1, env.log_dir, extra=self._ctx)
 
     def _join(self, standby: Standby) -> None:
-        """Move a standby (and anything it started) into the generation's cgroup before its handover."""
-        if self.group is not None:
-            self.group.move(standby.pid)
+        """Move a standby (and anything it started) into the generation's cgroup before its handover:
+        by the pidfd its fork server's child was opened as when the server named it (never a pid
+        reused meanwhile); one elasticd started itself is its child, not reaped while alive."""
+        if self.group is None:
+            return
+        proc = standby.proc
+        if isinstance(proc, Forked):
+            if proc.returncode is not None:
+                raise CgroupError(f"cannot move standby pid {standby.pid}: it ended")
+            self.group.move(standby.pid, proc.pidfd)
+            return
+        try:
+            fd = os.pidfd_open(standby.pid)
+        except OSError as e:
+            raise CgroupError(f"cannot move standby pid {standby.pid}: {e.strerror}") from None
+        try:
+            self.group.move(standby.pid, fd)
+        finally:
+            os.close(fd)
 
     async def teardown(self, grace_s: float) -> list[int]:
         """Stop every process of the generation (see :func:`mselastic.agent.cgroups.Group.stop`; with

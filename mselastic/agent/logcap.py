@@ -19,13 +19,15 @@ import os
 import stat
 from typing import Any, Callable
 
-from mselastic.agent.cgroups import Group, join_prefix
+from mselastic.agent.cgroups import Tree, join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
 
 #: How often the logs of the running generations are looked at.
 CHECK_S = 2.0
+#: How long one rotation may take (a copy of half a cap): then it is killed, and tried at the next look.
+ROTATE_S = 60.0
 
 #: Empties ``$2`` after keeping its last ``$1`` bytes in ``$2.1``.
 _ROTATE = 'tail -c "$1" -- "$2" > "$2.1.tmp" && mv -f -- "$2.1.tmp" "$2.1" && truncate -s 0 -- "$2"'
@@ -52,25 +54,37 @@ def oversized(folder: str, cap_bytes: int, uid: int) -> list[tuple[str, int, int
     return found
 
 
-async def rotate(path: str, uid: int, gid: int, keep_bytes: int, group: Group | None = None) -> None:
-    """Rotate ``path`` (see the module's notes) as ``uid``/``gid``, in the generation's cgroup
-    ``group`` (a job's process of that uid may take it over: there it is one of the job's, at
-    the jobs' oom_score_adj, inside its limits and gone with it); errors are logged, never raised."""
+async def rotate(path: str, uid: int, gid: int, keep_bytes: int, cgroups: Tree | None = None) -> None:
+    """Rotate ``path`` (see the module's notes) as ``uid``/``gid``, in a helper group of
+    ``cgroups`` (:meth:`Tree.helper`: a job's process of that uid may take it over; it stays
+    inside all the jobs' limits and is killed once done or late, :data:`ROTATE_S`; a job at its
+    own process limit cannot keep it from running); errors are logged, never raised."""
     cmd = ["/bin/sh", "-c", _ROTATE, "rotate", str(keep_bytes), path]
     owner = WorkerUser(str(uid), uid, gid, passwd=False)
-    if owner.switch:
-        cmd = [*join_prefix([group] if group else []), *setpriv(owner), *cmd]
+    group = None
     try:
+        if owner.switch:
+            group = cgroups.helper("rotate") if cgroups else None
+            cmd = [*join_prefix([group] if group else []), *setpriv(owner), *cmd]
         proc = await asyncio.create_subprocess_exec(*cmd, env={"PATH": "/usr/bin:/bin"}, cwd="/",
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), ROTATE_S)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
         if proc.returncode:
             log.warning("log %s not rotated: %s", path, err.decode(errors="replace").strip()[-300:])
         else:
             log.info("log %s was over its cap: its last %d MiB kept in %s.1, the file emptied", path,
                      keep_bytes >> 20, path)
-    except (OSError, asyncio.TimeoutError) as e:
-        log.warning("log %s not rotated: %s", path, e)
+    except (OSError, RuntimeError, asyncio.TimeoutError) as e:  # (RuntimeError: a CgroupError)
+        log.warning("log %s not rotated: %s", path, e or "not done in time")
+    finally:
+        if group is not None:
+            await group.stop()
 
 
 def empty_if_over(fd: int, cap_bytes: int) -> bool:
@@ -89,20 +103,23 @@ class Logs:
     folder: str
     uid: int  # the job's user's: only its files are rotated
     msrun_fd: int = -1  # msrun's log, open for appending by elasticd (-1: none)
-    group: Group | None = None  # the generation's cgroup: the rotation, as the job's user, runs there
     ctx: dict[str, Any] = dataclasses.field(default_factory=dict)  # (its log lines')
 
 
-async def cap(generations: list[Logs], cap_bytes: int) -> None:
-    """Rotate the job's files of each generation's folder over ``cap_bytes`` (the scan off the event loop)."""
-    for g in generations:
+async def cap(generations: list[Logs], cap_bytes: int, cgroups: Tree | None = None) -> None:
+    """Rotate the job's files of each generation's folder over ``cap_bytes`` (the scan off the
+    event loop), the generations side by side (one job's stalled rotation holds no other's)."""
+    async def one(g: Logs) -> None:
         for path, owner, gid in await asyncio.to_thread(oversized, g.folder, cap_bytes, g.uid):
-            await rotate(path, owner, gid, cap_bytes // 2, g.group)
+            await rotate(path, owner, gid, cap_bytes // 2, cgroups)
+
+    await asyncio.gather(*(one(g) for g in generations))
 
 
-async def keep_capped(running: Callable[[], list[Logs]], cap_bytes: int, stop: asyncio.Event) -> None:
+async def keep_capped(running: Callable[[], list[Logs]], cap_bytes: int, stop: asyncio.Event,
+                      cgroups: Tree | None = None) -> None:
     """Every :data:`CHECK_S` until ``stop``: for each generation ``running()`` names, msrun's log
-    emptied and the job's own files rotated past ``cap_bytes``."""
+    emptied and the job's own files rotated past ``cap_bytes`` (see :func:`rotate`)."""
     while cap_bytes and not stop.is_set():
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CHECK_S):
@@ -111,4 +128,4 @@ async def keep_capped(running: Callable[[], list[Logs]], cap_bytes: int, stop: a
         for g in generations:
             if g.msrun_fd >= 0 and empty_if_over(g.msrun_fd, cap_bytes):
                 log.info("msrun's log was over max_log_mb: emptied", extra=g.ctx)
-        await cap(generations, cap_bytes)
+        await cap(generations, cap_bytes, cgroups)

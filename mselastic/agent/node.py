@@ -186,7 +186,8 @@ class NodeAgent:
         reporter = asyncio.create_task(self.reports.run(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
         deadline = asyncio.create_task(self._deadline_loop(), name="fence-deadline")
-        capper = asyncio.create_task(logcap.keep_capped(self._log_folders, self.cfg.max_log_mb << 20, stop),
+        capper = asyncio.create_task(logcap.keep_capped(self._log_folders, self.cfg.max_log_mb << 20, stop,
+                                                         self.cfg.cgroups),
                                      name="log-caps")
         try:
             await committed.close_stale_reports(self.store, self.cfg.node_id, stop)
@@ -246,7 +247,7 @@ class NodeAgent:
     def _log_folders(self) -> list[logcap.Logs]:
         """What logcap.keep_capped looks at: each running generation's logs."""
         return [logcap.Logs(g.log_dir, g.user.uid if g.user else os.geteuid(),
-                            g.launch.log.fileno() if g.launch.log else -1, g.launch.group,
+                            g.launch.log.fileno() if g.launch.log else -1,
                             dict(self._ctx, job=g.plan.job, generation=g.plan.generation))
                 for g in self.generations.values() if not g.done.is_set()]
 

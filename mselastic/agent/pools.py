@@ -25,7 +25,8 @@ STANDBY_KEEP_S = 60.0
 #: starts no more: its relaunches start cold.
 MAX_FORK_SERVERS = 3
 
-#: Fork servers whose pool closed while standbys they forked still ran as ranks (see StandbyPool.close).
+#: Fork servers whose pool closed while standbys they forked still ran as ranks (see
+#: StandbyPool.close), and pools being closed.
 _retiring_servers: set[asyncio.Task[None]] = set()
 
 
@@ -206,7 +207,9 @@ class WarmPools:
         after the other (a pool of another launch key is replaced)."""
         pool = self.pools.get(job)
         if pool is not None and pool.key != key:
-            asyncio.create_task(pool.close(), name=f"standbys-close-{job}")
+            task = asyncio.create_task(pool.close(), name=f"standbys-close-{job}")
+            _retiring_servers.add(task)  # (held until done: a task nobody holds may be collected)
+            task.add_done_callback(_retiring_servers.discard)
             pool = None
         if pool is None:
             pool = self.pools[job] = StandbyPool(job, self.node_id, key, spawn, release)

@@ -10,7 +10,6 @@ import os
 import shutil
 import stat
 import time
-import uuid
 
 from mselastic.agent.cgroups import Tree, join_prefix
 from mselastic.agent.users import WorkerUser, setpriv
@@ -47,15 +46,16 @@ def snapshot_folder(root: str, job: str, user: WorkerUser | None) -> str:
 async def remove_snapshot_folder(path: str, cgroups: Tree | None = None) -> None:
     """Remove a job's snapshot folder, off the event loop: its content as the folder's owner (the
     worker user or the job's uid, mode 0700; elasticd has no CAP_DAC_OVERRIDE under the unit),
-    then the folder itself from elasticd's own. The removal as the owner runs in a cgroup of its
-    own in ``cgroups`` (a job's process of that uid may take it over: it stays inside the jobs'
-    limits, and whatever it started there is killed once it ends). Errors are logged, never raised."""
+    then the folder itself from elasticd's own. The removal as the owner runs in a helper group
+    of ``cgroups`` (:meth:`Tree.helper`: a job's process of that uid may take it over; it stays
+    inside all the jobs' limits, and whatever it started there is killed once it ends, or after
+    its time). Errors are logged, never raised."""
     group = None
     try:
         st = await asyncio.to_thread(os.lstat, path)
         user = WorkerUser(f"uid {st.st_uid}", st.st_uid, st.st_gid, passwd=False)
         if user.switch:
-            group = cgroups.root.child(f"cleanup-{uuid.uuid4().hex[:8]}").make() if cgroups else None
+            group = cgroups.helper("cleanup") if cgroups else None
             proc = await asyncio.create_subprocess_exec(
                 *join_prefix([group] if group else []), *setpriv(user), "find", path, "-xdev", "-mindepth", "1",
                 "-delete", env={"PATH": "/usr/bin:/bin"}, stdout=asyncio.subprocess.DEVNULL,

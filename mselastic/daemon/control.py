@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ import grpc
 import tenacity
 
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
-from mselastic.agent.jobfiles import Unreadable, bounded, read_small
+from mselastic.agent.jobfiles import READ_S, Unreadable, bounded, read_small
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.kinds import EventKind
 from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
@@ -78,21 +79,26 @@ class Conflict(Exception):
 
 class CheckpointSteps:
     """The step of each job's newest checkpoint, for the jobs table: read off the event loop with
-    :func:`bounded`, a read reused for :attr:`KEEP_S`, and a poll never waiting more than
-    :attr:`WAIT_S` for one (shared storage may hang: the table then shows what the agents
-    reported; the read goes on, and its answer serves the next poll)."""
+    :func:`bounded` (a budget of :attr:`STUCK` stuck reads of its own: the launches' and submits'
+    stay whole), a read reused for :attr:`KEEP_S`, none started while the last one's thread is
+    still stuck in the kernel, and a poll never waiting more than :attr:`WAIT_S` for one (shared
+    storage may hang: the table then shows what the agents reported; a read that finishes serves
+    the next polls)."""
 
     KEEP_S = 5.0
     WAIT_S = 0.3
     MAX_JOBS = 4096
+    STUCK = 4
 
     def __init__(self) -> None:
         self._reads: dict[tuple[str, str], tuple[float, asyncio.Task[int | None]]] = {}
+        self._reading: set[tuple[str, str]] = set()  # (their thread still runs, answered or not)
+        self._slots = threading.BoundedSemaphore(self.STUCK)
 
     async def get(self, job: str, checkpoint_dir: str) -> int | None:
         key, now = (job, checkpoint_dir), time.monotonic()
         held = self._reads.get(key)
-        if held is None or (held[1].done() and now - held[0] > self.KEEP_S):
+        if held is None or (held[1].done() and now - held[0] > self.KEEP_S and key not in self._reading):
             if len(self._reads) >= self.MAX_JOBS:  # (jobs come and go: the oldest answers go)
                 for old in sorted(self._reads, key=lambda k: self._reads[k][0])[:self.MAX_JOBS // 4]:
                     if self._reads[old][1].done():
@@ -103,11 +109,22 @@ class CheckpointSteps:
         except asyncio.TimeoutError:
             return None
 
-    @staticmethod
-    async def _read(job: str, checkpoint_dir: str) -> int | None:
+    async def _read(self, job: str, checkpoint_dir: str) -> int | None:
+        key = (job, checkpoint_dir)
+
+        def read() -> int | None:  # (in its thread: marked while it runs, stuck or not)
+            self._reading.add(key)
+            try:
+                return checkpointed_step(checkpoint_dir, job)
+            finally:
+                self._reading.discard(key)  # (a set's add and discard are atomic under the GIL)
+
         try:
-            return await bounded(checkpointed_step, checkpoint_dir, job)
+            return await bounded(read, within_s=READ_S, slots=self._slots)
         except Unreadable:
+            return None
+        except Exception as e:  # noqa: BLE001 - the job's bytes (deeply nested JSON: RecursionError)
+            log.debug("checkpointed step of %s not read: %s", job, e, extra=dict(job=job))
             return None
 
 
@@ -121,7 +138,7 @@ async def shown_step(view: JobView, steps: CheckpointSteps) -> int:
     resumed = max((r.resumed_step for r in view.current_reports().values()), default=-1)
     if resumed >= 0:
         return resumed
-    checkpointed = await steps.get(view.name, view.spec.checkpoint_dir)
+    checkpointed = None if view.status.state.terminal else await steps.get(view.name, view.spec.checkpoint_dir)
     if checkpointed is not None:
         return checkpointed
     before = view.reports.get(view.plan.generation - 1, {}).values()

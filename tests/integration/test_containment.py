@@ -336,8 +336,6 @@ def test_with_job_uids_one_job_can_neither_read_nor_signal_nor_trace_another(
     print(f"a ran as uid {a_uid}, b as {tried['uid']}; b's attempts: {tried}")
 
 
-#: Another local user's flood: as many datagrams as it can send to the path in argv[1] for argv[2]
-#: seconds; prints how many went through and the errors it got.
 #: A job's own code in its fork server (a sitecustomize on the PYTHONPATH an admin allowed): it
 #: leaves a process behind there, detached (a session of its own, its parent gone), named in STRAY_DIR.
 STRAY = """import os, sys
@@ -351,6 +349,8 @@ if "mselastic.trainer.standby" in sys.orig_argv and os.environ.get("STRAY_DIR"):
     os.wait()
 """
 
+#: Another local user's flood: as many datagrams as it can send to the path in argv[1] for argv[2]
+#: seconds; prints how many went through and the errors it got.
 FLOOD = """import collections, socket, sys, time
 path, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
 sent, errors = 0, collections.Counter()

@@ -94,3 +94,27 @@ def test_on_pure_v2_the_limits_go_to_the_v2_files_with_their_controllers_handed_
     tree.job("a", cgroups.Limits(1 << 30, 512))
     assert (read("a", "memory.max"), read("a", "pids.max")) == (str(1 << 30), "512")
     assert layout.v2_limits() == "+memory +pids" and cgroups.Layout("hybrid", root, True).v2_limits() == ""
+
+
+def test_members_are_signalled_and_moved_only_while_they_are_the_process_named(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With plain files for cgroup.procs: a member listed there is signalled through a pidfd; a
+    process is moved only while its pidfd says it has not exited."""
+    import os
+    import signal
+    root = str(tmp_path)
+    layout = cgroups.Layout("hybrid", root, True)
+    group = cgroups.Group(layout, "job").make()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        fd = os.pidfd_open(child.pid)
+        gen = group.child("gen").make()
+        gen.move(child.pid, fd)
+        assert (tmp_path / "job/gen/cgroup.procs").read_text() == str(child.pid)
+        group.signal(signal.SIGTERM)
+        assert child.wait(5) == -signal.SIGTERM
+        with pytest.raises(cgroups.CgroupError, match="it ended"):
+            gen.move(child.pid, fd)
+        os.close(fd)
+    finally:
+        child.kill()
+        child.wait()
