@@ -45,15 +45,15 @@ def inventory(devices: str, kind: str) -> tuple[str, tuple[int, ...]]:
     found_kind, found, how = detect()
     if devices == "auto":
         if not found:
-            raise ValueError("devices = auto, but none were detected (no GPU in nvidia-smi -L, no /dev/davinci*): "
+            raise ValueError("auto, but none were detected (no GPU in nvidia-smi -L, no /dev/davinci*): "
                              "list them (devices = \"0-7\" with device_kind), or leave devices empty")
         if kind and kind != found_kind:
-            raise ValueError(f"device_kind = {kind}, but {how} shows {found_kind} devices {format_ids(found)}")
+            raise ValueError(f"auto with device_kind = {kind}, but {how} shows {found_kind} devices {format_ids(found)}")
         return found_kind, found
     ids = parse_ids(devices)
     if found_kind == kind and not set(ids) <= set(found):
-        raise ValueError(f"devices = {devices}, but {how} shows {kind} devices {format_ids(found)} here: list those "
-                         f"(or devices = auto)")
+        raise ValueError(f"{devices}, but {how} shows {kind} devices {format_ids(found)} here: list those, or "
+                         f"devices = auto")
     if found_kind != kind:
         log.info("devices %s (%s) as configured: none of that kind detected here", format_ids(ids), kind)
     return kind, ids

@@ -50,6 +50,19 @@ def read_small(path: str, limit: int = SMALL_FILE_BYTES) -> bytes:
         os.close(fd)
 
 
+def read_tail(path: str, limit: int) -> bytes:
+    """The last ``limit`` bytes of ``path`` when it is a regular file (never through a final
+    symlink, never blocking on a FIFO or a device); raises OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"{path} is not a regular file")
+        return os.pread(fd, limit, max(0, st.st_size - limit))
+    finally:
+        os.close(fd)
+
+
 async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S,
                   slots: threading.BoundedSemaphore | None = None) -> T:
     """``fn(*args)`` (which reads a job's files) in a daemon thread of its own, for ``within_s`` at

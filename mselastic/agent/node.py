@@ -33,6 +33,7 @@ from mselastic.agent.cgroups import Limits, Tree
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
 from mselastic.agent.reports import Reports
+from mselastic.agent.device_health import DeviceHealth
 from mselastic.agent.launch import release_standby_group, spawn_standby
 from mselastic.agent.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.supervisor import Generation
@@ -89,6 +90,9 @@ class AgentConfig:
     heartbeat_dir: str = ""
     #: Each log file of a generation is rotated past this many MiB (0: never; mselastic.agent.logcap).
     max_log_mb: int = 1024
+    #: How long a device a failed rank's log named stays aside (0: until uncordoned; see
+    #: mselastic.agent.device_health).
+    device_cooldown_s: float = 1800.0
 
 
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
@@ -147,6 +151,7 @@ class NodeAgent:
         #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
         self._shutting_down = False
         self._locks: dict[str, asyncio.Lock] = {}
+        self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s)
         self._lease: KeptLease | None = None
         self.peers = Peers(store, cfg.node_id, cfg.lease_ttl_s, cfg.tls)
         #: Fenced without etcd: nothing is launched here until this node is registered again.
@@ -531,6 +536,7 @@ class NodeAgent:
                                                    {j for j, g in self.generations.items() if not g.done.is_set()}
                                                    | {plan.job}, self.cfg.cgroups))
             gen.on_joined = self._tell_peers_joined
+            gen.on_device_fault = functools.partial(self.device_health.set_aside, plan.job)
             self.generations[plan.job] = gen
             self._ended.discard(plan.job)  # submitted again
             await gen.start()

@@ -20,7 +20,7 @@ import os
 import subprocess
 import time
 import uuid
-from typing import Callable
+from typing import Awaitable, Callable
 
 import psutil
 
@@ -28,7 +28,7 @@ from mselastic import metrics
 from mselastic.agent import observe, procs, ranks as rank_rules, verdict
 from mselastic.agent.beats import BeatSocket, Senders
 from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
-from mselastic.agent.jobfiles import Unreadable, bounded
+from mselastic.agent.jobfiles import Unreadable, bounded, read_tail
 from mselastic.agent.launch import MSRUN, Launch, Path
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
 from mselastic.agent.preflight import LaunchError, port_free, preflight
@@ -39,6 +39,7 @@ from mselastic.agent.stop import signal_ranks, write_stop_step
 from mselastic.agent.users import WorkerUser
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
+from mselastic.core.devices import LOG_TAIL_BYTES, device_error
 from mselastic.core.model import GenerationReport, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, check_generation_transition
@@ -53,6 +54,8 @@ NUDGE_AFTER_S = 0.1
 #: How long a launch's checks (:func:`preflight`: files on shared storage, the worker user's probes)
 #: may take before the launch fails on this node (at most a third of the job's startup_timeout_s).
 PREFLIGHT_S = 60.0
+#: How long setting a failed device aside may hold the failure's report (an etcd write).
+DEVICE_ASIDE_S = 5.0
 
 #: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
 #: reaches a rank busy in a step; a fast job makes several steps meanwhile).
@@ -114,6 +117,12 @@ class Generation:
         self._on_change = on_change
         #: Called once, when a local rank first gets through init() (the agent tells the other nodes).
         self.on_joined: Callable[["Generation"], None] = lambda gen: None
+        #: Awaited when a failed rank's log names its device (the device id, the line), before the
+        #: failure is reported: the agent sets the device aside, so the relaunch avoids it (False:
+        #: it did not, and the failure stays the rank's).
+        self.on_device_fault: Callable[[int, str], Awaitable[bool]] | None = None
+        #: For a DEVICE failure: that device (-1: none).
+        self.failed_device = -1
         self._remote_joined_at = 0.0
         self._poll_s = poll_interval_s
         self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
@@ -569,8 +578,36 @@ class Generation:
         if left:
             log.error("processes left after teardown: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
+        if cause is FailureCause.RANK_EXITED:
+            await self._blame_device(rank)
         self._set(GenerationState.FAILED)
         self._close()
+
+    async def _blame_device(self, rank: int) -> None:
+        """A rank exited: when the end of its log names its device (see core.devices.device_error),
+        the failure is the device's (cause DEVICE, the node not blamed), set aside first."""
+        index = rank - self.first_rank
+        if not 0 <= index < len(self.member.devices):
+            return
+        path = os.path.join(self.log_dir, f"worker_{rank}.log")
+        try:  # (the job's file: read as jobfiles reads them)
+            line = device_error((await bounded(read_tail, path, LOG_TAIL_BYTES)).decode(errors="replace"))
+        except OSError as e:
+            log.debug("rank %d's log not read for a device error: %s", rank, e, extra=self._ctx)
+            return
+        if not line or self.on_device_fault is None:
+            return
+        device = self.member.devices[index]
+        log.warning("rank %d's log names its device %s %d: %s", rank, self.member.device_kind, device, line,
+                    extra={**self._ctx, "rank": rank})
+        try:
+            aside = await asyncio.wait_for(self.on_device_fault(device, line), DEVICE_ASIDE_S)
+        except (asyncio.TimeoutError, OSError, RuntimeError) as e:
+            log.error("device %d not set aside: %s", device, e, extra=self._ctx)
+            return
+        if aside:
+            self.cause, self.failed_device = FailureCause.DEVICE, device
+            self.reason += f"; its log names its device, {self.member.device_kind} {device}, set aside: {line}"
 
     def _oom_note(self) -> str:
         """What the failure's reason adds when the OOM killer ended processes of this generation (the
@@ -636,4 +673,4 @@ class Generation:
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
             resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause,
             resumed_steps={str(r.rank): r.resumed_step for r in self.ranks.values() if r.resumed_step >= 0},
-            warm=self.warm, devices=self.member.devices)
+            warm=self.warm, devices=self.member.devices, failed_device=self.failed_device)

@@ -16,7 +16,7 @@ import dataclasses
 import re
 from typing import Mapping
 
-from mselastic.core.model import NodeRecord, Plan
+from mselastic.core.model import DeviceCordon, NodeRecord, Plan
 
 #: The device kinds, and the variable that says which devices a process of that kind may see.
 VISIBLE = {"gpu": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
@@ -68,6 +68,37 @@ def nvidia_smi_ids(listing: str) -> tuple[int, ...]:
 def davinci_ids(names: list[str]) -> tuple[int, ...]:
     """The NPU ids of the ``/dev`` entries named ``davinci<N>`` (``davinci_manager`` is not one)."""
     return tuple(sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"davinci(\d+)", n))))
+
+
+#: Lines in a rank's log that blame its device, not the job's code (the vendors' words): NVIDIA's
+#: uncorrectable ECC errors, a GPU fallen off the bus, an Xid the driver reports; Ascend's
+#: uncorrectable errors (UCE) and HBM ECC faults, a device heartbeat lost.
+DEVICE_ERRORS = re.compile(
+    r"uncorrectable ECC|CUDA_ERROR_ECC_UNCORRECTABLE|ECC error encountered|GPU is lost|fallen off the bus|"
+    r"\bNVRM: Xid\b|\bXid \(PCI:|"
+    r"\bUCE\b|uncorrectable error|HBM (?:multi-bit )?ECC|device (?:heartbeat )?lost|"
+    r"device \d+ .*(?:hardware|hbm) error", re.IGNORECASE)
+#: How much of a failed rank's log is looked at (its end).
+LOG_TAIL_BYTES = 64 << 10
+
+
+def device_error(log_tail: str) -> str:
+    """The last line of a failed rank's log that blames its device ("" none), cut to 300 characters."""
+    found = [line.strip() for line in log_tail.splitlines() if DEVICE_ERRORS.search(line)]
+    return found[-1][:300] if found else ""
+
+
+def usable(nodes: list[NodeRecord], cordons: Mapping[str, list[DeviceCordon]], now: float) -> list[NodeRecord]:
+    """The nodes as a plan may use them: on a node with devices, those set aside (``cordons``, by
+    node, held at ``now``) left out, and its slots their number."""
+    out = []
+    for n in nodes:
+        aside = {c.device for c in cordons.get(n.node_id, ()) if c.held(now)}
+        if n.devices and aside & set(n.devices):
+            kept = tuple(d for d in n.devices if d not in aside)
+            n = dataclasses.replace(n, devices=kept, slots=len(kept))
+        out.append(n)
+    return out
 
 
 def visible_env(kind: str, ids: tuple[int, ...]) -> dict[str, str]:

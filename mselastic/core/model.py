@@ -251,6 +251,8 @@ class GenerationReport:
     #: The device ids of the node its ranks were launched on (its member's; () without devices):
     #: held until the generation is over here, whatever the newer plans say.
     devices: tuple[int, ...] = ()
+    #: For a DEVICE failure: the device the failed rank's evidence named (-1: none).
+    failed_device: int = -1
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
@@ -378,6 +380,30 @@ class CordonRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "CordonRecord":
+        return _decode(cls, text)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCordon:
+    """``cordons/<node_id>/devices/<device>``: one device of a node set aside (issue #32), written by
+    the node's agent when a rank's failure names its device, removed by ``elasticctl uncordon
+    NODE --device N``; kept across re-registration, as a node's cordon is."""
+
+    node_id: str
+    device: int
+    reason: str
+    since: float
+    #: When it may be given again (0: only once uncordoned).
+    until: float = 0.0
+
+    def held(self, now: float) -> bool:
+        return not self.until or self.until > now
+
+    def to_json(self) -> str:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "DeviceCordon":
         return _decode(cls, text)
 
 

@@ -340,7 +340,8 @@ def relaunch_after_fault(s: Situation) -> Decision | None:
         reason = f"node(s) lost: {', '.join(s.lost)}"
     failures, quarantine = dict(s.st.node_failures), dict(s.quarantine)
     if s.st.failures_counted_through < plan.generation:  # a waiting job sees the same fault on every pass
-        for blamed in ([fault.node_id] if fault is not None else list(s.lost)):
+        for blamed in ([] if fault is not None and fault.cause is FailureCause.DEVICE  # (its device set aside)
+                       else [fault.node_id] if fault is not None else list(s.lost)):
             failures[blamed] = failures.get(blamed, 0) + 1
             over = failures[blamed] - spec.quarantine_after_failures
             if over >= 0:

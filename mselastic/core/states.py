@@ -88,6 +88,9 @@ class FailureCause(enum.Enum):
     #: elasticd was stopped on request (SIGTERM, ``systemctl restart``) and stopped its ranks first,
     #: at a step they checkpointed at: a planned restart, no fault of the job or the node.
     AGENT_SHUTDOWN = "AGENT_SHUTDOWN"
+    #: A rank failed and its log named its device (an uncorrectable ECC error, an Ascend UCE): the
+    #: device is set aside on its node (issue #32), the node is not blamed.
+    DEVICE = "DEVICE"
 
 
 def check_job_transition(old: JobState, new: JobState) -> None:

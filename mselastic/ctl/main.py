@@ -292,16 +292,20 @@ def _job_records(cmd: _Command) -> None:
 
 def _node_actions(cmd: _Command) -> None:
     """Commands that cordon, drain and uncordon nodes."""
-    s = cmd("cordon", "no new generations on a node (running ones go on)", "elasticctl cordon n1 --reason disk")
+    s = cmd("cordon", "no new generations on a node (running ones go on), or on one of its devices",
+            "elasticctl cordon n1 --reason disk; elasticctl cordon n1 --device 3")
     s.add_argument("node")
     s.add_argument("--reason", default="")
+    s.add_argument("--device", type=int, help="set this device of the node aside, not the node")
     s = cmd("drain", "cordon a node and move its running jobs off it (planned, nothing lost); waits",
             "elasticctl drain n1 --wait-s 600")
     s.add_argument("node")
     s.add_argument("--reason", default="")
     s.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the drain (default %(default)s); 0: do not wait; fails at once when no node can take a job")
-    s = cmd("uncordon", "let a node run generations again (a running job may scale up to it)", "elasticctl uncordon n1")
+    s = cmd("uncordon", "let a node (or one of its devices set aside) run generations again (a running job may "
+            "scale up to it)", "elasticctl uncordon n1; elasticctl uncordon n1 --device 3")
     s.add_argument("node")
+    s.add_argument("--device", type=int, help="put this device of the node back, not the node")
 
 def _following(cmd: _Command) -> None:
     """Commands that follow a job (live view, report)."""
@@ -507,6 +511,15 @@ def cmd_scale(c: Client, a: argparse.Namespace, out: Any) -> int:
 def cmd_cordon(c: Client, a: argparse.Namespace, out: Any) -> int:
     cordon, drain = a.command != "uncordon", a.command == "drain"
     req = pb.CordonRequest(node_id=a.node, cordon=cordon, drain=drain, reason=getattr(a, "reason", ""))
+    device = getattr(a, "device", None)
+    if device is not None:
+        if device < 0:
+            raise CtlError(f"--device {device}: a device id is 0 or more", EXIT_USAGE)
+        req.device = device
+        c.call(lambda s: lambda **kw: s.Cordon(req, **kw))
+        render.emit(out, a.output, {"node": a.node, "device": device, "cordoned": cordon},
+                    lambda: f"node {a.node} device {device} {a.command}ed")
+        return EXIT_OK
     c.call(lambda s: lambda **kw: s.Cordon(req, **kw))
     if drain and a.wait_s > 0:
         _wait_drained(c, a)

@@ -96,11 +96,21 @@ def nodes_table(res: pb.StatusResponse) -> str:
     table = grid(["NODE", "ADDRESS", "SLOTS", "STATUS", "LEADER", "JOBS", "VERSION"],
                  [[n.node_id, n.agent_address, f"{n.used_slots}/{n.slots}", node_state(n), "*" if n.leader else "",
                    ",".join(n.running_jobs) or "-", n.version] for n in res.nodes])
-    devices = [[n.node_id, d.id, n.device_kind, d.job or "-", d.rank if d.job else "-"]
+    devices = [[n.node_id, d.id, n.device_kind, d.job or "-", d.rank if d.job else "-", device_health(d)]
                for n in res.nodes for d in n.devices]
     if devices:
-        table += "\n\n" + grid(["NODE", "DEVICE", "KIND", "JOB", "RANK"], devices)
+        table += "\n\n" + grid(["NODE", "DEVICE", "KIND", "JOB", "RANK", "HEALTH"], devices)
     return table
+
+
+def device_health(d: pb.DeviceInfo) -> str:
+    """"healthy", or why it is set aside, since and until when (its reason is a job's log line: made
+    safe for the terminal)."""
+    if not d.unhealthy:
+        return "healthy"
+    since = time.strftime("%H:%M:%S", time.localtime(d.unhealthy_since))
+    until = time.strftime("%H:%M:%S", time.localtime(d.unhealthy_until)) if d.unhealthy_until else "uncordoned"
+    return f"unhealthy since {since} until {until}: {printable(d.unhealthy)[:120]}"
 
 
 def jobs_table(jobs: list[pb.JobStatus]) -> str:

@@ -24,8 +24,10 @@ import tenacity
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
 from mselastic.agent.jobfiles import READ_S, Unreadable, bounded, read_small
 from mselastic.core.contract import LATEST_CHECKPOINT
+from mselastic.core.devices import format_ids
 from mselastic.core.kinds import EventKind
-from mselastic.core.model import CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
+from mselastic.core.model import (CordonRecord, DeletedJob, DeviceCordon, Event, JobStatus, LeaderRecord,
+                                  MalformedRecord, NodeRecord, Plan)
 from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError, forbidden_env
 from mselastic.core.states import JobState
 from mselastic.core.status import next_status
@@ -56,6 +58,20 @@ def checkpointed_step(checkpoint_dir: str, job: str) -> int | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def devices_pb(node: NodeRecord, users: dict[tuple[str, int], tuple[str, int]],
+               cluster: ClusterView) -> list[pb.DeviceInfo]:
+    """Each device of ``node``: the job and rank on it, and whether it is set aside (until when)."""
+    now = time.time()
+    aside = {c.device: c for c in cluster.device_cordons.get(node.node_id, []) if c.held(now)}
+    out = []
+    for d in node.devices:
+        job, rank = users.get((node.node_id, d), ("", -1))
+        c = aside.get(d)
+        out.append(pb.DeviceInfo(id=d, job=job, rank=rank, unhealthy=c.reason if c else "",
+                                 unhealthy_since=c.since if c else 0.0, unhealthy_until=c.until if c else 0.0))
+    return out
 
 
 def device_users(cluster: ClusterView) -> dict[tuple[str, int], tuple[str, int]]:
@@ -225,10 +241,7 @@ class ControlService(pb_grpc.ControlServicer):
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
                                used_slots=used.get(n.node_id, 0),
                                running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)),
-                               device_kind=n.device_kind,
-                               devices=[pb.DeviceInfo(id=d, job=users.get((n.node_id, d), ("", -1))[0],
-                                                      rank=users.get((n.node_id, d), ("", -1))[1])
-                                        for d in n.devices])
+                               device_kind=n.device_kind, devices=devices_pb(n, users, cluster))
                    for n in cluster.nodes],
             leader=leader,
             etcd=[pb.EtcdMember(endpoint=e, version=v, warning=w) for e, v, w in self.etcd_members()])
@@ -452,6 +465,8 @@ class ControlService(pb_grpc.ControlServicer):
             if request.node_id not in known:
                 await abort(context, grpc.StatusCode.NOT_FOUND,
                             f"no node named {request.node_id!r} is registered (see elasticctl status)")
+            if request.HasField("device"):
+                return await self._cordon_device(request, cluster, context)
             if request.cordon:
                 rec = CordonRecord(request.node_id, request.drain, time.time(), request.reason)
                 await self.store.put(key, rec.to_json())
@@ -466,6 +481,28 @@ class ControlService(pb_grpc.ControlServicer):
                  extra=dict(node=request.node_id))
         self.coordinator.wake()
         return pb.CordonResponse(node_id=request.node_id, cordoned=request.cordon, draining=request.drain)
+
+    async def _cordon_device(self, request: pb.CordonRequest, cluster: ClusterView,
+                             context: grpc.aio.ServicerContext) -> pb.CordonResponse:
+        """cordon / uncordon one device of a node (``--device``): set aside by hand, or back."""
+        node = next((n for n in cluster.nodes if n.node_id == request.node_id), None)
+        if node is None or request.device not in node.devices:
+            have = format_ids(node.devices) if node is not None and node.devices else "none"
+            await abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"node {request.node_id} has no device {request.device} (its devices: {have})")
+        if request.drain:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a device is cordoned or uncordoned, not drained")
+        key = self.store.keys.device_cordon(request.node_id, request.device)
+        if request.cordon:
+            rec = DeviceCordon(request.node_id, request.device, request.reason or "cordoned by an operator",
+                               time.time())
+            await self.store.put(key, rec.to_json())
+        else:
+            await self.store.delete(key)
+        log.info("node %s device %d %s", request.node_id, request.device,
+                 "cordoned" if request.cordon else "uncordoned", extra=dict(node=request.node_id))
+        self.coordinator.wake()
+        return pb.CordonResponse(node_id=request.node_id, cordoned=request.cordon)
 
     async def _job(self, job: str, context: grpc.aio.ServicerContext) -> JobView:
         return (await self._cluster_and_job(job, context))[1]

@@ -222,6 +222,8 @@ class Coordinator:
         excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes})
         self.passes += 1
         now, mono = time.time(), time.monotonic()
+        # (a node's devices set aside are none of its slots: see core.devices.usable)
+        cluster = dataclasses.replace(cluster, nodes=devices.usable(cluster.nodes, cluster.device_cordons, now))
         self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())
         held = admission.slots_held(cluster, self._inflight)
         devices_held = admission.devices_held(cluster, self._inflight)

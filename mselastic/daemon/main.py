@@ -240,7 +240,8 @@ def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tr
            device_ids: tuple[int, ...]) -> NodeAgent:
     return NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                         slots=len(device_ids) if device_ids else s.slots,
-                                        device_kind=device_kind, devices=device_ids, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
+                                        device_kind=device_kind, devices=device_ids,
+                                        device_cooldown_s=s.device_cooldown_s, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                         worker_user=worker, allow_env=s.allowed_env, pass_env=names(s.pass_env),
                                         warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,

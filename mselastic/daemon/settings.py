@@ -66,6 +66,9 @@ class Settings:
     devices: str = ""
     #: "gpu" or "ascend": the kind of the listed devices (with "auto": what must be detected).
     device_kind: str = ""
+    #: A device a failed rank's log named (an uncorrectable ECC error, an Ascend UCE) stays aside
+    #: this long; 0: until ``elasticctl uncordon NODE --device N``.
+    device_cooldown_s: float = 1800.0
     #: Logs of every generation are kept under <work_dir>/logs/<job>/g<generation>.
     work_dir: str = "/var/lib/mselastic"
     #: etcd key namespace (several clusters may share one etcd).
@@ -246,6 +249,8 @@ class Settings:
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
     def _check_devices(self) -> None:
+        if not 0 <= self.device_cooldown_s <= 30 * 24 * 3600:  # (NaN fails too)
+            raise bad("device_cooldown_s", f"must be 0 (until uncordoned) to 30 days (got {self.device_cooldown_s})")
         if self.device_kind not in ("", *KINDS):
             raise bad("device_kind", f"must be one of {', '.join(KINDS)} (got {self.device_kind!r})")
         if not self.devices:
@@ -485,6 +490,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "devices": "this node's accelerators, a slot each: auto (detected), their ids (0-7, 0,2,5) with "
                    "device_kind, or empty (slots counts the workers)",
         "device_kind": "gpu or ascend: the kind of the listed devices",
+        "device_cooldown_s": "how long a device a failed rank's log named stays aside (0: until elasticctl uncordon "
+                             "NODE --device N)",
         "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
                     "no user); empty: every job runs as worker_user",
         "max_log_mb": "rotate each log file of a generation past this many MiB (its last half kept as NAME.1); 0: "

@@ -5,6 +5,7 @@ All keys live under a namespace (default ``/mselastic``)::
     <ns>/leader                               leased: who coordinates (LeaderRecord JSON)
     <ns>/nodes/<node_id>                      leased: NodeRecord JSON
     <ns>/cordons/<node_id>                    CordonRecord JSON (cordon / drain; survives re-registration)
+    <ns>/cordons/<node_id>/devices/<device>   DeviceCordon JSON (one device set aside; likewise)
     <ns>/jobs/<job>/spec                      JobSpec JSON
     <ns>/jobs/<job>/plan                      Plan JSON (fenced writes only)
     <ns>/jobs/<job>/status                    JobStatus JSON (fenced writes only)
@@ -68,6 +69,9 @@ class Keys:
 
     def cordon(self, node_id: str) -> str:
         return self.cordons + check_id("node id", node_id)
+
+    def device_cordon(self, node_id: str, device: int) -> str:
+        return f"{self.cordon(node_id)}/devices/{int(device)}"
 
     @property
     def jobs(self) -> str:

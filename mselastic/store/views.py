@@ -12,7 +12,7 @@ import functools
 import logging
 from typing import Any, Callable, Iterable, TypeVar
 
-from mselastic.core.model import CordonRecord, GenerationReport, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import CordonRecord, DeviceCordon, GenerationReport, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.core.states import JobState
 from mselastic.store.etcd import KV, Store
@@ -65,6 +65,8 @@ class ClusterView:
     #: Every cordon, also of nodes not registered now.
     cordons: dict[str, CordonRecord]
     leader: LeaderRecord | None
+    #: The devices set aside, by node (see mselastic.core.devices), expired ones too.
+    device_cordons: dict[str, list[DeviceCordon]] = dataclasses.field(default_factory=dict)
 
 
 class Decoder:
@@ -147,8 +149,13 @@ def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
         except MalformedRecord as e:
             log.error("skipping malformed node record %s: %s", kv.key, e)
     cordons: dict[str, CordonRecord] = {}
+    device_cordons: dict[str, list[DeviceCordon]] = {}
     for kv in raw.cordons:
         try:
+            if "/devices/" in kv.key:
+                rec_d = decode(kv, DeviceCordon.from_json)
+                device_cordons.setdefault(rec_d.node_id, []).append(rec_d)
+                continue
             rec_c = decode(kv, CordonRecord.from_json)
             cordons[rec_c.node_id] = rec_c
         except MalformedRecord as e:
@@ -194,7 +201,7 @@ def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
                     view.reports.setdefault(generation, {})[parsed_report[2]] = decode(kv, GenerationReport.from_json)
                 except (MalformedRecord, ValueError) as e:
                     log.error("malformed value at %s: %s", kv.key, e, extra={"job": view.name})
-    return ClusterView(raw.revision, nodes, jobs, cordons, leader)
+    return ClusterView(raw.revision, nodes, jobs, cordons, leader, device_cordons)
 
 
 def _apply(view: JobView, rest: str, kv: KV, decode: Decoder) -> None:

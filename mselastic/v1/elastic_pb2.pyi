@@ -38,6 +38,7 @@ class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_CAUSE_NODE_LOST: _ClassVar[FailureCause]
     FAILURE_CAUSE_TRAINER_FATAL: _ClassVar[FailureCause]
     FAILURE_CAUSE_AGENT_SHUTDOWN: _ClassVar[FailureCause]
+    FAILURE_CAUSE_DEVICE: _ClassVar[FailureCause]
 
 class GenerationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -83,6 +84,7 @@ FAILURE_CAUSE_LAUNCH_NODE: FailureCause
 FAILURE_CAUSE_NODE_LOST: FailureCause
 FAILURE_CAUSE_TRAINER_FATAL: FailureCause
 FAILURE_CAUSE_AGENT_SHUTDOWN: FailureCause
+FAILURE_CAUSE_DEVICE: FailureCause
 GENERATION_STATE_UNSPECIFIED: GenerationState
 GENERATION_STATE_STARTING: GenerationState
 GENERATION_STATE_RUNNING: GenerationState
@@ -316,14 +318,20 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ..., used_slots: _Optional[int] = ..., device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("id", "job", "rank")
+    __slots__ = ("id", "job", "rank", "unhealthy", "unhealthy_since", "unhealthy_until")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_UNTIL_FIELD_NUMBER: _ClassVar[int]
     id: int
     job: str
     rank: int
-    def __init__(self, id: _Optional[int] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    unhealthy: str
+    unhealthy_since: float
+    unhealthy_until: float
+    def __init__(self, id: _Optional[int] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., unhealthy: _Optional[str] = ..., unhealthy_since: _Optional[float] = ..., unhealthy_until: _Optional[float] = ...) -> None: ...
 
 class Quarantine(_message.Message):
     __slots__ = ("node_id", "failures", "until")
@@ -430,16 +438,18 @@ class StopJobResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
 
 class CordonRequest(_message.Message):
-    __slots__ = ("node_id", "cordon", "drain", "reason")
+    __slots__ = ("node_id", "cordon", "drain", "reason", "device")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CORDON_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cordon: bool
     drain: bool
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., cordon: _Optional[bool] = ..., drain: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    device: int
+    def __init__(self, node_id: _Optional[str] = ..., cordon: _Optional[bool] = ..., drain: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
 
 class CordonResponse(_message.Message):
     __slots__ = ("node_id", "cordoned", "draining")

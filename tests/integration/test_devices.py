@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import psutil
 import pytest
 
-from tests.harness import (Etcd, Processes, elasticctl, generation_processes, lenet_spec, standby_processes,
-                           start_node, wait_for)
+from mselastic.core.model import NodeRecord
+from mselastic.store.embedded import free_port
+from tests.harness import (LENET, Etcd, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec,
+                           standby_processes, start_node, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +70,9 @@ def test_two_jobs_on_one_node_train_on_disjoint_devices_and_a_relaunch_keeps_the
         {"a": ["0", "1"], "b": ["0", "1"]}
     nodes = elasticctl("nodes", endpoint=endpoint)
     assert nodes.returncode == 0, nodes.stderr
-    rows = {tuple(line.split()) for line in nodes.stdout.splitlines()}
+    rows = {tuple(line.split()[:6]) for line in nodes.stdout.splitlines()}
     a_devices = sorted(map(int, ids["a"]))
-    assert {("n0", str(d), "gpu", "a", str(r)) for r, d in enumerate(a_devices)} <= rows, nodes.stdout
+    assert {("n0", str(d), "gpu", "a", str(r), "healthy") for r, d in enumerate(a_devices)} <= rows, nodes.stdout
     print(nodes.stdout)
 
     standbys = wait_for("a's standbys", lambda: len(x := _standbys(procs, "a")) >= 4 and x, 120, 0.2)
@@ -83,3 +86,82 @@ def test_two_jobs_on_one_node_train_on_disjoint_devices_and_a_relaunch_keeps_the
                  180, 0.2)
     print(f"a: {sorted(seen['a'].items())}, relaunched {'warm' if etcd.report('a', 2, 'n0').warm else 'cold'}: "
           f"{sorted(again.items())}; b: {sorted(seen['b'].items())}")
+
+
+#: The example job, except that rank 1 of generation 1 meets a device error: it writes what CUDA
+#: says of an uncorrectable ECC error to its log (its standard error, which msrun puts there) and exits.
+ECC = """import os, runpy, sys
+if os.environ["MSELASTIC_GENERATION"] == "1" and os.environ["RANK_ID"] == "1":
+    print("RuntimeError: CUDA error: uncorrectable ECC error encountered", file=sys.stderr, flush=True)
+    sys.exit(1)
+sys.argv[0] = {lenet!r}
+runpy.run_path({lenet!r}, run_name="__main__")
+"""
+
+
+def test_a_device_a_failed_ranks_log_names_is_set_aside_and_the_node_serves_on_with_the_others(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """Node n0 lists gpu devices 0-3; job a's rank 1 (on device 1) writes a CUDA uncorrectable ECC
+    error to its log and exits. Device 1 is set aside (elasticctl nodes says why), the node is not
+    blamed (no failure counted, no quarantine), and generation 2 is launched on devices 0 and 2
+    (read from its ranks' environment); the job finishes. elasticctl uncordon n0 --device 1 puts it back."""
+    tmp = str(tmp_path)
+    endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--devices", "0-3", "--slots", "4",
+                          "--device-kind", "gpu", "--device-cooldown-s", "0")
+    script = os.path.join(tmp, "ecc.py")
+    with open(script, "w") as f:
+        f.write(ECC.format(lenet=LENET))
+    spec = lenet_spec(os.path.join(tmp, "a.toml"), "a", os.path.join(tmp, "a"), os.path.join(tmp, "ckpt"), 20,
+                      workers=2, script=script)
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    first = wait_for("generation 1's report", lambda: (r := etcd.report("a", 1, "n0")) and r.state.terminal and r, 120,
+                     0.1)
+    assert first.cause.value == "DEVICE" and first.failed_device == 1 and first.devices == (0, 1), first
+    assert "uncorrectable ECC" in first.reason and "set aside" in first.reason, first.reason
+    again = wait_for("generation 2's ranks", lambda: len(x := _launched(procs, "a", 2)) == 2 and x, 120, 0.1)
+    assert {r: (v, d) for r, (v, d, _) in again.items()} == {0: ("0,2", "0"), 1: ("0,2", "1")}, again
+    status = etcd.status("a")
+    assert status is not None and not status.node_failures and not status.quarantined_until, status
+    nodes = elasticctl("nodes", endpoint=endpoint).stdout
+    row = next(line for line in nodes.splitlines() if line.split()[:2] == ["n0", "1"])
+    assert "unhealthy since" in row and "until uncordoned" in row and "job a:" in row and "ECC" in row, nodes
+    print(nodes)
+    wait_for("a done", lambda: (s := etcd.status("a")) is not None and s.state.value == "SUCCEEDED", 180, 0.2)
+    r = elasticctl("uncordon", "n0", "--device", "1", endpoint=endpoint)
+    assert r.returncode == 0 and "device 1 uncordoned" in r.stdout, r.stdout + r.stderr
+    rows = [line.split() for line in elasticctl("nodes", endpoint=endpoint).stdout.splitlines()]
+    assert [r[5] for r in rows if r[:2] == ["n0", "1"]] == ["healthy"], rows
+    r = elasticctl("uncordon", "n0", "--device", "7", endpoint=endpoint)
+    assert r.returncode != 0 and "node n0 has no device 7 (its devices: 0-3)" in r.stderr, r.stderr
+
+
+#: An nvidia-smi that shows three GPUs (the node's tool, as elasticd finds it on its PATH).
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 2
+echo "GPU 0: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000000)"
+echo "GPU 1: NVIDIA H200 (UUID: GPU-11111111-1111-1111-1111-111111111111)"
+echo "GPU 2: NVIDIA H200 (UUID: GPU-22222222-2222-2222-2222-222222222222)"
+"""
+
+
+def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refused(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """With an nvidia-smi on its PATH that shows GPUs 0-2: devices = auto registers gpu 0-2 (3 slots);
+    devices = 0-3 is refused at start, saying what the tool shows (one line, exit 2)."""
+    tmp = str(tmp_path)
+    tools = os.path.join(tmp, "bin")
+    os.makedirs(tools)
+    with open(os.path.join(tools, "nvidia-smi"), "w") as f:
+        f.write(FAKE_SMI)
+    os.chmod(os.path.join(tools, "nvidia-smi"), 0o755)
+    path = tools + os.pathsep + os.environ.get("PATH", "")
+    cmd = elasticd_cmd("n0", etcd.endpoint, free_port(), os.path.join(tmp, "work"), namespace)
+    refused = subprocess.run([*cmd, "--devices", "0-3", "--device-kind", "gpu", "--slots", "4"], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, PATH=path))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "elasticd: devices: 0-3, but nvidia-smi -L shows gpu devices 0-2 here: list those, or devices = auto"), \
+        refused.stderr
+    procs.start("elasticd-n0", [*cmd, "--devices", "auto", "--slots", "1"], env={"PATH": path})
+    node = wait_for("n0 registered", lambda: (raw := etcd.get(etcd.keys.node("n0"))) and NodeRecord.from_json(raw),
+                    30, 0.1)
+    assert (node.device_kind, node.devices, node.slots) == ("gpu", (0, 1, 2), 3), node

@@ -90,3 +90,37 @@ def test_settings_and_specs_leave_devices_to_the_node() -> None:
             Settings(node_id="n0", **kw).validate()  # type: ignore[arg-type]
     assert forbidden_env({"CUDA_VISIBLE_DEVICES": "0-7", "ASCEND_RT_VISIBLE_DEVICES": "0", "DEVICE_ID": "1",
                           "OK": "1"}) == ["ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "DEVICE_ID"]
+
+
+def test_a_failed_ranks_log_blames_its_device_only_in_the_vendors_words() -> None:
+    for line in ("RuntimeError: CUDA error: uncorrectable ECC error encountered",
+                 "CUDA_ERROR_ECC_UNCORRECTABLE", "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+                 "[ERROR] RUNTIME: The device 3 has a UCE error", "EL0004: HBM multi-bit ECC error on device 2"):
+        assert devices.device_error(f"step 10 loss 0.3\n{line}\nTraceback ...\n") == line, line
+    for line in ("RuntimeError: CUDA out of memory", "ValueError: shapes (3,) and (4,) not aligned",
+                 "an error in the device_map config", "Traceback: educe failed"):
+        assert devices.device_error(line) == "", line
+
+
+def test_a_device_set_aside_is_none_of_its_nodes_slots_until_its_time_is_up() -> None:
+    from mselastic.core.model import DeviceCordon
+    nodes = [_node("n0", (0, 1, 2, 3)), _node("cpu")]
+    cordons = {"n0": [DeviceCordon("n0", 1, "ecc", 100.0, 200.0), DeviceCordon("n0", 3, "by hand", 100.0)]}
+    now = devices.usable(nodes, cordons, 150.0)
+    assert (now[0].devices, now[0].slots) == ((0, 2), 2) and now[1] == nodes[1]
+    later = devices.usable(nodes, cordons, 250.0)
+    assert (later[0].devices, later[0].slots) == ((0, 1, 2), 3)
+
+
+def test_a_device_failure_is_not_blamed_on_its_node() -> None:
+    from mselastic.core.planner import Action, decide
+    from mselastic.core.spec import JobSpec
+    from mselastic.core.states import FailureCause, JobState
+    spec = JobSpec(name="a", script="/t.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=1, max_nodes=1,
+                   total_steps=10, global_batch_size=4, quarantine_after_failures=1)
+    plan = devices.assign(_plan("a", 1, ("n0", 2)), {"n0": _node("n0", (0, 1, 2, 3))}, {})
+    for cause, blamed in ((FailureCause.DEVICE, {}), (FailureCause.RANK_EXITED, {"n0": 1})):
+        rep = GenerationReport("a", 1, "n0", GenerationState.FAILED, failed_rank=1, reason="x", cause=cause)
+        d = decide(spec, JobState.RUNNING, plan, {"n0": rep}, [_node("n0", (0, 2, 3))], now=10.0)
+        assert d.node_failures == blamed, (cause, d)
+        assert (d.action is Action.LAUNCH) == (cause is FailureCause.DEVICE), d  # (else: quarantined at once)
