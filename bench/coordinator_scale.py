@@ -6,7 +6,10 @@ all of them: spec, status, a committed plan of generation G, every node's report
 history a pass must not read. A pass is what the leader does on every change: read the
 cluster (``read_cluster``) and decide the job (``decide``). Prints the median of
 ``--passes`` passes per N, the ratio to the smallest N, the cost per node, and the pass
-that decides a relaunch after one node's rank failed.
+that decides a relaunch after one node's rank failed. With ``--devices D`` (default 8) the same
+is measured side by side, in the same invocation, on nodes of D devices each (a rank per device:
+D workers per node), the pass as the leader makes it then: the nodes less their devices set aside,
+the devices each job holds, the decision, and the devices a relaunch's plan gets (issue #32).
 
 There is no msrun here: the baseline is the smallest cluster, and the question is
 whether the cost per node stays flat (linear growth) as N grows.
@@ -33,8 +36,10 @@ import sys
 import tempfile
 import time
 
+from mselastic.core import devices as device_rules
 from mselastic.core.model import GenerationReport, JobStatus, LeaderRecord, NodeRecord
 from mselastic.core.planner import Action, PortRange, decide, make_plan
+from mselastic.daemon import admission
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import GenerationState, JobState
 from mselastic.store.embedded import EmbeddedEtcd
@@ -53,39 +58,49 @@ async def put_all(store: Store, items: list[tuple[str, str]], batch: int = 200) 
         await asyncio.gather(*(store.put(k, v) for k, v in items[i:i + batch]))
 
 
-async def populate(store: Store, n: int, old_generations: int) -> None:
+async def populate(store: Store, n: int, old_generations: int, per_node: int) -> None:
+    """``per_node``: devices a node has (a rank each); 0: none (a slot, a rank)."""
     k = store.keys
-    nodes = [NodeRecord(node_id=f"n{i:05d}", agent_address="127.0.0.1:9", host="127.0.0.1", slots=1,
-                        version="bench") for i in range(n)]
-    spec = JobSpec(name=JOB, script="/s.py", checkpoint_dir="/c", workers_per_node=1, min_nodes=1, max_nodes=n,
-                   global_batch_size=n)
-    plan = make_plan(spec, nodes, G, 0, "bench", None, PortRange())
+    ids = tuple(range(per_node))
+    nodes = [NodeRecord(node_id=f"n{i:05d}", agent_address="127.0.0.1:9", host="127.0.0.1", slots=per_node or 1,
+                        version="bench", device_kind="gpu" if ids else "", devices=ids) for i in range(n)]
+    workers = per_node or 1
+    spec = JobSpec(name=JOB, script="/s.py", checkpoint_dir="/c", workers_per_node=workers, min_nodes=1, max_nodes=n,
+                   global_batch_size=n * workers)
+    plan = device_rules.assign(make_plan(spec, nodes, G, 0, "bench", None, PortRange()),
+                               {r.node_id: r for r in nodes}, {})
     items = [(k.node(r.node_id), r.to_json()) for r in nodes]
     items += [(k.spec(JOB), spec.to_json()), (k.plan(JOB), plan.to_json()),
               (k.status(JOB), JobStatus(JobState.RUNNING, generation=G).to_json())]
     for g in range(G - 1 - old_generations, G + 1):
         state = GenerationState.RUNNING if g == G else GenerationState.STOPPED
         items += [(k.report(JOB, g, r.node_id), GenerationReport(job=JOB, generation=g, node_id=r.node_id,
-                                                                 state=state, step=100 * g).to_json())
+                                                                 state=state, step=100 * g, devices=ids).to_json())
                   for r in nodes]
     await put_all(store, items)
 
 
 async def one_pass(store: Store) -> tuple[float, Action]:
+    """What the leader's pass does for the job (see Coordinator.reconcile): the nodes less their
+    devices set aside, the devices held, the decision, and a relaunch's devices."""
     started = time.perf_counter()
     cluster = await read_cluster(store)
+    now = time.time()
+    nodes = device_rules.usable(cluster.nodes, cluster.device_cordons, now)
+    held = admission.devices_held(cluster, {})
     view = cluster.jobs[JOB]
     assert view.spec is not None
-    d = decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes, now=time.time(),
-               status=view.status)
+    d = decide(view.spec, view.status.state, view.plan, view.current_reports(), nodes, now=now, status=view.status)
+    if d.action is Action.LAUNCH and d.plan is not None:
+        device_rules.assign(d.plan, {n.node_id: n for n in nodes}, held, view.plan)
     return time.perf_counter() - started, d.action
 
 
-async def measure(endpoint: str, n: int, old_generations: int, passes: int) -> dict[str, float]:
-    store = Store(endpoint, Keys(f"/bench-{n}"))
+async def measure(endpoint: str, n: int, old_generations: int, passes: int, per_node: int = 0) -> dict[str, float]:
+    store = Store(endpoint, Keys(f"/bench-{n}-{per_node}"))
     try:
         t0 = time.perf_counter()
-        await populate(store, n, old_generations)
+        await populate(store, n, old_generations, per_node)
         setup = time.perf_counter() - t0
         times = []
         for _ in range(passes):
@@ -131,7 +146,7 @@ async def live(endpoint: str, n: int, seconds: float) -> dict[str, float]:
     stop = asyncio.Event()
     writer = None
     try:
-        await populate(store, n, 0)
+        await populate(store, n, 0, 0)
         term = await Election(store, LeaderRecord("bench", "127.0.0.1:9").to_json(), 30).campaign(stop)
         assert term is not None
         # (No liveness watch: these members have no agents, every one would be asked and lost.)
@@ -165,12 +180,14 @@ async def run(a: argparse.Namespace) -> int:
         etcd = EmbeddedEtcd(os.path.join(tmp, "etcd")).start()
         try:
             results = {n: await measure(etcd.endpoint, n, a.old_generations, a.passes) for n in a.nodes}
+            with_devices = {n: await measure(etcd.endpoint, n, a.old_generations, a.passes, a.devices)
+                            for n in a.nodes} if a.devices else {}
             live_results = {n: await live(etcd.endpoint, n, a.live_seconds) for n in a.live_nodes}
         finally:
             etcd.stop()
     base_n = min(a.nodes)
     base = results[base_n]["pass_s"]
-    print(f"one reconcile pass (read_cluster + decide), median of {a.passes}; "
+    print(f"one reconcile pass (read_cluster, the nodes less their devices set aside, decide), median of {a.passes}; "
           f"{a.old_generations} older generations of reports stored but not read:")
     print(f"  {'nodes':>6}  {'pass ms':>8}  {'ratio':>6}  {'us/node':>8}  {'relaunch pass ms':>16}")
     for n in a.nodes:
@@ -178,6 +195,15 @@ async def run(a: argparse.Namespace) -> int:
         print(f"  {n:>6}  {r['pass_s'] * 1000:8.1f}  {r['pass_s'] / base:6.1f}  {r['pass_s'] / n * 1e6:8.0f}"
               f"  {r['fail_s'] * 1000:16.1f}")
     print(f"(ratio: against {base_n} nodes; linear growth keeps us/node flat)")
+    if with_devices:
+        print(f"\nthe same with {a.devices} devices a node (a rank each; the plan and every report name their "
+              f"devices), side by side:")
+        print(f"  {'nodes':>6}  {'devices':>7}  {'pass ms':>8}  {'without':>8}  {'ratio':>6}  {'relaunch pass ms':>16}"
+              f"  {'without':>8}")
+        for n in a.nodes:
+            r, plain = with_devices[n], results[n]
+            print(f"  {n:>6}  {n * a.devices:>7}  {r['pass_s'] * 1000:8.1f}  {plain['pass_s'] * 1000:8.1f}"
+                  f"  {r['pass_s'] / plain['pass_s']:6.2f}  {r['fail_s'] * 1000:16.1f}  {plain['fail_s'] * 1000:8.1f}")
     if live_results:
         print(f"\nthe live leader (informer cache), every node reporting progress once a second, "
               f"{a.live_seconds:g} s:")
@@ -202,6 +228,7 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--live-nodes", type=int, nargs="*", default=[4000])
     p.add_argument("--live-seconds", type=float, default=10.0)
+    p.add_argument("--devices", type=int, default=8, help="devices a node has in the side-by-side run (0: none)")
     a = p.parse_args()
     if min(a.nodes) < 1 or a.old_generations < 0 or a.passes < 1 or a.old_generations > G - 2:
         p.error(f"--nodes >= 1, 0 <= --old-generations <= {G - 2}, --passes >= 1")

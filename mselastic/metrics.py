@@ -29,6 +29,8 @@ GENERATION = Gauge("mselastic_generation", "The job's current generation", ["job
 STEP = Gauge("mselastic_step", "Newest step reported for the job", ["job"])
 STEP_RATE = Gauge("mselastic_step_rate", "Optimizer steps per second of the job, over the last reports", ["job"])
 LEADER = Gauge("mselastic_leader", "1 while this elasticd is the leader")
+DEVICES = Gauge("mselastic_devices", "A node's devices by state (in_use, free, unhealthy), as the leader sees them",
+                ["node", "state"])
 ETCD_ERRORS = Counter("mselastic_etcd_errors", "etcd calls that failed, by kind", ["kind"])
 GRPC_ERRORS = Counter("mselastic_grpc_errors", "gRPC calls to other elasticds that failed, by method", ["method"])
 FORGED_BEATS = Counter("mselastic_forged_heartbeats", "Heartbeats dropped: not sent by a process of the generation")

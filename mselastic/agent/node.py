@@ -93,6 +93,8 @@ class AgentConfig:
     #: How long a device a failed rank's log named stays aside (0: until uncordoned; see
     #: mselastic.agent.device_health).
     device_cooldown_s: float = 1800.0
+    #: How often the node's tools are asked again for its devices (one gone is set aside; 0: never).
+    device_detect_interval_s: float = 30.0
 
 
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
@@ -194,6 +196,9 @@ class NodeAgent:
         capper = asyncio.create_task(logcap.keep_capped(self._log_folders, self.cfg.max_log_mb << 20, stop,
                                                          self.cfg.cgroups),
                                      name="log-caps")
+        watcher = asyncio.create_task(self.device_health.watch(self.cfg.device_kind, self.cfg.devices,
+                                                               self.cfg.device_detect_interval_s, stop),
+                                      name="devices")
         try:
             await committed.close_stale_reports(self.store, self.cfg.node_id, stop)
             while not stop.is_set():
@@ -245,9 +250,9 @@ class NodeAgent:
                     guard.cancel()
                     await asyncio.gather(guard, return_exceptions=True)
                 self._closed.set()
-                for t in (reporter, fencer, deadline, capper):
+                for t in (reporter, fencer, deadline, capper, watcher):
                     t.cancel()
-                await asyncio.gather(reporter, fencer, deadline, capper, *self._kills, return_exceptions=True)
+                await asyncio.gather(reporter, fencer, deadline, capper, watcher, *self._kills, return_exceptions=True)
 
     def _log_folders(self) -> list[logcap.Logs]:
         """What logcap.keep_capped looks at: each running generation's logs."""

@@ -101,6 +101,19 @@ def usable(nodes: list[NodeRecord], cordons: Mapping[str, list[DeviceCordon]], n
     return out
 
 
+def states(nodes: list[NodeRecord], held: Mapping[str, Mapping[int, str]],
+           cordons: Mapping[str, list[DeviceCordon]], now: float) -> dict[str, dict[str, int]]:
+    """Per node with devices, how many are in use (``held``), free, and set aside (``cordons``)."""
+    out = {}
+    for n in nodes:
+        if not n.devices:
+            continue
+        aside = {c.device for c in cordons.get(n.node_id, ()) if c.held(now)} & set(n.devices)
+        used = set(held.get(n.node_id, {})) & set(n.devices) - aside
+        out[n.node_id] = {"in_use": len(used), "unhealthy": len(aside), "free": len(n.devices) - len(used) - len(aside)}
+    return out
+
+
 def visible_env(kind: str, ids: tuple[int, ...]) -> dict[str, str]:
     """The variable that shows a process of ``kind`` only ``ids`` (renumbered from 0); {} without."""
     return {VISIBLE[kind]: ",".join(map(str, ids))} if kind in VISIBLE and ids else {}

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 PASS_REST = 2.0
 #: ... at most (a pass slowed by etcd retries must not hold the next one back for long).
 MAX_REST_S = 1.0
+#: The devices' metrics are counted at most this often (a pass at 4,000 nodes of 8 need not).
+DEVICE_METRICS_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,7 @@ class Coordinator:
         #: The leader's cache of the cluster (None: passes read etcd directly, as a bench may).
         self.informer: Informer | None = None
         self.passes = 0
+        self._devices_shown_at = -DEVICE_METRICS_S
         #: The work queue: at most one task per job; a job whose pass raised waits until its retry time.
         self.queue = WorkQueue()
         #: Plans being committed by a job's task: their slots are held until the view shows them.
@@ -222,6 +225,12 @@ class Coordinator:
         excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes})
         self.passes += 1
         now, mono = time.time(), time.monotonic()
+        if mono - self._devices_shown_at >= DEVICE_METRICS_S:  # (a node's devices, for the metrics)
+            self._devices_shown_at = mono
+            for node_id, counts in devices.states(cluster.nodes, admission.devices_held(cluster, self._inflight),
+                                                  cluster.device_cordons, now).items():
+                for state, count in counts.items():
+                    metrics.DEVICES.labels(node_id, state).set(count)
         # (a node's devices set aside are none of its slots: see core.devices.usable)
         cluster = dataclasses.replace(cluster, nodes=devices.usable(cluster.nodes, cluster.device_cordons, now))
         self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())

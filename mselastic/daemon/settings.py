@@ -69,6 +69,9 @@ class Settings:
     #: A device a failed rank's log named (an uncorrectable ECC error, an Ascend UCE) stays aside
     #: this long; 0: until ``elasticctl uncordon NODE --device N``.
     device_cooldown_s: float = 1800.0
+    #: How often the node's tools (nvidia-smi -L, /dev/davinci*) are asked again while elasticd runs:
+    #: a device they no longer show is set aside until uncordoned. 0: never.
+    device_detect_interval_s: float = 30.0
     #: Logs of every generation are kept under <work_dir>/logs/<job>/g<generation>.
     work_dir: str = "/var/lib/mselastic"
     #: etcd key namespace (several clusters may share one etcd).
@@ -249,6 +252,8 @@ class Settings:
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
     def _check_devices(self) -> None:
+        if not 0 <= self.device_detect_interval_s <= 24 * 3600:
+            raise bad("device_detect_interval_s", f"must be 0 (never) to a day (got {self.device_detect_interval_s})")
         if not 0 <= self.device_cooldown_s <= 30 * 24 * 3600:  # (NaN fails too)
             raise bad("device_cooldown_s", f"must be 0 (until uncordoned) to 30 days (got {self.device_cooldown_s})")
         if self.device_kind not in ("", *KINDS):
@@ -490,6 +495,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "devices": "this node's accelerators, a slot each: auto (detected), their ids (0-7, 0,2,5) with "
                    "device_kind, or empty (slots counts the workers)",
         "device_kind": "gpu or ascend: the kind of the listed devices",
+        "device_detect_interval_s": "how often the node's tools are asked again for its devices (one gone is set "
+                                    "aside until uncordoned); 0: never",
         "device_cooldown_s": "how long a device a failed rank's log named stays aside (0: until elasticctl uncordon "
                              "NODE --device N)",
         "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "

@@ -7,14 +7,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
 
-from mselastic.core.model import NodeRecord
+from mselastic.core.model import DeviceCordon, NodeRecord
 from mselastic.store.embedded import free_port
 from tests.harness import (LENET, Etcd, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec,
-                           standby_processes, start_node, wait_for)
+                           local_socket, standby_processes, start_node, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -135,24 +136,28 @@ def test_a_device_a_failed_ranks_log_names_is_set_aside_and_the_node_serves_on_w
     assert r.returncode != 0 and "node n0 has no device 7 (its devices: 0-3)" in r.stderr, r.stderr
 
 
-#: An nvidia-smi that shows three GPUs (the node's tool, as elasticd finds it on its PATH).
+#: An nvidia-smi that shows the GPUs its folder's file "gpus" names (the node's tool, as elasticd
+#: finds it on its PATH; a GPU that falls off the bus is one the file no longer names).
 FAKE_SMI = """#!/bin/sh
 [ "$1" = "-L" ] || exit 2
-echo "GPU 0: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000000)"
-echo "GPU 1: NVIDIA H200 (UUID: GPU-11111111-1111-1111-1111-111111111111)"
-echo "GPU 2: NVIDIA H200 (UUID: GPU-22222222-2222-2222-2222-222222222222)"
+for i in $(cat "$(dirname "$0")/gpus"); do
+    echo "GPU $i: NVIDIA H200 (UUID: GPU-$i$i$i$i$i$i$i$i-0000-0000-0000-000000000000)"
+done
 """
 
 
 def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refused(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
     """With an nvidia-smi on its PATH that shows GPUs 0-2: devices = auto registers gpu 0-2 (3 slots);
-    devices = 0-3 is refused at start, saying what the tool shows (one line, exit 2)."""
+    devices = 0-3 is refused at start, saying what the tool shows (one line, exit 2). Then GPU 1 is
+    gone from what the tool shows: it is set aside until uncordoned, and elasticctl nodes says why."""
     tmp = str(tmp_path)
     tools = os.path.join(tmp, "bin")
     os.makedirs(tools)
     with open(os.path.join(tools, "nvidia-smi"), "w") as f:
         f.write(FAKE_SMI)
+    with open(os.path.join(tools, "gpus"), "w") as f:
+        f.write("0 1 2\n")
     os.chmod(os.path.join(tools, "nvidia-smi"), 0o755)
     path = tools + os.pathsep + os.environ.get("PATH", "")
     cmd = elasticd_cmd("n0", etcd.endpoint, free_port(), os.path.join(tmp, "work"), namespace)
@@ -161,7 +166,19 @@ def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refus
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
         "elasticd: devices: 0-3, but nvidia-smi -L shows gpu devices 0-2 here: list those, or devices = auto"), \
         refused.stderr
-    procs.start("elasticd-n0", [*cmd, "--devices", "auto", "--slots", "1"], env={"PATH": path})
+    procs.start("elasticd-n0", [*cmd, "--devices", "auto", "--slots", "1", "--device-detect-interval-s", "0.5"],
+                env={"PATH": path})
     node = wait_for("n0 registered", lambda: (raw := etcd.get(etcd.keys.node("n0"))) and NodeRecord.from_json(raw),
                     30, 0.1)
     assert (node.device_kind, node.devices, node.slots) == ("gpu", (0, 1, 2), 3), node
+    with open(os.path.join(tools, "gpus"), "w") as f:
+        f.write("0 2\n")
+    aside = wait_for("GPU 1 set aside", lambda: (raw := etcd.get(etcd.keys.device_cordon("n0", 1))) and
+                     DeviceCordon.from_json(raw), 10, 0.1)
+    assert aside.until == 0 and aside.reason == "gone from nvidia-smi -L (it shows 0,2)", aside
+    assert etcd.get(etcd.keys.device_cordon("n0", 0)) is None and etcd.get(etcd.keys.device_cordon("n0", 2)) is None
+    rows = [line.split(None, 5) for line in elasticctl("nodes", endpoint="unix:" + local_socket(
+        os.path.join(tmp, "work"))).stdout.splitlines()]
+    assert [r[5] for r in rows if r[:2] == ["n0", "1"]] == [
+        f"unhealthy since {time.strftime('%H:%M:%S', time.localtime(aside.since))} until uncordoned: "
+        f"gone from nvidia-smi -L (it shows 0,2)"], rows

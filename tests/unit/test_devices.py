@@ -124,3 +124,11 @@ def test_a_device_failure_is_not_blamed_on_its_node() -> None:
         d = decide(spec, JobState.RUNNING, plan, {"n0": rep}, [_node("n0", (0, 2, 3))], now=10.0)
         assert d.node_failures == blamed, (cause, d)
         assert (d.action is Action.LAUNCH) == (cause is FailureCause.DEVICE), d  # (else: quarantined at once)
+
+
+def test_a_nodes_devices_by_state_for_the_metrics() -> None:
+    from mselastic.core.model import DeviceCordon
+    nodes = [_node("n0", (0, 1, 2, 3)), _node("cpu")]
+    held = {"n0": {0: "a", 1: "a", 7: "x"}}
+    cordons = {"n0": [DeviceCordon("n0", 1, "ecc", 0.0), DeviceCordon("n0", 3, "old", 0.0, 5.0)]}
+    assert devices.states(nodes, held, cordons, 10.0) == {"n0": {"in_use": 1, "unhealthy": 1, "free": 2}}
