@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast etcd-server bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-liveness \
+.PHONY: venv proto check-proto data demo test test-fast etcd-server device-check bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-liveness \
 	systemd-tools systemd-image-base clean
 
 venv: $(STAMP)
@@ -119,6 +119,11 @@ bench-checkpoint: $(STAMP)
 
 # One reconcile pass at 10..4000 simulated nodes (records in a real etcd), then the live leader
 # (informer cache) at 1000 and 4000 nodes each reporting progress once a second.
+# On a node with NVIDIA GPUs or Ascend NPUs: what is detected, and two jobs placed on it by elasticd
+# with the real visible-devices variables (README, "Devices").
+device-check: $(STAMP) etcd-server
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/device_check.py
+
 bench-scale: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/coordinator_scale.py --nodes 10 100 1000 2000 4000 \
 		--live-nodes 1000 4000
