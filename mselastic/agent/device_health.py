@@ -5,17 +5,23 @@ keeps serving with the others. The log is the job's own words: one job may set a
 :data:`MAX_BY_ONE_JOB` devices of a node within a cooldown (past that, its failures stay its
 ranks'), so that a job cannot take a node's devices from the others by writing such lines. A
 device that the node's tools stop showing while elasticd runs (:meth:`DeviceHealth.watch`) is set
-aside until an operator puts it back."""
+aside until an operator puts it back. A device check (``device_check``, a short command run with
+the visible-devices variable naming one device) runs before a generation uses a device that was
+set aside (or every generation's devices, ``device_check_every_generation``); a device that fails
+it is set aside again, and the launch fails with cause DEVICE (the node not blamed)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
 from mselastic.agent import devices as inventory
-from mselastic.core.devices import format_ids
+from mselastic.agent.cgroups import Group, join_prefix
+from mselastic.agent.users import WorkerUser, setpriv
+from mselastic.core.devices import format_ids, visible_env
 from mselastic.core.model import DeviceCordon
 from mselastic.store.etcd import Store, TemporaryError
 
@@ -25,13 +31,72 @@ log = logging.getLogger(__name__)
 MAX_BY_ONE_JOB = 2
 
 
-class DeviceHealth:
-    """Sets this node's devices aside on a failed rank's evidence (see the module's notes)."""
+@dataclasses.dataclass(frozen=True)
+class DeviceCheck:
+    """The check a device passes before a generation uses it ("" command: none)."""
 
-    def __init__(self, store: Store, node_id: str, cooldown_s: float) -> None:
-        self.store, self.node_id, self.cooldown_s = store, node_id, cooldown_s
+    command: str = ""
+    every_generation: bool = False
+    timeout_s: float = 30.0
+
+
+class DeviceHealth:
+    """Sets this node's devices aside on a failed rank's evidence, on their disappearance, and on a
+    failed check (see the module's notes)."""
+
+    def __init__(self, store: Store, node_id: str, cooldown_s: float, check: DeviceCheck = DeviceCheck()) -> None:
+        self.store, self.node_id, self.cooldown_s, self.check_rule = store, node_id, cooldown_s, check
         #: Per job, the devices it set aside here, and until when they count.
         self._by_job: dict[str, dict[int, float]] = {}
+        #: Devices set aside here, or found set aside at the start: checked before they are used again.
+        self.suspect: set[int] = set()
+
+    async def check(self, devices: tuple[int, ...], kind: str, user: WorkerUser | None,
+                    group: Group | None) -> tuple[int, str] | None:
+        """Run the device check on each of ``devices`` that needs it (as ``user``, in the
+        generation's cgroup ``group``, with the visible-devices variable naming that device alone and
+        DEVICE_ID 0); the first that fails is set aside again: (its id, why), else None."""
+        rule = self.check_rule
+        for device in (d for d in devices if rule.command and (rule.every_generation or d in self.suspect)):
+            why = await self._run(device, kind, user, group)
+            if not why:
+                self.suspect.discard(device)
+                log.info("device %s %d passed its check", kind, device, extra=dict(node=self.node_id))
+                continue
+            now = time.time()
+            record = DeviceCordon(self.node_id, device, f"device check failed: {why}"[:400], now,
+                                  now + self.cooldown_s if self.cooldown_s else 0.0)
+            with contextlib.suppress(TemporaryError):  # (the launch fails anyway: cause DEVICE)
+                await self.store.put(self.store.keys.device_cordon(self.node_id, device), record.to_json())
+            self.suspect.add(device)
+            log.warning("device %s %d set aside: %s", kind, device, record.reason, extra=dict(node=self.node_id))
+            return device, why
+        return None
+
+    async def _run(self, device: int, kind: str, user: WorkerUser | None, group: Group | None) -> str:
+        """"" when the check passed on ``device``; else why not (its last line of output, its code)."""
+        cmd = ["/bin/sh", "-c", self.check_rule.command]
+        if user is not None and user.switch:
+            cmd = [*setpriv(user), *cmd]
+        cmd = [*join_prefix([group] if group else []), *cmd]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "DEVICE_ID": "0", **visible_env(kind, (device,))}
+        try:
+            proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd="/", stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT)
+        except OSError as e:
+            return f"cannot run it: {e}"
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.check_rule.timeout_s)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            return f"no answer within {self.check_rule.timeout_s:g}s"
+        if proc.returncode == 0:
+            return ""
+        last = next((line for line in reversed(out.decode(errors="replace").splitlines()) if line.strip()), "")
+        return f"exit code {proc.returncode}" + (f": {last.strip()[:200]}" if last else "")
 
     async def set_aside(self, job: str, device: int, line: str) -> bool:
         """Set ``device`` aside for ``job``'s failed rank whose log says ``line``; False when the job
@@ -52,6 +117,7 @@ class DeviceHealth:
             return False
         mine[device] = until or now + 24 * 3600.0
         self._by_job[job] = mine
+        self.suspect.add(device)
         log.warning("device %d set aside%s: %s", device,
                     f" for {self.cooldown_s:.0f}s" if self.cooldown_s else " until elasticctl uncordon --device",
                     record.reason, extra=dict(job=job, node=self.node_id))
@@ -62,6 +128,11 @@ class DeviceHealth:
         longer show is set aside until uncordoned (once; it may come back, an operator says when).
         Nothing is watched where the tools showed none of ``kind`` at the start (a listed inventory
         on a node without them)."""
+        if not ids:
+            return
+        with contextlib.suppress(TemporaryError):  # (those set aside before this elasticd: checked first too)
+            _, found_aside = await self.store.get_prefix(self.store.keys.device_cordon(self.node_id, 0)[:-1])
+            self.suspect |= {int(kv.key.rsplit("/", 1)[1]) for kv in found_aside if kv.key.rsplit("/", 1)[1].isdigit()}
         first_kind, first, _ = await asyncio.to_thread(inventory.detect)
         if not every_s or first_kind != kind or not set(ids) <= set(first):
             return
@@ -83,6 +154,7 @@ class DeviceHealth:
                               extra=dict(node=self.node_id))
                     continue
                 gone.add(device)
+                self.suspect.add(device)
                 log.error("device %s %d %s: set aside until elasticctl uncordon %s --device %d", kind, device, reason,
                           self.node_id, device, extra=dict(node=self.node_id))
             gone &= missing  # (one back is set aside again if it goes again)

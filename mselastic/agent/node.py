@@ -33,7 +33,7 @@ from mselastic.agent.cgroups import Limits, Tree
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
 from mselastic.agent.reports import Reports
-from mselastic.agent.device_health import DeviceHealth
+from mselastic.agent.device_health import DeviceCheck, DeviceHealth
 from mselastic.agent.launch import release_standby_group, spawn_standby
 from mselastic.agent.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.supervisor import Generation
@@ -95,6 +95,8 @@ class AgentConfig:
     device_cooldown_s: float = 1800.0
     #: How often the node's tools are asked again for its devices (one gone is set aside; 0: never).
     device_detect_interval_s: float = 30.0
+    #: The check a device passes before a generation uses it (see mselastic.agent.device_health).
+    device_check: DeviceCheck = DeviceCheck()
 
 
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
@@ -153,7 +155,7 @@ class NodeAgent:
         #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
         self._shutting_down = False
         self._locks: dict[str, asyncio.Lock] = {}
-        self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s)
+        self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s, cfg.device_check)
         self._lease: KeptLease | None = None
         self.peers = Peers(store, cfg.node_id, cfg.lease_ttl_s, cfg.tls)
         #: Fenced without etcd: nothing is launched here until this node is registered again.
@@ -542,6 +544,7 @@ class NodeAgent:
                                                    | {plan.job}, self.cfg.cgroups))
             gen.on_joined = self._tell_peers_joined
             gen.on_device_fault = functools.partial(self.device_health.set_aside, plan.job)
+            gen.check_devices = self.device_health.check
             self.generations[plan.job] = gen
             self._ended.discard(plan.job)  # submitted again
             await gen.start()

@@ -123,6 +123,10 @@ class Generation:
         self.on_device_fault: Callable[[int, str], Awaitable[bool]] | None = None
         #: For a DEVICE failure: that device (-1: none).
         self.failed_device = -1
+        #: Awaited before the launch with the member's devices, their kind, the user and the
+        #: generation's cgroup: (a device that failed its check, why), or None (see agent.device_health).
+        self.check_devices: Callable[[tuple[int, ...], str, WorkerUser | None, Group | None],
+                                     Awaitable[tuple[int, str] | None]] | None = None
         self._remote_joined_at = 0.0
         self._poll_s = poll_interval_s
         self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
@@ -208,6 +212,14 @@ class Generation:
                                  f"{self.log_dir} did not finish within {within_s:.0f}s ({why})",
                              FailureCause.LAUNCH_NODE)
             return
+        if self.check_devices is not None and self.member.devices:
+            failed = await self.check_devices(self.member.devices, self.member.device_kind, self.user,
+                                              self.launch.group)
+            if failed is not None:
+                self.failed_device = failed[0]
+                await self._fail(-1, f"{self.member.device_kind} device {failed[0]} failed its check ({failed[1]}); "
+                                     f"set aside", FailureCause.DEVICE)
+                return
         with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
             os.unlink(self.stop_file)
         p = self.plan

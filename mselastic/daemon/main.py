@@ -43,6 +43,7 @@ import grpc
 from mselastic import metrics
 from mselastic.agent import cgroups, devices, procs
 from mselastic.agent.cgroups import Limits, Tree, default_limits
+from mselastic.agent.device_health import DeviceCheck
 from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
@@ -242,7 +243,9 @@ def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tr
                                         slots=len(device_ids) if device_ids else s.slots,
                                         device_kind=device_kind, devices=device_ids,
                                         device_cooldown_s=s.device_cooldown_s,
-                                        device_detect_interval_s=s.device_detect_interval_s, work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
+                                        device_detect_interval_s=s.device_detect_interval_s,
+                                        device_check=DeviceCheck(s.device_check, s.device_check_every_generation,
+                                                                 s.device_check_timeout_s), work_dir=s.work_dir, lease_ttl_s=s.lease_ttl_s, tls=s.tls,
                                         worker_user=worker, allow_env=s.allowed_env, pass_env=names(s.pass_env),
                                         warm_standbys=s.warm_standbys, batch_scheduling=s.batch_scheduling,
                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,

@@ -72,6 +72,14 @@ class Settings:
     #: How often the node's tools (nvidia-smi -L, /dev/davinci*) are asked again while elasticd runs:
     #: a device they no longer show is set aside until uncordoned. 0: never.
     device_detect_interval_s: float = 30.0
+    #: A short command that checks one device (run as the job's user, with the visible-devices
+    #: variable naming that device and DEVICE_ID=0; exit 0: healthy) before a generation uses a
+    #: device that was set aside; a device that fails it is set aside again. "": no check.
+    device_check: str = ""
+    #: Run device_check on every generation's devices, not only on those that come back.
+    device_check_every_generation: bool = False
+    #: How long device_check may take per device (then it failed).
+    device_check_timeout_s: float = 30.0
     #: Logs of every generation are kept under <work_dir>/logs/<job>/g<generation>.
     work_dir: str = "/var/lib/mselastic"
     #: etcd key namespace (several clusters may share one etcd).
@@ -252,6 +260,10 @@ class Settings:
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
     def _check_devices(self) -> None:
+        if not 0 < self.device_check_timeout_s <= 3600:
+            raise bad("device_check_timeout_s", f"must be > 0 and at most an hour (got {self.device_check_timeout_s})")
+        if self.device_check_every_generation and not self.device_check:
+            raise bad("device_check_every_generation", "true without a device_check command to run")
         if not 0 <= self.device_detect_interval_s <= 24 * 3600:
             raise bad("device_detect_interval_s", f"must be 0 (never) to a day (got {self.device_detect_interval_s})")
         if not 0 <= self.device_cooldown_s <= 30 * 24 * 3600:  # (NaN fails too)
@@ -497,6 +509,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "device_kind": "gpu or ascend: the kind of the listed devices",
         "device_detect_interval_s": "how often the node's tools are asked again for its devices (one gone is set "
                                     "aside until uncordoned); 0: never",
+        "device_check": "a command that checks one device (the visible-devices variable names it; exit 0: healthy), "
+                        "run before a device that was set aside is used again",
+        "device_check_every_generation": "run device_check on every generation's devices",
+        "device_check_timeout_s": "how long device_check may take per device",
         "device_cooldown_s": "how long a device a failed rank's log named stays aside (0: until elasticctl uncordon "
                              "NODE --device N)",
         "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "

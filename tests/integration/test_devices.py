@@ -89,12 +89,17 @@ def test_two_jobs_on_one_node_train_on_disjoint_devices_and_a_relaunch_keeps_the
           f"{sorted(again.items())}; b: {sorted(seen['b'].items())}")
 
 
-#: The example job, except that rank 1 of generation 1 meets a device error: it writes what CUDA
-#: says of an uncorrectable ECC error to its log (its standard error, which msrun puts there) and exits.
-ECC = """import os, runpy, sys
-if os.environ["MSELASTIC_GENERATION"] == "1" and os.environ["RANK_ID"] == "1":
+#: The example job, except that rank 1 of generation 1 meets a device error once it trains (its
+#: first checkpoint written): it writes what CUDA says of an uncorrectable ECC error to its log
+#: (its standard error, which msrun puts there) and exits.
+ECC = """import os, runpy, sys, threading, time
+def ecc():
+    while not os.path.exists(os.path.join(os.environ["MSELASTIC_CHECKPOINT_DIR"], "latest.json")):
+        time.sleep(0.05)
     print("RuntimeError: CUDA error: uncorrectable ECC error encountered", file=sys.stderr, flush=True)
-    sys.exit(1)
+    os._exit(1)
+if os.environ["MSELASTIC_GENERATION"] == "1" and os.environ["RANK_ID"] == "1":
+    threading.Thread(target=ecc, daemon=True).start()
 sys.argv[0] = {lenet!r}
 runpy.run_path({lenet!r}, run_name="__main__")
 """
@@ -102,25 +107,33 @@ runpy.run_path({lenet!r}, run_name="__main__")
 
 def test_a_device_a_failed_ranks_log_names_is_set_aside_and_the_node_serves_on_with_the_others(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
-    """Node n0 lists gpu devices 0-3; job a's rank 1 (on device 1) writes a CUDA uncorrectable ECC
-    error to its log and exits. Device 1 is set aside (elasticctl nodes says why), the node is not
-    blamed (no failure counted, no quarantine), and generation 2 is launched on devices 0 and 2
-    (read from its ranks' environment); the job finishes. elasticctl uncordon n0 --device 1 puts it back."""
+    """Node n0 lists gpu devices 0-3 and checks each before a generation uses it (a device check
+    that device 2 fails). Job a's rank 1 (on device 1) writes a CUDA uncorrectable ECC error to its
+    log and exits: device 1 is set aside (elasticctl nodes says why); generation 2 gets devices 0
+    and 2, and device 2 fails its check: set aside too, the launch failed; generation 3 is launched
+    on devices 0 and 3 (read from its ranks' environment) and the job finishes. The node is not
+    blamed (no failure counted, no quarantine). elasticctl uncordon n0 --device 1 puts 1 back."""
     tmp = str(tmp_path)
+    check = 'if [ "$CUDA_VISIBLE_DEVICES" = 2 ]; then echo "HBM test failed on $CUDA_VISIBLE_DEVICES"; exit 3; fi'
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--devices", "0-3", "--slots", "4",
-                          "--device-kind", "gpu", "--device-cooldown-s", "0")
+                          "--device-kind", "gpu", "--device-cooldown-s", "0", "--device-check", check,
+                          "--device-check-every-generation", "true")
     script = os.path.join(tmp, "ecc.py")
     with open(script, "w") as f:
         f.write(ECC.format(lenet=LENET))
-    spec = lenet_spec(os.path.join(tmp, "a.toml"), "a", os.path.join(tmp, "a"), os.path.join(tmp, "ckpt"), 20,
-                      workers=2, script=script)
+    spec = lenet_spec(os.path.join(tmp, "a.toml"), "a", os.path.join(tmp, "a"), os.path.join(tmp, "ckpt"), 30,
+                      workers=2, script=script, checkpoint_interval_steps=5)
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     first = wait_for("generation 1's report", lambda: (r := etcd.report("a", 1, "n0")) and r.state.terminal and r, 120,
                      0.1)
     assert first.cause.value == "DEVICE" and first.failed_device == 1 and first.devices == (0, 1), first
     assert "uncorrectable ECC" in first.reason and "set aside" in first.reason, first.reason
-    again = wait_for("generation 2's ranks", lambda: len(x := _launched(procs, "a", 2)) == 2 and x, 120, 0.1)
-    assert {r: (v, d) for r, (v, d, _) in again.items()} == {0: ("0,2", "0"), 1: ("0,2", "1")}, again
+    checked = wait_for("generation 2's report", lambda: (r := etcd.report("a", 2, "n0")) and r.state.terminal and r,
+                       60, 0.1)
+    assert checked.cause.value == "DEVICE" and checked.failed_device == 2 and checked.devices == (0, 2), checked
+    assert checked.reason == "gpu device 2 failed its check (exit code 3: HBM test failed on 2); set aside", checked
+    again = wait_for("generation 3's ranks", lambda: len(x := _launched(procs, "a", 3)) == 2 and x, 120, 0.1)
+    assert {r: (v, d) for r, (v, d, _) in again.items()} == {0: ("0,3", "0"), 1: ("0,3", "1")}, again
     status = etcd.status("a")
     assert status is not None and not status.node_failures and not status.quarantined_until, status
     nodes = elasticctl("nodes", endpoint=endpoint).stdout
