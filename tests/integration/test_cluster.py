@@ -46,9 +46,21 @@ def finished(cluster: Cluster, timeout_s: float = 300):  # type: ignore[no-untyp
     return wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, timeout_s, 0.5)
 
 
+def _visible(pid: int) -> tuple[str, str, str]:
+    """(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES, DEVICE_ID) a rank was launched with ("-": unset)."""
+    env = psutil.Process(pid).environ()
+    return tuple(env.get(k, "-") for k in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "DEVICE_ID"))  # type: ignore[return-value]
+
+
 def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Cluster) -> None:
+    """Also devices of two kinds (issue #32): n0 lists gpu devices 4-5, n1 ascend devices 0-1; each
+    node's rank is launched with its kind's variable naming one of its devices (read from the rank's
+    environment, in its node's namespace), the same again after the relaunch."""
     cluster.up(2)
-    cluster.start_nodes(0, 1)
+    cluster.start_node(0, slots=2, extra=("--devices", "4-5", "--device-kind", "gpu"))
+    cluster.wait_registered(0)
+    cluster.start_node(1, slots=2, extra=("--devices", "0-1", "--device-kind", "ascend"))
+    cluster.wait_registered(1)
     # Rank 1 (n1) is slow to exit at the end: it has said it finished and stays connected to the
     # scheduler on n0 for 4 s more. n0 must not end its generation (and the scheduler) before.
     lingered = os.path.join(cluster.tmp, "lingered")
@@ -65,6 +77,8 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     ranks = worker_pids(cluster.procs, 1)
     still_running(etcd, JOB, "the kill")
     assert sorted(ranks) == [0, 1]
+    devices = {rank: _visible(pid) for rank, pid in ranks.items()}
+    assert devices == {0: ("4", "-", "0"), 1: ("-", "0", "0")}, devices
     os.kill(ranks[1], signal.SIGKILL)  # rank 1 lives on n1
     killed = time.time()
     failed = wait_for("n1 reports FAILED", lambda: (r := etcd.report(JOB, 1, "n1"))
@@ -72,6 +86,8 @@ def test_rank_kill_on_one_node_restarts_the_generation_everywhere(cluster: Clust
     assert failed.detected_at - killed < 1.0 and failed.failed_rank == 1
     plan2 = wait_for("generation 2", lambda: (p := etcd.plan(JOB)) and p.generation == 2 and p, 15)
     assert [m.node_id for m in plan2.members] == ["n0", "n1"]  # same nodes, same order
+    again = wait_for("generation 2's ranks", lambda: len(x := worker_pids(cluster.procs, 2)) == 2 and x, 60, 0.1)
+    assert {rank: _visible(pid) for rank, pid in again.items()} == devices
     pace.release()
     wait_for("generation 1 gone on every node", lambda: not worker_pids(cluster.procs, 1), 15)
     n0 = wait_for("n0's generation 2 to end", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal and r,
