@@ -229,9 +229,10 @@ def _looking(cmd: _Command) -> None:
                    help=f"first wait until NODE has registered (up to {NODE_WAIT_S:.0f} s, for elasticd to start "
                         f"too; exit 1 if it does not)")
     cmd("jobs", "every job: state, generation, world size, step, loss", "elasticctl jobs -o yaml")
-    s = cmd("describe", "one job in detail: spec, members, generations, recent events", "elasticctl describe job lenet")
-    s.add_argument("kind", choices=["job"])
-    s.add_argument("job")
+    s = cmd("describe", "one job in detail (spec, members, generations, recent events), or one node (its devices)",
+            "elasticctl describe job lenet; elasticctl describe node n0")
+    s.add_argument("kind", choices=["job", "node"])
+    s.add_argument("job", metavar="NAME")
     s = cmd("events", "a job's timeline: generations, faults, detection and recovery times",
             "elasticctl events lenet --progress")
     s.add_argument("job")
@@ -413,6 +414,12 @@ def _events(c: Client, job: str) -> list[pb.Event]:
 
 
 def cmd_describe(c: Client, a: argparse.Namespace, out: Any) -> int:
+    if a.kind == "node":
+        node = next((n for n in _status(c).nodes if n.node_id == a.job), None)
+        if node is None:
+            raise CtlError(f"no node named {a.job!r} is registered (see elasticctl nodes)", EXIT_REFUSED)
+        render.emit(out, a.output, node, lambda: render.nodes_table(pb.StatusResponse(nodes=[node])))
+        return EXIT_OK
     res = c.call(lambda s: lambda **kw: s.Describe(pb.DescribeRequest(job=a.job), **kw))
     events = _events(c, a.job)
     render.emit(out, a.output, res, lambda: render.describe_table(res, events))

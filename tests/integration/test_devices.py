@@ -140,6 +140,10 @@ def test_a_device_a_failed_ranks_log_names_is_set_aside_and_the_node_serves_on_w
     row = next(line for line in nodes.splitlines() if line.split()[:2] == ["n0", "1"])
     assert "unhealthy since" in row and "until uncordoned" in row and "job a:" in row and "ECC" in row, nodes
     print(nodes)
+    described = elasticctl("describe", "node", "n0", endpoint=endpoint).stdout
+    assert row in described.splitlines() and "device check failed: exit code 3" in described, described
+    missing = elasticctl("describe", "node", "n9", endpoint=endpoint)
+    assert missing.returncode == 1 and "no node named 'n9' is registered" in missing.stderr, missing.stderr
     wait_for("a done", lambda: (s := etcd.status("a")) is not None and s.state.value == "SUCCEEDED", 180, 0.2)
     r = elasticctl("uncordon", "n0", "--device", "1", endpoint=endpoint)
     assert r.returncode == 0 and "device 1 uncordoned" in r.stdout, r.stdout + r.stderr
