@@ -117,13 +117,13 @@ bench-goodput: $(STAMP) data
 bench-checkpoint: $(STAMP)
 	$(BIN)/python bench/checkpoint_save.py --saves 5
 
-# One reconcile pass at 10..4000 simulated nodes (records in a real etcd), then the live leader
-# (informer cache) at 1000 and 4000 nodes each reporting progress once a second.
 # On a node with NVIDIA GPUs or Ascend NPUs: what is detected, and two jobs placed on it by elasticd
 # with the real visible-devices variables (README, "Devices").
 device-check: $(STAMP) etcd-server
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/device_check.py
 
+# One reconcile pass at 10..4000 simulated nodes (records in a real etcd), side by side on nodes of
+# 8 devices, then the live leader (informer cache) at 1000 and 4000 nodes each reporting once a second.
 bench-scale: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/coordinator_scale.py --nodes 10 100 1000 2000 4000 \
 		--live-nodes 1000 4000

@@ -16,19 +16,46 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import time
 
 from mselastic.agent import devices as inventory
 from mselastic.agent.cgroups import Group, join_prefix
-from mselastic.agent.users import WorkerUser, setpriv
+from mselastic.agent.users import WorkerUser, inherited_env, setpriv
 from mselastic.core.devices import format_ids, visible_env
-from mselastic.core.model import DeviceCordon
-from mselastic.store.etcd import Store, TemporaryError
+from mselastic.core.model import DeviceCordon, MalformedRecord, Member
+from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)
 
-#: Devices of a node one job may set aside within a cooldown.
+#: Devices of a node one job may hold aside at once.
 MAX_BY_ONE_JOB = 2
+#: Looks in a row a device must be missing from the node's tools before it is set aside.
+MISSES = 2
+
+
+def unfit(member: Member, kind: str, ids: tuple[int, ...], running: dict[str, tuple[int, ...]]) -> tuple[bool, str]:
+    """Why this node must not launch ``member`` with its devices ((True, why): for good, the plan
+    is wrong for this node; (False, why): for now; (False, ""): it may), given this node's device
+    ``kind`` and ``ids`` and the devices of the other jobs' generations not over here (``running``,
+    by job): a plan never puts a rank on a device another job's rank still uses, whatever the
+    leader's records say (a generation it no longer reads may still be stopping there)."""
+    if not ids:
+        if member.devices:
+            return True, f"the plan gives this node devices {format_ids(member.devices)}; it has none (devices unset)"
+        return False, ""
+    if not member.devices:
+        return True, (f"the plan gives this node's ranks no devices; it has {kind} devices {format_ids(ids)} (a "
+                      f"leader that does not assign devices? upgrade it)")
+    if member.device_kind != kind or not set(member.devices) <= set(ids):
+        return True, (f"the plan gives this node {member.device_kind or 'unknown'} devices "
+                      f"{format_ids(member.devices)}; it has {kind} devices {format_ids(ids)}")
+    for job, used in sorted(running.items()):
+        if shared := set(used) & set(member.devices):
+            return False, (f"devices {format_ids(sorted(shared))} are still used by job {job}'s generation here; "
+                           f"launched once it has ended")
+    return False, ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,124 +64,171 @@ class DeviceCheck:
 
     command: str = ""
     every_generation: bool = False
-    timeout_s: float = 30.0
+    timeout_s: float = 5.0
 
 
 class DeviceHealth:
     """Sets this node's devices aside on a failed rank's evidence, on their disappearance, and on a
-    failed check (see the module's notes)."""
+    failed check (see the module's notes). What is aside lives in etcd only (``cordons/<node>/
+    devices/<id>``, with the job it was set aside for): the per-job cap counts those, and survives
+    a restart of elasticd."""
 
     def __init__(self, store: Store, node_id: str, cooldown_s: float, check: DeviceCheck = DeviceCheck()) -> None:
         self.store, self.node_id, self.cooldown_s, self.check_rule = store, node_id, cooldown_s, check
-        #: Per job, the devices it set aside here, and until when they count.
-        self._by_job: dict[str, dict[int, float]] = {}
-        #: Devices set aside here, or found set aside at the start: checked before they are used again.
-        self.suspect: set[int] = set()
 
-    async def check(self, devices: tuple[int, ...], kind: str, user: WorkerUser | None,
-                    group: Group | None) -> tuple[int, str] | None:
-        """Run the device check on each of ``devices`` that needs it (as ``user``, in the
-        generation's cgroup ``group``, with the visible-devices variable naming that device alone and
-        DEVICE_ID 0); the first that fails is set aside again: (its id, why), else None."""
-        rule = self.check_rule
-        for device in (d for d in devices if rule.command and (rule.every_generation or d in self.suspect)):
-            why = await self._run(device, kind, user, group)
-            if not why:
-                self.suspect.discard(device)
-                log.info("device %s %d passed its check", kind, device, extra=dict(node=self.node_id))
-                continue
-            now = time.time()
-            record = DeviceCordon(self.node_id, device, f"device check failed: {why}"[:400], now,
-                                  now + self.cooldown_s if self.cooldown_s else 0.0)
-            with contextlib.suppress(TemporaryError):  # (the launch fails anyway: cause DEVICE)
-                await self.store.put(self.store.keys.device_cordon(self.node_id, device), record.to_json())
-            self.suspect.add(device)
-            log.warning("device %s %d set aside: %s", kind, device, record.reason, extra=dict(node=self.node_id))
-            return device, why
-        return None
+    async def _records(self) -> dict[int, DeviceCordon]:
+        """This node's device cordons in etcd, by device (malformed ones left out)."""
+        prefix = self.store.keys.device_cordon(self.node_id, 0)[:-1]
+        _, kvs = await self.store.get_prefix(prefix)
+        found = {}
+        for kv in kvs:
+            with contextlib.suppress(MalformedRecord):
+                rec = DeviceCordon.from_json(kv.value)
+                found[rec.device] = rec
+        return found
 
-    async def _run(self, device: int, kind: str, user: WorkerUser | None, group: Group | None) -> str:
-        """"" when the check passed on ``device``; else why not (its last line of output, its code)."""
-        cmd = ["/bin/sh", "-c", self.check_rule.command]
-        if user is not None and user.switch:
-            cmd = [*setpriv(user), *cmd]
-        cmd = [*join_prefix([group] if group else []), *cmd]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "DEVICE_ID": "0", **visible_env(kind, (device,))}
-        try:
-            proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd="/", stdin=asyncio.subprocess.DEVNULL,
-                                                        stdout=asyncio.subprocess.PIPE,
-                                                        stderr=asyncio.subprocess.STDOUT)
-        except OSError as e:
-            return f"cannot run it: {e}"
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self.check_rule.timeout_s)
-        except asyncio.TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            return f"no answer within {self.check_rule.timeout_s:g}s"
-        if proc.returncode == 0:
-            return ""
-        last = next((line for line in reversed(out.decode(errors="replace").splitlines()) if line.strip()), "")
-        return f"exit code {proc.returncode}" + (f": {last.strip()[:200]}" if last else "")
+    async def _aside(self, record: DeviceCordon) -> None:
+        """Write ``record``, unless the device is aside already for good (``until`` 0: an operator's,
+        a device gone), or for longer: the stronger record is kept."""
+        key = self.store.keys.device_cordon(self.node_id, record.device)
+        kv = await self.store.get(key)
+        if kv is not None:
+            with contextlib.suppress(MalformedRecord):
+                old = DeviceCordon.from_json(kv.value)
+                if old.held(record.since) and (not old.until or (record.until and old.until >= record.until)):
+                    return
+        await self.store.put(key, record.to_json())
+
+    async def _may_blame(self, job: str, device: int, now: float) -> bool:
+        """Whether ``job`` may set ``device`` aside: it holds fewer than :data:`MAX_BY_ONE_JOB` of
+        this node's devices aside now (as etcd says)."""
+        held = {d for d, rec in (await self._records()).items() if rec.job == job and rec.held(now) and d != device}
+        if len(held) < MAX_BY_ONE_JOB:
+            return True
+        log.warning("job %s holds devices %s of this node aside already: device %d is not set aside; the failure "
+                    "counts as its rank's", job, format_ids(sorted(held)), device, extra=dict(job=job, node=self.node_id))
+        return False
 
     async def set_aside(self, job: str, device: int, line: str) -> bool:
         """Set ``device`` aside for ``job``'s failed rank whose log says ``line``; False when the job
-        has set aside too many here already, or etcd cannot be written (the failure stays the rank's)."""
+        holds too many aside here already, or etcd cannot be written (the failure stays the rank's)."""
         now = time.time()
-        mine = {d: t for d, t in self._by_job.get(job, {}).items() if t > now}
-        if device not in mine and len(mine) >= MAX_BY_ONE_JOB:
-            log.warning("job %s's ranks named %d devices of this node already (%s): device %d is not set aside; "
-                        "the failure counts as its rank's", job, len(mine), sorted(mine), device,
-                        extra=dict(job=job, node=self.node_id))
-            return False
-        until = now + self.cooldown_s if self.cooldown_s else 0.0
-        record = DeviceCordon(self.node_id, device, f"job {job}: {line}"[:400], now, until)
         try:
-            await self.store.put(self.store.keys.device_cordon(self.node_id, device), record.to_json())
-        except TemporaryError as e:
-            log.error("device %d not set aside (etcd unavailable: %s)", device, e, extra=dict(node=self.node_id))
+            if not await self._may_blame(job, device, now):
+                return False
+            until = now + self.cooldown_s if self.cooldown_s else 0.0
+            record = DeviceCordon(self.node_id, device, f"job {job}: {line}"[:400], now, until, job)
+            await self._aside(record)
+        except (TemporaryError, PermanentError) as e:
+            log.error("device %d not set aside (etcd: %s)", device, e, extra=dict(node=self.node_id))
             return False
-        mine[device] = until or now + 24 * 3600.0
-        self._by_job[job] = mine
-        self.suspect.add(device)
         log.warning("device %d set aside%s: %s", device,
                     f" for {self.cooldown_s:.0f}s" if self.cooldown_s else " until elasticctl uncordon --device",
                     record.reason, extra=dict(job=job, node=self.node_id))
         return True
 
+    async def check(self, job: str, devices: tuple[int, ...], kind: str, user: WorkerUser | None,
+                    group: Group | None) -> tuple[int, str, bool] | None:
+        """Run the device check on each of ``devices`` that needs it (every one with
+        ``every_generation``, else those with a cordon record, held or not: set aside once), side by
+        side, as ``user`` in ``group`` (the generation's cgroup), the visible-devices variable naming
+        that device alone and DEVICE_ID 0. The first that fails is set aside (for ``job``, within its
+        cap): (its id, why, whether it was set aside), else None. A device that passes has its expired
+        record removed."""
+        rule = self.check_rule
+        if not rule.command or not devices:
+            return None
+        now = time.time()
+        records = await self._records()
+        todo = [d for d in devices if rule.every_generation or d in records]
+        if not todo:
+            return None
+        results = await asyncio.gather(*(self._run(d, kind, user, group) for d in todo))
+        for device, why in zip(todo, results):
+            if not why:
+                log.info("device %s %d passed its check", kind, device, extra=dict(node=self.node_id))
+                rec = records.get(device)
+                if rec is not None and not rec.held(now):
+                    with contextlib.suppress(TemporaryError):
+                        await self.store.delete(self.store.keys.device_cordon(self.node_id, device))
+        for device, why in zip(todo, results):
+            if why:
+                record = DeviceCordon(self.node_id, device, f"device check failed: {why}"[:400], now,
+                                      now + self.cooldown_s if self.cooldown_s else 0.0, job)
+                try:
+                    aside = await self._may_blame(job, device, now)
+                    if aside:
+                        await self._aside(record)
+                except (TemporaryError, PermanentError) as e:
+                    log.error("device %d not set aside (etcd: %s)", device, e, extra=dict(node=self.node_id))
+                    aside = False
+                log.warning("device %s %d failed its check: %s%s", kind, device, why, "; set aside" if aside else "",
+                            extra=dict(job=job, node=self.node_id))
+                return device, why, aside
+        return None
+
+    async def _run(self, device: int, kind: str, user: WorkerUser | None, group: Group | None) -> str:
+        """"" when the check passed on ``device``; else why not (its last line of output, its code).
+        It runs in a session of its own: killed with everything it started when late, or when the
+        launch is cancelled."""
+        cmd = ["/bin/sh", "-c", self.check_rule.command]
+        if user is not None and user.switch:
+            cmd = [*setpriv(user), *cmd]
+        cmd = [*join_prefix([group] if group else []), *cmd]
+        env = {**inherited_env(os.environ), "DEVICE_ID": "0", **visible_env(kind, (device,))}
+        try:
+            proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd="/", stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            return f"cannot run it: {e}"
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.check_rule.timeout_s)
+        except asyncio.TimeoutError:
+            return f"no answer within {self.check_rule.timeout_s:g}s"
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await asyncio.shield(proc.wait())
+        if proc.returncode == 0:
+            return ""
+        last = next((line for line in reversed(out.decode(errors="replace").splitlines()) if line.strip()), "")
+        return f"exit code {proc.returncode}" + (f": {last.strip()[:200]}" if last else "")
+
     async def watch(self, kind: str, ids: tuple[int, ...], every_s: float, stop: asyncio.Event) -> None:
         """Every ``every_s`` until ``stop``: ask the node's tools again; a device of ``ids`` they no
-        longer show is set aside until uncordoned (once; it may come back, an operator says when).
-        Nothing is watched where the tools showed none of ``kind`` at the start (a listed inventory
-        on a node without them)."""
-        if not ids:
+        longer show, twice in a row, while they show others of ``kind`` (a tool that fails or shows
+        none proves nothing), is set aside until uncordoned. Errors are logged, the watch goes on."""
+        if not ids or not every_s:
             return
-        with contextlib.suppress(TemporaryError):  # (those set aside before this elasticd: checked first too)
-            _, found_aside = await self.store.get_prefix(self.store.keys.device_cordon(self.node_id, 0)[:-1])
-            self.suspect |= {int(kv.key.rsplit("/", 1)[1]) for kv in found_aside if kv.key.rsplit("/", 1)[1].isdigit()}
-        first_kind, first, _ = await asyncio.to_thread(inventory.detect)
-        if not every_s or first_kind != kind or not set(ids) <= set(first):
-            return
-        gone: set[int] = set()
+        misses: dict[int, int] = {}
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
             if stop.is_set():
                 return
-            found_kind, found, how = await asyncio.to_thread(inventory.detect)
-            missing = set(ids) - set(found if found_kind == kind else ())
-            for device in sorted(missing - gone):
-                reason = f"gone from {how or 'the node'} (it shows {format_ids(found) or 'none'})"
-                record = DeviceCordon(self.node_id, device, reason, time.time())
-                try:
-                    await self.store.put(self.store.keys.device_cordon(self.node_id, device), record.to_json())
-                except TemporaryError as e:
-                    log.error("device %d, gone, not set aside (etcd unavailable: %s)", device, e,
-                              extra=dict(node=self.node_id))
-                    continue
-                gone.add(device)
-                self.suspect.add(device)
-                log.error("device %s %d %s: set aside until elasticctl uncordon %s --device %d", kind, device, reason,
-                          self.node_id, device, extra=dict(node=self.node_id))
-            gone &= missing  # (one back is set aside again if it goes again)
+            try:
+                await self._look(kind, ids, misses)
+            except Exception:  # noqa: BLE001 - logged; the next look may do better
+                log.exception("devices not looked at this time", extra=dict(node=self.node_id))
+
+    async def _look(self, kind: str, ids: tuple[int, ...], misses: dict[int, int]) -> None:
+        found_kind, found, how = await asyncio.to_thread(inventory.detect)
+        if found_kind != kind or not found:
+            log.debug("the node's tools show no %s devices this time: nothing concluded", kind)
+            return
+        for device in ids:
+            misses[device] = misses.get(device, 0) + 1 if device not in found else 0
+            if misses[device] != MISSES:
+                continue
+            reason = f"gone from {how} (it shows {format_ids(found)})"
+            try:
+                await self._aside(DeviceCordon(self.node_id, device, reason, time.time()))
+            except TemporaryError as e:
+                log.error("device %d, gone, not set aside (etcd unavailable: %s)", device, e,
+                          extra=dict(node=self.node_id))
+                misses[device] -= 1  # (tried again at the next look)
+                continue
+            log.error("device %s %d %s: set aside until elasticctl uncordon %s --device %d", kind, device, reason,
+                      self.node_id, device, extra=dict(node=self.node_id))

@@ -27,8 +27,7 @@ from typing import Any, Callable, Coroutine
 import grpc
 
 from mselastic import __version__
-from mselastic.agent import committed
-from mselastic.agent import logcap
+from mselastic.agent import committed, device_health, logcap
 from mselastic.agent.cgroups import Limits, Tree
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
@@ -138,6 +137,11 @@ class NodeIdTaken(Exception):
 
 class LaunchRefused(Exception):
     """The plan is not one this agent may act on (stale, not committed, not a member)."""
+
+
+class LaunchUnfit(LaunchRefused):
+    """... and never will be: it does not fit this node (devices it does not have); the leader
+    fails the job once this has lasted (``denied_push_fail_s``)."""
 
 
 class NodeAgent:
@@ -522,6 +526,14 @@ class NodeAgent:
                 raise LaunchRefused(f"job {plan.job} is {state.value}")
             spec = JobSpec.from_json(spec_kv.value)
             user = await self._job_user(plan.job)
+            member = plan.member(self.cfg.node_id)
+            assert member is not None  # (checked by launch)
+            lasting, why = device_health.unfit(
+                member, self.cfg.device_kind, self.cfg.devices,
+                {g.plan.job: g.member.devices for g in self.generations.values()
+                 if g.plan.job != plan.job and not g.done.is_set()})
+            if why:
+                raise (LaunchUnfit if lasting else LaunchRefused)(f"node {self.cfg.node_id}: {why}")
             if current is not None and not current.done.is_set():
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
@@ -544,7 +556,7 @@ class NodeAgent:
                                                    | {plan.job}, self.cfg.cgroups))
             gen.on_joined = self._tell_peers_joined
             gen.on_device_fault = functools.partial(self.device_health.set_aside, plan.job)
-            gen.check_devices = self.device_health.check
+            gen.check_devices = functools.partial(self.device_health.check, plan.job)
             self.generations[plan.job] = gen
             self._ended.discard(plan.job)  # submitted again
             await gen.start()

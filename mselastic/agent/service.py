@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import grpc
 import tenacity
 
-from mselastic.agent.node import LaunchRefused, NodeAgent
+from mselastic.agent.node import LaunchRefused, LaunchUnfit, NodeAgent
 from mselastic.wire import abort, generation_state_to_pb, plan_from_pb
 from mselastic.core.model import MalformedRecord
 from mselastic.core.spec import MAX_SECONDS, SpecError, is_job_name
@@ -39,6 +39,8 @@ class AgentService(pb_grpc.AgentServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Launch: the plan is not valid: {e}")
         try:
             message = await self.agent.launch(plan)
+        except LaunchUnfit as e:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except LaunchRefused as e:
             return pb.LaunchResponse(accepted=False, message=str(e))
         except TemporaryError as e:

@@ -124,9 +124,10 @@ class Generation:
         #: For a DEVICE failure: that device (-1: none).
         self.failed_device = -1
         #: Awaited before the launch with the member's devices, their kind, the user and the
-        #: generation's cgroup: (a device that failed its check, why), or None (see agent.device_health).
+        #: generation's cgroup: (a device that failed its check, why, whether it was set aside), or
+        #: None (see agent.device_health).
         self.check_devices: Callable[[tuple[int, ...], str, WorkerUser | None, Group | None],
-                                     Awaitable[tuple[int, str] | None]] | None = None
+                                     Awaitable[tuple[int, str, bool] | None]] | None = None
         self._remote_joined_at = 0.0
         self._poll_s = poll_interval_s
         self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
@@ -213,12 +214,21 @@ class Generation:
                              FailureCause.LAUNCH_NODE)
             return
         if self.check_devices is not None and self.member.devices:
-            failed = await self.check_devices(self.member.devices, self.member.device_kind, self.user,
-                                              self.launch.group)
+            try:
+                failed = await self.check_devices(self.member.devices, self.member.device_kind, self.user,
+                                                  self.launch.group)
+            except Exception as e:  # noqa: BLE001 - etcd, a check that cannot run: the node's to answer for
+                await self._fail(-1, f"the device check could not run: {e}", FailureCause.LAUNCH_NODE)
+                return
             if failed is not None:
-                self.failed_device = failed[0]
-                await self._fail(-1, f"{self.member.device_kind} device {failed[0]} failed its check ({failed[1]}); "
-                                     f"set aside", FailureCause.DEVICE)
+                device, why, aside = failed
+                if aside:  # (a device set aside: the relaunch takes another, the node keeps serving)
+                    self.failed_device = device
+                    await self._fail(-1, f"{self.member.device_kind} device {device} failed its check ({why}); "
+                                         f"set aside", FailureCause.DEVICE)
+                else:
+                    await self._fail(-1, f"{self.member.device_kind} device {device} failed its check ({why}); not "
+                                         f"set aside (see the node's log)", FailureCause.LAUNCH_NODE)
                 return
         with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
             os.unlink(self.stop_file)

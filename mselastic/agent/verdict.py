@@ -109,9 +109,9 @@ def judge(look: Look, t: Timing) -> Fault | None:
 
     - a rank dead without having finished or announced a planned exit: the one that said it cannot
       go on (fatal), else one msrun reaped already (msrun SIGKILLs the others about a second after
-      one exits and leaves them zombies), else one not seen killed by SIGKILL (msrun's kill of the
-      others: one that exited before its first beat, as its peers did not beat either, is the
-      one), else the one silent longest, else the lowest rank;
+      one exits and leaves them zombies), else the one silent longest (of those silent as long,
+      as before any beat: one not seen killed by SIGKILL, msrun's kill of the others), else the
+      lowest rank;
     - ranks that announced a planned exit (they checkpointed on a SIGTERM): once every rank has, or
       the others stayed silent for ``stop_grace_period_s``;
     - the warm scheduler gone while ranks run (msrun would notice only through its workers);
@@ -129,7 +129,7 @@ def judge(look: Look, t: Timing) -> Fault | None:
             first = min(fatal, key=lambda r: r.rank)
             return Fault(first.rank, f"cannot go on: {first.fatal}", FailureCause.TRAINER_FATAL)
         first = min([r for r in dead if r.reaped] or dead,
-                    key=lambda r: (r.exit_code == -signal.SIGKILL, r.last_beat, r.rank))
+                    key=lambda r: (r.last_beat, r.exit_code == -signal.SIGKILL, r.rank))
         return Fault(first.rank, f"exited before finishing ({how_exited(first)})", FailureCause.RANK_EXITED)
     exited = [r for r in ranks if r.exit_step >= 0]
     if exited:

@@ -74,10 +74,9 @@ def davinci_ids(names: list[str]) -> tuple[int, ...]:
 #: uncorrectable ECC errors, a GPU fallen off the bus, an Xid the driver reports; Ascend's
 #: uncorrectable errors (UCE) and HBM ECC faults, a device heartbeat lost.
 DEVICE_ERRORS = re.compile(
-    r"uncorrectable ECC|CUDA_ERROR_ECC_UNCORRECTABLE|ECC error encountered|GPU is lost|fallen off the bus|"
-    r"\bNVRM: Xid\b|\bXid \(PCI:|"
-    r"\bUCE\b|uncorrectable error|HBM (?:multi-bit )?ECC|device (?:heartbeat )?lost|"
-    r"device \d+ .*(?:hardware|hbm) error", re.IGNORECASE)
+    r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|GPU is lost|fallen off the bus|"
+    r"\bNVRM: Xid \(PCI:|(?-i:\bUCE error\b)|HBM (?:multi-bit )?ECC error|device heartbeat lost",
+    re.IGNORECASE)
 #: How much of a failed rank's log is looked at (its end).
 LOG_TAIL_BYTES = 64 << 10
 
@@ -135,8 +134,9 @@ def assign(plan: Plan, nodes: Mapping[str, NodeRecord], held: Mapping[str, Mappi
            previous: Plan | None = None) -> Plan:
     """``plan`` with each member's ``devices``: on a node with devices, ``local_workers`` ids of
     it that no other job holds (``held``), those its member of ``previous`` used first (in their
-    order: rank i keeps its device), then the lowest free ones. A member on a node without devices
-    gets none. Raises :class:`NoDevices` when a node has too few free."""
+    order: rank i keeps its device), then others the job holds there (a generation still stopping),
+    then the lowest free ones. A member on a node without devices gets none. Raises
+    :class:`NoDevices` when a node has too few free."""
     members = []
     for m in plan.members:
         node = nodes.get(m.node_id)
@@ -147,6 +147,7 @@ def assign(plan: Plan, nodes: Mapping[str, NodeRecord], held: Mapping[str, Mappi
         free = [d for d in node.devices if taken.get(d, plan.job) == plan.job]
         before = previous.member(m.node_id) if previous is not None else None
         kept = [d for d in (before.devices if before else ()) if d in free][:m.local_workers]
+        kept += [d for d in free if taken.get(d) == plan.job and d not in kept][:m.local_workers - len(kept)]
         chosen = kept + [d for d in free if d not in kept][:m.local_workers - len(kept)]
         if len(chosen) < m.local_workers:
             busy = sorted({j for d, j in taken.items() if j != plan.job})

@@ -395,6 +395,8 @@ class DeviceCordon:
     since: float
     #: When it may be given again (0: only once uncordoned).
     until: float = 0.0
+    #: The job whose rank's failure or device check set it aside ("": the node's tools, an operator).
+    job: str = ""
 
     def held(self, now: float) -> bool:
         return not self.until or self.until > now

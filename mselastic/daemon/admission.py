@@ -63,10 +63,12 @@ def hold(held: dict[str, dict[str, int]], job: str, plan: Plan) -> None:
 
 
 def free_slots(job: str, nodes: list[NodeRecord], held: dict[str, dict[str, int]], queue_head: str,
-               placed: bool) -> tuple[dict[str, int], str]:
+               placed: bool, devices: dict[str, dict[int, str]] | None = None) -> tuple[dict[str, int], str]:
     """The slots ``job`` may be placed on, per node, and why the others are not free (for its
     status). A job not placed yet (``placed`` False) behind ``queue_head`` (the first job waiting
-    for slots others hold) gets none: first come, first served."""
+    for slots others hold) gets none: first come, first served. On a node with devices (``nodes``
+    as a plan may use them: see core.devices.usable) a slot is a device no other job holds
+    (``devices``, by id: a job on a device set aside since is not counted twice)."""
     others: dict[str, int] = {}
     holders: dict[str, list[str]] = {}
     for other, per_node in held.items():
@@ -76,6 +78,10 @@ def free_slots(job: str, nodes: list[NodeRecord], held: dict[str, dict[str, int]
             others[node_id] = others.get(node_id, 0) + n
             holders.setdefault(node_id, []).append(other)
     free = {n.node_id: max(0, n.slots - others.get(n.node_id, 0)) for n in nodes}
+    for node in nodes:
+        if node.devices and devices is not None:
+            taken = devices.get(node.node_id, {})
+            free[node.node_id] = sum(1 for d in node.devices if taken.get(d, job) == job)
     busy = "; ".join(f"node {n.node_id}: {free[n.node_id]} of {n.slots} slot(s) free, the rest held by job(s) "
                      f"{', '.join(sorted(holders[n.node_id]))}" for n in nodes[:5] if n.node_id in holders)
     if queue_head and not placed:

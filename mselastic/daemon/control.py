@@ -461,7 +461,7 @@ class ControlService(pb_grpc.ControlServicer):
         try:
             key = k.cordon(request.node_id)
             cluster = await read_cluster(self.store)
-            known = {n.node_id for n in cluster.nodes} | set(cluster.cordons)
+            known = {n.node_id for n in cluster.nodes} | set(cluster.cordons) | set(cluster.device_cordons)
             if request.node_id not in known:
                 await abort(context, grpc.StatusCode.NOT_FOUND,
                             f"no node named {request.node_id!r} is registered (see elasticctl status)")
@@ -486,7 +486,9 @@ class ControlService(pb_grpc.ControlServicer):
                              context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / uncordon one device of a node (``--device``): set aside by hand, or back."""
         node = next((n for n in cluster.nodes if n.node_id == request.node_id), None)
-        if node is None or request.device not in node.devices:
+        recorded = {c.device for c in cluster.device_cordons.get(request.node_id, [])}
+        stale = not request.cordon and request.device in recorded  # (a node gone, a device it lists no more)
+        if not stale and (node is None or request.device not in node.devices):
             have = format_ids(node.devices) if node is not None and node.devices else "none"
             await abort(context, grpc.StatusCode.NOT_FOUND,
                         f"node {request.node_id} has no device {request.device} (its devices: {have})")

@@ -35,7 +35,7 @@ from mselastic import metrics
 from mselastic.core import devices, fencing
 from mselastic.core.waits import first
 from mselastic.core.kinds import EventKind
-from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, Plan
+from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
 from mselastic.core.planner import Action, Decision, PortRange, decide
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
@@ -231,12 +231,13 @@ class Coordinator:
                                                   cluster.device_cordons, now).items():
                 for state, count in counts.items():
                     metrics.DEVICES.labels(node_id, state).set(count)
-        # (a node's devices set aside are none of its slots: see core.devices.usable)
-        cluster = dataclasses.replace(cluster, nodes=devices.usable(cluster.nodes, cluster.device_cordons, now))
         self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())
         held = admission.slots_held(cluster, self._inflight)
         devices_held = admission.devices_held(cluster, self._inflight)
-        nodes = {n.node_id: n for n in cluster.nodes}
+        # The nodes as a new plan may use them: a node's devices set aside are none of its slots
+        # (core.devices.usable). The registrations themselves say which members are lost.
+        usable = devices.usable(cluster.nodes, cluster.device_cordons, now)
+        nodes = {n.node_id: n for n in usable}
         # The first job (in submission order) that waits for slots others hold; a job skipped below
         # (its task still runs, or it backs off) keeps the place it had in the last pass.
         queue_head = ""
@@ -252,7 +253,8 @@ class Coordinator:
                 continue
             view = self.statuses.on_my_clock(view, now, self._memo(view.name).anchors)
             try:
-                decision, for_slots = self._decide(view, cluster, held, queue_head, now, may_grow=not self._queued)
+                decision, for_slots = self._decide(view, cluster, held, queue_head, now, usable, devices_held,
+                                                   may_grow=not self._queued)
             except Exception as e:
                 self._start(view.name, self._raise(e))
                 continue
@@ -263,8 +265,9 @@ class Coordinator:
                 try:  # (the devices its members' ranks use, on nodes that have devices)
                     decision = dataclasses.replace(decision, plan=devices.assign(decision.plan, nodes, devices_held,
                                                                                  view.plan))
-                except devices.NoDevices as e:  # (a generation of another job still stopping there)
-                    decision = Decision(Action.WAIT, reason=str(e))
+                except devices.NoDevices as e:  # (should not be: the free slots counted its devices)
+                    log.warning("no launch this pass: %s", e, extra=dict(job=view.name))
+                    decision = Decision(Action.NOTHING, reason=str(e))
             if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
                 admission.hold(held, view.name, decision.plan)
                 devices.hold(devices_held, view.name, decision.plan)
@@ -299,7 +302,8 @@ class Coordinator:
                          extra=dict(node=node.node_id))
 
     def _decide(self, view: JobView, cluster: ClusterView, held: dict[str, dict[str, int]], queue_head: str,
-                now: float, may_grow: bool = True) -> tuple[Decision | None, bool]:
+                now: float, usable: list[NodeRecord], devices_held: dict[str, dict[int, str]],
+                may_grow: bool = True) -> tuple[Decision | None, bool]:
         """The planner's decision for one job (None: the spec is unreadable), and whether the job
         waits only because other jobs hold the slots it needs (it would launch on an empty cluster):
         such a wait is not timed by ``min_nodes_timeout_s``. ``may_grow`` False (a job is queued):
@@ -308,9 +312,10 @@ class Coordinator:
             raise MalformedRecord("; ".join(view.errors))
         if view.spec is None:
             return None, False
-        free, busy = admission.free_slots(view.name, cluster.nodes, held, queue_head, view.plan is not None)
+        free, busy = admission.free_slots(view.name, usable, held, queue_head, view.plan is not None, devices_held)
+        capacity = {n.node_id: n.slots for n in usable}  # (an empty cluster's: its devices set aside excluded)
 
-        def plan_with(free_slots: dict[str, int] | None, why: str) -> Decision:
+        def plan_with(free_slots: dict[str, int], why: str) -> Decision:
             assert view.spec is not None
             return decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
                           self.cfg.ports, salt=cluster.revision, now=now, status=view.status,
@@ -318,7 +323,7 @@ class Coordinator:
 
         decision = plan_with(free, busy)
         for_slots = (view.plan is None and decision.action is Action.WAIT
-                     and plan_with(None, "").action is Action.LAUNCH)
+                     and plan_with(capacity, "").action is Action.LAUNCH)
         return decision, for_slots
 
     def _start(self, job: str, work: Awaitable[None]) -> None:

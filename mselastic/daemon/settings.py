@@ -78,8 +78,9 @@ class Settings:
     device_check: str = ""
     #: Run device_check on every generation's devices, not only on those that come back.
     device_check_every_generation: bool = False
-    #: How long device_check may take per device (then it failed).
-    device_check_timeout_s: float = 30.0
+    #: How long device_check may take (the devices are checked side by side, within the leader's
+    #: launch push, which waits 10 s): then it failed.
+    device_check_timeout_s: float = 5.0
     #: Logs of every generation are kept under <work_dir>/logs/<job>/g<generation>.
     work_dir: str = "/var/lib/mselastic"
     #: etcd key namespace (several clusters may share one etcd).
@@ -260,8 +261,9 @@ class Settings:
             raise bad("log_format", f"must be text or json (got {self.log_format!r})")
 
     def _check_devices(self) -> None:
-        if not 0 < self.device_check_timeout_s <= 3600:
-            raise bad("device_check_timeout_s", f"must be > 0 and at most an hour (got {self.device_check_timeout_s})")
+        if not 0 < self.device_check_timeout_s <= 8:
+            raise bad("device_check_timeout_s", f"must be > 0 and at most 8 s: the checks run within the leader's "
+                                                f"10 s launch push (got {self.device_check_timeout_s})")
         if self.device_check_every_generation and not self.device_check:
             raise bad("device_check_every_generation", "true without a device_check command to run")
         if not 0 <= self.device_detect_interval_s <= 24 * 3600:
@@ -512,7 +514,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "device_check": "a command that checks one device (the visible-devices variable names it; exit 0: healthy), "
                         "run before a device that was set aside is used again",
         "device_check_every_generation": "run device_check on every generation's devices",
-        "device_check_timeout_s": "how long device_check may take per device",
+        "device_check_timeout_s": "how long device_check may take (at most 8 s: within the launch push)",
         "device_cooldown_s": "how long a device a failed rank's log named stays aside (0: until elasticctl uncordon "
                              "NODE --device N)",
         "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "

@@ -152,7 +152,7 @@ def assemble(keys: Keys, raw: Raw, decode: Decoder) -> ClusterView:
     device_cordons: dict[str, list[DeviceCordon]] = {}
     for kv in raw.cordons:
         try:
-            if "/devices/" in kv.key:
+            if "/" in kv.key[len(keys.cordons):]:  # (cordons/<node>/devices/<id>)
                 rec_d = decode(kv, DeviceCordon.from_json)
                 device_cordons.setdefault(rec_d.node_id, []).append(rec_d)
                 continue

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import time
+from typing import Any
 
 import psutil
 import pytest
 
+from mselastic.agent.device_health import DeviceHealth
 from mselastic.core.model import DeviceCordon, NodeRecord
 from mselastic.store.embedded import free_port
 from tests.harness import (LENET, Etcd, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec,
@@ -157,6 +159,7 @@ def test_a_device_a_failed_ranks_log_names_is_set_aside_and_the_node_serves_on_w
 #: finds it on its PATH; a GPU that falls off the bus is one the file no longer names).
 FAKE_SMI = """#!/bin/sh
 [ "$1" = "-L" ] || exit 2
+if [ "$(cat "$(dirname "$0")/gpus")" = fail ]; then echo "Failed to initialize NVML: Driver/library version mismatch"; exit 9; fi
 for i in $(cat "$(dirname "$0")/gpus"); do
     echo "GPU $i: NVIDIA H200 (UUID: GPU-$i$i$i$i$i$i$i$i-0000-0000-0000-000000000000)"
 done
@@ -166,8 +169,9 @@ done
 def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refused(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
     """With an nvidia-smi on its PATH that shows GPUs 0-2: devices = auto registers gpu 0-2 (3 slots);
-    devices = 0-3 is refused at start, saying what the tool shows (one line, exit 2). Then GPU 1 is
-    gone from what the tool shows: it is set aside until uncordoned, and elasticctl nodes says why."""
+    devices = 0-3 is refused at start, saying what the tool shows (one line, exit 2). The tool then
+    fails for a while (NVML's driver/library mismatch): nothing is set aside. Then GPU 1 is gone
+    from what the tool shows: it is set aside until uncordoned, and elasticctl nodes says why."""
     tmp = str(tmp_path)
     tools = os.path.join(tmp, "bin")
     os.makedirs(tools)
@@ -189,6 +193,10 @@ def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refus
                     30, 0.1)
     assert (node.device_kind, node.devices, node.slots) == ("gpu", (0, 1, 2), 3), node
     with open(os.path.join(tools, "gpus"), "w") as f:
+        f.write("fail")
+    time.sleep(2.0)  # (four looks)
+    assert not [d for d in (0, 1, 2) if etcd.get(etcd.keys.device_cordon("n0", d))]
+    with open(os.path.join(tools, "gpus"), "w") as f:
         f.write("0 2\n")
     aside = wait_for("GPU 1 set aside", lambda: (raw := etcd.get(etcd.keys.device_cordon("n0", 1))) and
                      DeviceCordon.from_json(raw), 10, 0.1)
@@ -199,3 +207,26 @@ def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refus
     assert [r[5] for r in rows if r[:2] == ["n0", "1"]] == [
         f"unhealthy since {time.strftime('%H:%M:%S', time.localtime(aside.since))} until uncordoned: "
         f"gone from nvidia-smi -L (it shows 0,2)"], rows
+
+
+def test_one_job_holds_at_most_two_devices_of_a_node_aside_and_a_stronger_cordon_is_kept(etcd: Etcd) -> None:
+    """The set-aside rule against the real etcd (no processes): a job's log lines set aside at most
+    two devices of a node at once (counted from etcd: an elasticd restarted counts the same);
+    another job's count is its own; a device aside for good (gone, an operator's) stays so when a
+    job's rank later names it."""
+
+    async def run(store: Any) -> list[Any]:
+        health = DeviceHealth(store, "n0", 1800.0)
+        gone = DeviceCordon("n0", 5, "gone from nvidia-smi -L (it shows 0-4)", time.time())
+        await store.put(store.keys.device_cordon("n0", 5), gone.to_json())
+        results = [await health.set_aside("x", d, "uncorrectable ECC error") for d in (0, 1, 2)]
+        restarted = DeviceHealth(store, "n0", 1800.0)
+        results += [await restarted.set_aside("x", 3, "uncorrectable ECC error"),
+                    await restarted.set_aside("y", 3, "uncorrectable ECC error"),
+                    await restarted.set_aside("y", 5, "GPU has fallen off the bus")]
+        kept = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 5))).value)
+        return [results, kept]
+
+    results, kept = etcd._run(run)
+    assert results == [True, True, False, False, True, True], results
+    assert kept.until == 0 and kept.job == "" and kept.reason.startswith("gone from"), kept

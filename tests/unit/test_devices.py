@@ -132,3 +132,43 @@ def test_a_nodes_devices_by_state_for_the_metrics() -> None:
     held = {"n0": {0: "a", 1: "a", 7: "x"}}
     cordons = {"n0": [DeviceCordon("n0", 1, "ecc", 0.0), DeviceCordon("n0", 3, "old", 0.0, 5.0)]}
     assert devices.states(nodes, held, cordons, 10.0) == {"n0": {"in_use": 1, "unhealthy": 1, "free": 2}}
+
+
+def test_a_device_set_aside_under_a_running_job_moves_nothing_and_is_no_lost_node() -> None:
+    """A device of the node set aside while a job trains there on all of it (an operator's cordon,
+    a device gone): the job's generation goes on (its node is not lost), and only its next plan
+    cannot use the node (its free devices are fewer than its ranks)."""
+    from mselastic.core.model import DeviceCordon, JobStatus
+    from mselastic.core.planner import Action, decide
+    from mselastic.core.spec import JobSpec
+    from mselastic.core.states import JobState
+    from mselastic.daemon import admission
+    spec = JobSpec(name="a", script="/t.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=1, max_nodes=1,
+                   total_steps=10, global_batch_size=4)
+    raw = [_node("n0", (0, 1))]
+    plan = devices.assign(_plan("a", 1, ("n0", 2)), {"n0": raw[0]}, {})
+    usable = devices.usable(raw, {"n0": [DeviceCordon("n0", 1, "by hand", 0.0)]}, 10.0)
+    held = {"n0": {0: "a", 1: "a"}}
+    free, _ = admission.free_slots("a", usable, {"a": {"n0": 2}}, "", True, held)
+    assert free == {"n0": 1}
+    running = {"n0": GenerationReport("a", 1, "n0", GenerationState.RUNNING, step=3)}
+    d = decide(spec, JobState.RUNNING, plan, running, raw, now=10.0, status=JobStatus(JobState.RUNNING, generation=1),
+               free_slots=free)
+    assert d.action is Action.NOTHING and not d.lost_nodes, d
+    # Another job on a device set aside since is not counted twice: b holds 1 (aside) and 2.
+    usable4 = devices.usable([_node("n0", (0, 1, 2, 3))], {"n0": [DeviceCordon("n0", 1, "ecc", 0.0)]}, 10.0)
+    free, _ = admission.free_slots("c", usable4, {"b": {"n0": 2}}, "", False, {"n0": {1: "b", 2: "b"}})
+    assert free == {"n0": 2}  # (0 and 3)
+
+
+def test_a_plan_is_launched_only_on_devices_the_node_has_and_no_other_job_uses() -> None:
+    from mselastic.agent.device_health import unfit
+    m = devices.assign(_plan("a", 1, ("n0", 2)), {"n0": _node("n0", (0, 1, 2, 3))}, {}).members[0]
+    assert unfit(m, "gpu", (0, 1, 2, 3), {}) == (False, "")
+    assert unfit(m, "gpu", (0, 1, 2, 3), {"b": (1, 2)}) == (
+        False, "devices 1 are still used by job b's generation here; launched once it has ended")
+    assert unfit(m, "ascend", (0, 1, 2, 3), {})[0] and unfit(m, "gpu", (2, 3), {})[0]
+    bare = Member("n0", 0, 2, "n0:7070", "n0")
+    lasting, why = unfit(bare, "gpu", (0, 1), {})
+    assert lasting and "no devices; it has gpu devices 0-1" in why
+    assert unfit(m, "", (), {})[0] and unfit(bare, "", (), {}) == (False, "")
