@@ -44,7 +44,8 @@ from mselastic import metrics
 from mselastic.agent import cgroups, devices, procs
 from mselastic.agent.cgroups import Limits, Tree, default_limits
 from mselastic.agent.device_health import DeviceCheck
-from mselastic.agent.node import AgentConfig, NodeAgent, NodeIdTaken
+from mselastic.agent.config import AgentConfig
+from mselastic.agent.node import NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
                                    users_in)
