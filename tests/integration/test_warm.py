@@ -144,6 +144,9 @@ while role != "MS_SCHED" and time.monotonic() < deadline and \
 if role == "MS_SCHED":
     while True:  # until the generation is torn down (msrun's scheduler outlives its workers too)
         time.sleep(0.1)
+# Seen alive by the agent first: a rank that exits 0 before the agent's first look at msrun's children
+# (its scheduler alive, msrun waits) is found by the start-up timeout only (30 s: half the runs).
+time.sleep(1.0)
 """
 
 
