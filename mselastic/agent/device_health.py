@@ -1,14 +1,16 @@
 """A device set aside (issue #32): when a failed rank's log names its device, this node's agent
 writes ``cordons/<node>/devices/<id>`` (see :class:`mselastic.core.model.DeviceCordon`) before the
 failure is reported, so that the relaunch the leader plans leaves that device out and the node
-keeps serving with the others. The log is the job's own words: one job may set aside at most
-:data:`MAX_BY_ONE_JOB` devices of a node within a cooldown (past that, its failures stay its
-ranks'), so that a job cannot take a node's devices from the others by writing such lines. A
+keeps serving with the others. The log is the job's own words: one job may hold at most
+:data:`MAX_BY_ONE_JOB` devices of a node aside at once, counted from etcd's records (past that, its
+failures stay its ranks'), so that a job cannot take a node's devices from the others by writing
+such lines. A
 device that the node's tools stop showing while elasticd runs (:meth:`DeviceHealth.watch`) is set
 aside until an operator puts it back. A device check (``device_check``, a short command run with
 the visible-devices variable naming one device) runs before a generation uses a device that was
 set aside (or every generation's devices, ``device_check_every_generation``); a device that fails
-it is set aside again, and the launch fails with cause DEVICE (the node not blamed)."""
+it is set aside again, and the launch fails with cause DEVICE (the node not blamed). Before a
+launch, :func:`unfit` says whether the plan's devices are this node's and free here."""
 
 from __future__ import annotations
 
