@@ -47,3 +47,18 @@ def serve(listen: str) -> None:
     """Serve /metrics on ``host:port`` (a daemon thread of prometheus-client)."""
     host, _, port = listen.rpartition(":")
     start_http_server(int(port), addr=host)
+
+
+def show_devices(counts: dict[str, dict[str, int]], shown: set[str]) -> set[str]:
+    """Set :data:`DEVICES` to ``counts`` (by node, by state), and remove the series of the nodes in
+    ``shown`` (those set before) that are gone; returns the nodes shown now."""
+    for node_id, by_state in counts.items():
+        for state, count in by_state.items():
+            DEVICES.labels(node_id, state).set(count)
+    for node_id in shown - set(counts):
+        for state in ("in_use", "free", "unhealthy"):
+            try:
+                DEVICES.remove(node_id, state)
+            except KeyError:
+                pass
+    return set(counts)

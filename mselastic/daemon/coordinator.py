@@ -112,6 +112,7 @@ class Coordinator:
         self.informer: Informer | None = None
         self.passes = 0
         self._devices_shown_at = -DEVICE_METRICS_S
+        self._devices_shown: set[str] = set()  # (nodes whose device series are set: removed when gone)
         #: The work queue: at most one task per job; a job whose pass raised waits until its retry time.
         self.queue = WorkQueue()
         #: Plans being committed by a job's task: their slots are held until the view shows them.
@@ -144,6 +145,7 @@ class Coordinator:
                     await self._lead(term, stop)
                 finally:
                     metrics.LEADER.set(0)
+                    self._devices_shown = metrics.show_devices({}, self._devices_shown)  # (the leader's to say)
                     self.leading.clear()
                     self.term = None
                     await election.resign(term)
@@ -227,10 +229,9 @@ class Coordinator:
         now, mono = time.time(), time.monotonic()
         if mono - self._devices_shown_at >= DEVICE_METRICS_S:  # (a node's devices, for the metrics)
             self._devices_shown_at = mono
-            for node_id, counts in devices.states(cluster.nodes, admission.devices_held(cluster, self._inflight),
-                                                  cluster.device_cordons, now).items():
-                for state, count in counts.items():
-                    metrics.DEVICES.labels(node_id, state).set(count)
+            self._devices_shown = metrics.show_devices(
+                devices.states(cluster.nodes, admission.devices_held(cluster, self._inflight), cluster.device_cordons,
+                               now), self._devices_shown)
         self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())
         held = admission.slots_held(cluster, self._inflight)
         devices_held = admission.devices_held(cluster, self._inflight)

@@ -172,3 +172,16 @@ def test_a_plan_is_launched_only_on_devices_the_node_has_and_no_other_job_uses()
     lasting, why = unfit(bare, "gpu", (0, 1), {})
     assert lasting and "no devices; it has gpu devices 0-1" in why
     assert unfit(m, "", (), {})[0] and unfit(bare, "", (), {}) == (False, "")
+
+
+def test_the_device_series_of_a_node_gone_are_removed() -> None:
+    from mselastic import metrics
+
+    def series() -> set[tuple[str, str]]:
+        return {(s.labels["node"], s.labels["state"]) for m in metrics.DEVICES.collect() for s in m.samples}
+
+    shown = metrics.show_devices({"t-n0": {"in_use": 1, "free": 2, "unhealthy": 1}, "t-n1": {"free": 4}}, set())
+    assert {("t-n0", "free"), ("t-n1", "free")} <= series() and shown == {"t-n0", "t-n1"}
+    shown = metrics.show_devices({"t-n0": {"in_use": 2, "free": 1, "unhealthy": 1}}, shown)
+    assert not {s for s in series() if s[0] == "t-n1"} and ("t-n0", "in_use") in series()
+    assert metrics.show_devices({}, shown) == set() and not {s for s in series() if s[0].startswith("t-")}
