@@ -213,23 +213,8 @@ class Generation:
                                  f"{self.log_dir} did not finish within {within_s:.0f}s ({why})",
                              FailureCause.LAUNCH_NODE)
             return
-        if self.check_devices is not None and self.member.devices:
-            try:
-                failed = await self.check_devices(self.member.devices, self.member.device_kind, self.user,
-                                                  self.launch.group)
-            except Exception as e:  # noqa: BLE001 - etcd, a check that cannot run: the node's to answer for
-                await self._fail(-1, f"the device check could not run: {e}", FailureCause.LAUNCH_NODE)
-                return
-            if failed is not None:
-                device, why, aside = failed
-                if aside:  # (a device set aside: the relaunch takes another, the node keeps serving)
-                    self.failed_device = device
-                    await self._fail(-1, f"{self.member.device_kind} device {device} failed its check ({why}); "
-                                         f"set aside", FailureCause.DEVICE)
-                else:
-                    await self._fail(-1, f"{self.member.device_kind} device {device} failed its check ({why}); not "
-                                         f"set aside (see the node's log)", FailureCause.LAUNCH_NODE)
-                return
+        if not await self._devices_pass():
+            return
         with contextlib.suppress(FileNotFoundError):  # a step left by an elasticd that died in a stop
             os.unlink(self.stop_file)
         p = self.plan
@@ -604,6 +589,29 @@ class Generation:
             await self._blame_device(rank)
         self._set(GenerationState.FAILED)
         self._close()
+
+    async def _devices_pass(self) -> bool:
+        """The device check of the member's devices (see agent.device_health), before the launch;
+        False once it failed the generation: cause DEVICE when the device was set aside (the
+        relaunch takes another, the node keeps serving), else the node's (LAUNCH_NODE)."""
+        if self.check_devices is None or not self.member.devices:
+            return True
+        kind = self.member.device_kind
+        try:
+            failed = await self.check_devices(self.member.devices, kind, self.user, self.launch.group)
+        except Exception as e:  # noqa: BLE001 - etcd, a check that cannot run: the node's to answer for
+            await self._fail(-1, f"the device check could not run: {e}", FailureCause.LAUNCH_NODE)
+            return False
+        if failed is None:
+            return True
+        device, why, aside = failed
+        if aside:
+            self.failed_device = device
+            await self._fail(-1, f"{kind} device {device} failed its check ({why}); set aside", FailureCause.DEVICE)
+        else:
+            await self._fail(-1, f"{kind} device {device} failed its check ({why}); not set aside (see the node's "
+                                 f"log)", FailureCause.LAUNCH_NODE)
+        return False
 
     async def _blame_device(self, rank: int) -> None:
         """A rank exited: when the end of its log names its device (see core.devices.device_error),

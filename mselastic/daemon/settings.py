@@ -449,87 +449,90 @@ def _coerce(key: str, value: object, source: str, typed: bool = False) -> object
     return value
 
 
+#: The --help text of each setting (its doc comment above says more).
+HELP: dict[str, str] = {
+    "node_id": "this node's id (default: the host name)",
+    "etcd_endpoint": "etcd host:port, or a comma-separated list of the cluster's members",
+    "embedded_etcd_dir": "run a single-member etcd on loopback, data in DIR",
+    "join_embedded_etcd": "a second node on this machine: use the etcd another elasticd embeds with data in DIR "
+                          "(listen, metrics_listen and socket then default to a free port, none, and "
+                          "elasticd-NODE_ID.sock)",
+    "listen": "gRPC host:port for Agent and Control",
+    "advertise_host": "address peers use for this node (default: the listen host)",
+    "slots": "workers this node can run; 0: coordinate only; with devices: their number",
+    "work_dir": "logs of each generation go here",
+    "namespace": "etcd key prefix",
+    "lease_ttl_s": "node and leader lease TTL in seconds",
+    "reconcile_interval_s": "leader reconcile period in seconds",
+    "shutdown_grace_s": "checkpoint grace for local workers on shutdown",
+    "master_port_start": "first master port msrun may get",
+    "master_port_span": "how many master ports to choose from",
+    "progress_interval_s": "record each job's step this often, for `elasticctl report`; 0: never",
+    "keep_events": "events kept per job; older ones are deleted",
+    "keep_events_s": "events older than this are deleted (seconds; default 30 days)",
+    "keep_report_generations": "generations of agent reports kept per job",
+    "metrics_listen": "Prometheus /metrics host:port; empty: none",
+    "tls_cert": "this node's TLS certificate (PEM)",
+    "tls_key": "this node's TLS key (PEM)",
+    "tls_cacert": "CA of the peers' and clients' certificates (PEM)",
+    "log_format": "text or json",
+    "etcd_cacert": "CA of etcd's certificate (PEM): etcd over TLS",
+    "etcd_cert": "client certificate for etcd (PEM; its CN is the etcd user with --client-cert-auth)",
+    "etcd_key": "its key (PEM, mode 0600)",
+    "etcd_user": "etcd user (auth enabled), with etcd_password",
+    "etcd_password": "etcd user's password",
+    "etcd_accept_version": "accept this exact etcd version although it is below the supported ones "
+                           f"({versions.POLICY}); warned about in the log and in status",
+    "worker_user": "user the workers run as (default: the mselastic system user; nobody is refused; root only "
+                   "if named)",
+    "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",
+    "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
+    "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
+    "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
+    "insecure": "true: serve plaintext on a non-loopback listen address, and reach an etcd on another machine "
+                "without a client certificate or user (anyone reaching either can run jobs)",
+    "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
+    "batch_scheduling": "start the jobs' processes under SCHED_BATCH (MindSpore's registration then seldom "
+                        "loses a race with its own event loop); ranks go back to the default policy after init()",
+    "peer_evidence": "while leading, ping the agents of running jobs' nodes: one whose connection drops is asked "
+                     "at once what it runs, and replaced as soon as it says nothing",
+    "cgroups": "auto, required or off: every job's processes in cgroups of their own (teardown by cgroup.kill, "
+               "memory and process limits)",
+    "job_memory_limit_mb": "a job's memory limit here when its spec sets none, and the most it may set (0: the "
+                           "node's memory less 10%%, at least 1 GiB)",
+    "job_max_processes": "a job's limit on processes and threads here when its spec sets none, and the most "
+                         "(0: a quarter of the kernel's pid_max)",
+    "devices": "this node's accelerators, a slot each: auto (detected), their ids (0-7, 0,2,5) with "
+               "device_kind, or empty (slots counts the workers)",
+    "device_kind": "gpu or ascend: the kind of the listed devices",
+    "device_detect_interval_s": "how often the node's tools are asked again for its devices (one gone is set "
+                                "aside until uncordoned); 0: never",
+    "device_check": "a command that checks one device (the visible-devices variable names it; exit 0: healthy), "
+                    "run before a device that was set aside is used again",
+    "device_check_every_generation": "run device_check on every generation's devices",
+    "device_check_timeout_s": "how long device_check may take (at most 8 s: within the launch push)",
+    "device_cooldown_s": "how long a device a failed rank's log named stays aside (0: until elasticctl uncordon "
+                         "NODE --device N)",
+    "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
+                "no user); empty: every job runs as worker_user",
+    "max_log_mb": "rotate each log file of a generation past this many MiB (its last half kept as NAME.1); 0: "
+                  "never (refused when work_dir shares the embedded etcd's disk)",
+    "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
+                    "another user than root, /dev/shm/mselastic-UID by default)",
+}
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     d = Settings()
     p = _Parser(prog="elasticd", description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help=f"config file (TOML; env ELASTICD_CONFIG; default {DEFAULT_CONFIG}, skipped when absent)")
-    helps = {
-        "node_id": "this node's id (default: the host name)",
-        "etcd_endpoint": "etcd host:port, or a comma-separated list of the cluster's members",
-        "embedded_etcd_dir": "run a single-member etcd on loopback, data in DIR",
-        "join_embedded_etcd": "a second node on this machine: use the etcd another elasticd embeds with data in DIR "
-                              "(listen, metrics_listen and socket then default to a free port, none, and "
-                              "elasticd-NODE_ID.sock)",
-        "listen": "gRPC host:port for Agent and Control",
-        "advertise_host": "address peers use for this node (default: the listen host)",
-        "slots": "workers this node can run; 0: coordinate only",
-        "work_dir": "logs of each generation go here",
-        "namespace": "etcd key prefix",
-        "lease_ttl_s": "node and leader lease TTL in seconds",
-        "reconcile_interval_s": "leader reconcile period in seconds",
-        "shutdown_grace_s": "checkpoint grace for local workers on shutdown",
-        "master_port_start": "first master port msrun may get",
-        "master_port_span": "how many master ports to choose from",
-        "progress_interval_s": "record each job's step this often, for `elasticctl report`; 0: never",
-        "keep_events": "events kept per job; older ones are deleted",
-        "keep_events_s": "events older than this are deleted (seconds; default 30 days)",
-        "keep_report_generations": "generations of agent reports kept per job",
-        "metrics_listen": "Prometheus /metrics host:port; empty: none",
-        "tls_cert": "this node's TLS certificate (PEM)",
-        "tls_key": "this node's TLS key (PEM)",
-        "tls_cacert": "CA of the peers' and clients' certificates (PEM)",
-        "log_format": "text or json",
-        "etcd_cacert": "CA of etcd's certificate (PEM): etcd over TLS",
-        "etcd_cert": "client certificate for etcd (PEM; its CN is the etcd user with --client-cert-auth)",
-        "etcd_key": "its key (PEM, mode 0600)",
-        "etcd_user": "etcd user (auth enabled), with etcd_password",
-        "etcd_password": "etcd user's password",
-        "etcd_accept_version": "accept this exact etcd version although it is below the supported ones "
-                               f"({versions.POLICY}); warned about in the log and in status",
-        "worker_user": "user the workers run as (default: the mselastic system user; nobody is refused; root only "
-                       "if named)",
-        "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",
-        "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
-        "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
-        "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
-        "insecure": "true: serve plaintext on a non-loopback listen address, and reach an etcd on another machine "
-                    "without a client certificate or user (anyone reaching either can run jobs)",
-        "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
-        "batch_scheduling": "start the jobs' processes under SCHED_BATCH (MindSpore's registration then seldom "
-                            "loses a race with its own event loop); ranks go back to the default policy after init()",
-        "peer_evidence": "while leading, ping the agents of running jobs' nodes: one whose connection drops is asked "
-                         "at once what it runs, and replaced as soon as it says nothing",
-        "cgroups": "auto, required or off: every job's processes in cgroups of their own (teardown by cgroup.kill, "
-                   "memory and process limits)",
-        "job_memory_limit_mb": "a job's memory limit here when its spec sets none, and the most it may set (0: the "
-                               "node's memory less 10%%, at least 1 GiB)",
-        "job_max_processes": "a job's limit on processes and threads here when its spec sets none, and the most "
-                             "(0: a quarter of the kernel's pid_max)",
-        "devices": "this node's accelerators, a slot each: auto (detected), their ids (0-7, 0,2,5) with "
-                   "device_kind, or empty (slots counts the workers)",
-        "device_kind": "gpu or ascend: the kind of the listed devices",
-        "device_detect_interval_s": "how often the node's tools are asked again for its devices (one gone is set "
-                                    "aside until uncordoned); 0: never",
-        "device_check": "a command that checks one device (the visible-devices variable names it; exit 0: healthy), "
-                        "run before a device that was set aside is used again",
-        "device_check_every_generation": "run device_check on every generation's devices",
-        "device_check_timeout_s": "how long device_check may take (at most 8 s: within the launch push)",
-        "device_cooldown_s": "how long a device a failed rank's log named stays aside (0: until elasticctl uncordon "
-                             "NODE --device N)",
-        "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
-                    "no user); empty: every job runs as worker_user",
-        "max_log_mb": "rotate each log file of a generation past this many MiB (its last half kept as NAME.1); 0: "
-                      "never (refused when work_dir shares the embedded etcd's disk)",
-        "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
-                        "another user than root, /dev/shm/mselastic-UID by default)",
-    }
     for key, f in FIELDS.items():
         kinds: dict[str, Callable[[str], object]] = {"int": int, "float": float, "bool": _flag}
         kind = kinds.get(str(f.type), str)
         default = getattr(d, key)
         p.add_argument("--" + key.replace("_", "-"), type=kind, default=None, dest=key,
-                       help=f"{helps[key]} (env {ENV_PREFIX}{key.upper()}; default {default!r})")
+                       help=f"{HELP[key]} (env {ENV_PREFIX}{key.upper()}; default {default!r})")
     return p
 
 
