@@ -33,6 +33,7 @@ from mselastic.core.states import JobState
 from mselastic.core.status import next_status
 from mselastic.daemon.admission import slots_held
 from mselastic.daemon.coordinator import Coordinator
+from mselastic.daemon.history import STOPPED_NOTE
 from mselastic.daemon.statuses import Fenced
 from mselastic.store.lease import Term
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
@@ -44,6 +45,8 @@ from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 NOT_LEADER_PREFIX = "not the leader; leader is "
+#: How long a stop waits for the leader's note of the step its ranks checkpointed at.
+STOP_NOTE_WAIT_S = 5.0
 
 
 def checkpointed_step(checkpoint_dir: str, job: str) -> int | None:
@@ -449,7 +452,26 @@ class ControlService(pb_grpc.ControlServicer):
             grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
             await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
                                                {m.node_id: m.agent_address for m in view.plan.members}, final=True)
+            await self._stop_noted(request.job)
         return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
+
+    async def _stop_noted(self, job: str) -> None:
+        """The agents have stopped the ranks; their reports reach etcd and the leader notes the step
+        they checkpointed at (the step a resubmission resumes from) a moment later. Wait for that note,
+        ``STOP_NOTE_WAIT_S`` at most (a node that is away never reports), so that what the stop's
+        caller reads next (events, status) says it."""
+        async def unnoted() -> bool:
+            try:
+                view = (await read_cluster(self.store, job)).jobs.get(job)
+            except TemporaryError:
+                return True
+            return view is not None and view.status.state is JobState.STOPPED and \
+                STOPPED_NOTE not in view.status.message
+
+        self.coordinator.wake()
+        with contextlib.suppress(tenacity.RetryError):
+            await tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(STOP_NOTE_WAIT_S),
+                                         wait=tenacity.wait_fixed(0.1), retry=tenacity.retry_if_result(bool))(unnoted)
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.
