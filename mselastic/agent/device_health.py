@@ -22,7 +22,10 @@ import os
 import signal
 import time
 
+import tenacity
+
 from mselastic.agent import devices as inventory
+from mselastic.agent import xid as xids
 from mselastic.agent.cgroups import Group, join_prefix
 from mselastic.agent.users import WorkerUser, inherited_env, setpriv
 from mselastic.core.devices import format_ids, visible_env
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 MAX_BY_ONE_JOB = 2
 #: Looks in a row a device must be missing from the node's tools before it is set aside.
 MISSES = 2
+#: How long a critical Xid on a GPU blames that GPU for a rank that fails on it.
+XID_BLAMES_S = 300.0
 
 
 def unfit(member: Member, kind: str, ids: tuple[int, ...], running: dict[str, tuple[int, ...]]) -> tuple[bool, str]:
@@ -77,6 +82,7 @@ class DeviceHealth:
 
     def __init__(self, store: Store, node_id: str, cooldown_s: float, check: DeviceCheck = DeviceCheck()) -> None:
         self.store, self.node_id, self.cooldown_s, self.check_rule = store, node_id, cooldown_s, check
+        self._xids: dict[int, tuple[float, int]] = {}  # GPU -> (when, Xid): NVML's last critical one
 
     async def _records(self) -> dict[int, DeviceCordon]:
         """This node's device cordons in etcd, by device (malformed ones left out)."""
@@ -128,6 +134,40 @@ class DeviceHealth:
                     f" for {self.cooldown_s:.0f}s" if self.cooldown_s else " until elasticctl uncordon --device",
                     record.reason, extra=dict(job=job, node=self.node_id))
         return True
+
+    async def blame(self, job: str, device: int, line: str) -> str:
+        """What shows that ``job``'s rank failed for its ``device`` ("" nothing): the last line of its
+        log naming a device error (``line``) once the device is set aside for it (the job's words:
+        within its cap), or a critical Xid NVML reported on the device in the last
+        :data:`XID_BLAMES_S` (the driver's word: set aside when it came)."""
+        if line and await self.set_aside(job, device, line):
+            return f"its log names it, set aside: {line}"
+        when, xid = self._xids.get(device, (0.0, 0))
+        if time.time() - when <= XID_BLAMES_S:
+            return f"NVML reported Xid {xid} on it at {time.strftime('%H:%M:%S', time.localtime(when))}, set aside"
+        return ""
+
+    async def xid(self, device: int, xid: int) -> None:
+        """NVML reported critical Xid ``xid`` on GPU ``device``: set it aside (``device_cooldown_s``;
+        its check runs before a generation uses it again), not counted against any job (no job's
+        code makes the driver say so: see :data:`mselastic.agent.xid.APPLICATION_XIDS`)."""
+        now = time.time()
+        self._xids[device] = (now, xid)
+        record = DeviceCordon(self.node_id, device, f"Xid {xid} reported by NVML", now,
+                              now + self.cooldown_s if self.cooldown_s else 0.0)
+        try:
+            async for attempt in tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(60), reraise=True,
+                                                        wait=tenacity.wait_exponential(0.5, max=5),
+                                                        retry=tenacity.retry_if_exception_type(TemporaryError)):
+                with attempt:
+                    await self._aside(record)
+        except (TemporaryError, PermanentError) as e:
+            log.error("GPU %d: Xid %d reported by NVML; not set aside (etcd: %s)", device, xid, e,
+                      extra=dict(node=self.node_id))
+            return
+        log.error("GPU %d: Xid %d reported by NVML: set aside %s", device, xid,
+                  f"for {self.cooldown_s:.0f}s" if self.cooldown_s else "until elasticctl uncordon --device",
+                  extra=dict(node=self.node_id))
 
     async def check(self, job: str, devices: tuple[int, ...], kind: str, user: WorkerUser | None,
                     group: Group | None) -> tuple[int, str, bool] | None:
@@ -199,9 +239,13 @@ class DeviceHealth:
         return f"exit code {proc.returncode}" + (f": {last.strip()[:200]}" if last else "")
 
     async def watch(self, kind: str, ids: tuple[int, ...], every_s: float, stop: asyncio.Event) -> None:
-        """Every ``every_s`` until ``stop``: ask the node's tools again; a device of ``ids`` they no
-        longer show, twice in a row, while they show others of ``kind`` (a tool that fails or shows
-        none proves nothing), is set aside until uncordoned. Errors are logged, the watch goes on."""
+        """Until ``stop``: NVML's critical Xid events on a GPU (see :mod:`mselastic.agent.xid`), and
+        every ``every_s`` the node's tools asked again: a device of ``ids`` they no longer show, twice
+        in a row, while they show others of ``kind`` (a tool that fails or shows none proves
+        nothing), is set aside until uncordoned. Errors are logged, the watch goes on."""
+        await asyncio.gather(xids.watch(kind, ids, self.xid, stop), self._look_every(kind, ids, every_s, stop))
+
+    async def _look_every(self, kind: str, ids: tuple[int, ...], every_s: float, stop: asyncio.Event) -> None:
         if not ids or not every_s:
             return
         misses: dict[int, int] = {}

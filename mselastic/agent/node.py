@@ -506,7 +506,7 @@ class NodeAgent:
                                                    {j for j, g in self.generations.items() if not g.done.is_set()}
                                                    | {plan.job}, self.cfg.cgroups))
             gen.on_joined = self._tell_peers_joined
-            gen.on_device_fault = functools.partial(self.device_health.set_aside, plan.job)
+            gen.on_device_fault = functools.partial(self.device_health.blame, plan.job)
             gen.check_devices = functools.partial(self.device_health.check, plan.job)
             self.generations[plan.job] = gen
             self._ended.discard(plan.job)  # submitted again

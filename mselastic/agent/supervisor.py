@@ -117,10 +117,10 @@ class Generation:
         self._on_change = on_change
         #: Called once, when a local rank first gets through init() (the agent tells the other nodes).
         self.on_joined: Callable[["Generation"], None] = lambda gen: None
-        #: Awaited when a failed rank's log names its device (the device id, the line), before the
-        #: failure is reported: the agent sets the device aside, so the relaunch avoids it (False:
-        #: it did not, and the failure stays the rank's).
-        self.on_device_fault: Callable[[int, str], Awaitable[bool]] | None = None
+        #: Awaited for a failed rank's device (the device id, the line of its log naming a device
+        #: error or ""), before the failure is reported: what shows the device failed, set aside, so
+        #: that the relaunch avoids it ("": nothing, and the failure stays the rank's).
+        self.on_device_fault: Callable[[int, str], Awaitable[str]] | None = None
         #: For a DEVICE failure: that device (-1: none).
         self.failed_device = -1
         #: Awaited before the launch with the member's devices, their kind, the user and the
@@ -615,29 +615,29 @@ class Generation:
 
     async def _blame_device(self, rank: int) -> None:
         """A rank exited: when the end of its log names its device (see core.devices.device_error),
-        the failure is the device's (cause DEVICE, the node not blamed), set aside first."""
+        or NVML reported a critical Xid on it, the failure is the device's (cause DEVICE, the node
+        not blamed), set aside first (see agent.device_health's blame)."""
         index = rank - self.first_rank
-        if not 0 <= index < len(self.member.devices):
+        if not 0 <= index < len(self.member.devices) or self.on_device_fault is None:
             return
         path = os.path.join(self.log_dir, f"worker_{rank}.log")
         try:  # (the job's file: read as jobfiles reads them)
             line = device_error((await bounded(read_tail, path, LOG_TAIL_BYTES)).decode(errors="replace"))
         except OSError as e:
             log.debug("rank %d's log not read for a device error: %s", rank, e, extra=self._ctx)
-            return
-        if not line or self.on_device_fault is None:
-            return
+            line = ""
         device = self.member.devices[index]
-        log.warning("rank %d's log names its device %s %d: %s", rank, self.member.device_kind, device, line,
-                    extra={**self._ctx, "rank": rank})
+        if line:
+            log.warning("rank %d's log names its device %s %d: %s", rank, self.member.device_kind, device, line,
+                        extra={**self._ctx, "rank": rank})
         try:
-            aside = await asyncio.wait_for(self.on_device_fault(device, line), DEVICE_ASIDE_S)
+            evidence = await asyncio.wait_for(self.on_device_fault(device, line), DEVICE_ASIDE_S)
         except (asyncio.TimeoutError, OSError, RuntimeError) as e:
             log.error("device %d not set aside: %s", device, e, extra=self._ctx)
             return
-        if aside:
+        if evidence:
             self.cause, self.failed_device = FailureCause.DEVICE, device
-            self.reason += f"; its log names its device, {self.member.device_kind} {device}, set aside: {line}"
+            self.reason += f"; its device, {self.member.device_kind} {device}: {evidence}"
 
     def _oom_note(self) -> str:
         """What the failure's reason adds when the OOM killer ended processes of this generation (the

@@ -113,9 +113,16 @@ def states(nodes: list[NodeRecord], held: Mapping[str, Mapping[int, str]],
     return out
 
 
+#: What else a process of a kind needs for the ids to be the node's tools' own: CUDA numbers
+#: devices fastest first unless told otherwise, nvidia-smi and NVML by PCI bus.
+ORDER = {"gpu": {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}}
+
+
 def visible_env(kind: str, ids: tuple[int, ...]) -> dict[str, str]:
-    """The variable that shows a process of ``kind`` only ``ids`` (renumbered from 0); {} without."""
-    return {VISIBLE[kind]: ",".join(map(str, ids))} if kind in VISIBLE and ids else {}
+    """The variables that show a process of ``kind`` only ``ids`` (renumbered from 0); {} without."""
+    if kind not in VISIBLE or not ids:
+        return {}
+    return {VISIBLE[kind]: ",".join(map(str, ids)), **ORDER.get(kind, {})}
 
 
 def hold(held: dict[str, dict[int, str]], job: str, plan: Plan) -> None:

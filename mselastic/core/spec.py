@@ -283,7 +283,8 @@ def _coerce(key: str, field: dataclasses.Field[Any], value: Any) -> Any:
 FORBIDDEN_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY")
 FORBIDDEN = frozenset({"PATH", "BASH_ENV", "ENV", "IFS", "GCONV_PATH", "HOSTALIASES", "NODE_OPTIONS", "MALLOC_CONF",
                        "GLIBC_TUNABLES", "LOCPATH", "NLSPATH", "TZDIR", "RES_OPTIONS", "LOCALDOMAIN", "MALLOC_TRACE",
-                       "GETCONF_DIR", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "DEVICE_ID"})
+                       "GETCONF_DIR", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ASCEND_RT_VISIBLE_DEVICES",
+                       "DEVICE_ID"})
 #: Harmless interpreter variables a job may always set.
 HARMLESS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE"})
 

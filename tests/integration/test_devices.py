@@ -32,6 +32,7 @@ def _launched(procs: Processes, job: str, generation: int) -> dict[int, tuple[st
         except psutil.Error:
             continue
         if env.get("MS_ROLE") == "MS_WORKER":
+            assert env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID", env  # (nvidia-smi's numbering, NVML's)
             found[int(env["RANK_ID"])] = (env.get("CUDA_VISIBLE_DEVICES", ""), env.get("DEVICE_ID", ""), p.pid)
     return found
 
@@ -155,6 +156,8 @@ def test_a_device_a_failed_ranks_log_names_is_set_aside_and_the_node_serves_on_w
     assert r.returncode != 0 and "node n0 has no device 7 (its devices: 0-3)" in r.stderr, r.stderr
 
 
+#: nvidia-ml-py's pynvml as a machine without NVIDIA's driver can have it (see its notes).
+FAKE_NVML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fake_nvml")
 #: An nvidia-smi that shows the GPUs its folder's file "gpus" names (the node's tool, as elasticd
 #: finds it on its PATH; a GPU that falls off the bus is one the file no longer names).
 FAKE_SMI = """#!/bin/sh
@@ -171,7 +174,9 @@ def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refus
     """With an nvidia-smi on its PATH that shows GPUs 0-2: devices = auto registers gpu 0-2 (3 slots);
     devices = 0-3 is refused at start, saying what the tool shows (one line, exit 2). The tool then
     fails for a while (NVML's driver/library mismatch): nothing is set aside. Then GPU 1 is gone
-    from what the tool shows: it is set aside until uncordoned, and elasticctl nodes says why."""
+    from what the tool shows: it is set aside until uncordoned, and elasticctl nodes says why.
+    NVML (tests/fake_nvml, on elasticd's PYTHONPATH) then reports Xid 13 on GPU 2 (a job's fault:
+    nothing set aside) and Xid 79 on GPU 0: set aside for device_cooldown_s, for no job."""
     tmp = str(tmp_path)
     tools = os.path.join(tmp, "bin")
     os.makedirs(tools)
@@ -188,7 +193,7 @@ def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refus
         "elasticd: devices: 0-3, but nvidia-smi -L shows gpu devices 0-2 here: list those, or devices = auto"), \
         refused.stderr
     procs.start("elasticd-n0", [*cmd, "--devices", "auto", "--slots", "1", "--device-detect-interval-s", "0.5"],
-                env={"PATH": path})
+                env={"PATH": path, "PYTHONPATH": FAKE_NVML, "FAKE_NVML_DIR": tools})
     node = wait_for("n0 registered", lambda: (raw := etcd.get(etcd.keys.node("n0"))) and NodeRecord.from_json(raw),
                     30, 0.1)
     assert (node.device_kind, node.devices, node.slots) == ("gpu", (0, 1, 2), 3), node
@@ -207,13 +212,21 @@ def test_the_devices_detected_are_registered_and_a_list_they_contradict_is_refus
     assert [r[5] for r in rows if r[:2] == ["n0", "1"]] == [
         f"unhealthy since {time.strftime('%H:%M:%S', time.localtime(aside.since))} until uncordoned: "
         f"gone from nvidia-smi -L (it shows 0,2)"], rows
+    # NVML reports a job's fault (Xid 13) on GPU 2, then a GPU's own (79: fallen off the bus) on 0.
+    with open(os.path.join(tools, "xids"), "w") as f:
+        f.write("2 13\n0 79\n")
+    xid = wait_for("GPU 0 set aside", lambda: (raw := etcd.get(etcd.keys.device_cordon("n0", 0))) and
+                   DeviceCordon.from_json(raw), 10, 0.1)
+    assert xid.reason == "Xid 79 reported by NVML" and xid.until == pytest.approx(xid.since + 1800) and not xid.job, xid
+    assert etcd.get(etcd.keys.device_cordon("n0", 2)) is None
 
 
 def test_one_job_holds_at_most_two_devices_of_a_node_aside_and_a_stronger_cordon_is_kept(etcd: Etcd) -> None:
     """The set-aside rule against the real etcd (no processes): a job's log lines set aside at most
     two devices of a node at once (counted from etcd: an elasticd restarted counts the same);
     another job's count is its own; a device aside for good (gone, an operator's) stays so when a
-    job's rank later names it."""
+    job's rank later names it. A critical Xid from NVML sets its GPU aside for no job, and blames
+    it for a rank that fails on it even when the job is at its cap."""
 
     async def run(store: Any) -> list[Any]:
         health = DeviceHealth(store, "n0", 1800.0)
@@ -225,8 +238,15 @@ def test_one_job_holds_at_most_two_devices_of_a_node_aside_and_a_stronger_cordon
                     await restarted.set_aside("y", 3, "uncorrectable ECC error"),
                     await restarted.set_aside("y", 5, "GPU has fallen off the bus")]
         kept = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 5))).value)
-        return [results, kept]
+        # NVML's word is not a job's: x, at its cap, has a rank fail on a GPU with a critical Xid.
+        await restarted.xid(6, 79)
+        evidence = [await restarted.blame("x", 6, ""), await restarted.blame("x", 7, ""),
+                    await restarted.blame("x", 7, "uncorrectable ECC error")]
+        xid = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 6))).value)
+        return [results, kept, evidence, xid]
 
-    results, kept = etcd._run(run)
+    results, kept, evidence, xid = etcd._run(run)
     assert results == [True, True, False, False, True, True], results
     assert kept.until == 0 and kept.job == "" and kept.reason.startswith("gone from"), kept
+    assert evidence[0].startswith("NVML reported Xid 79 on it at ") and evidence[1:] == ["", ""], evidence
+    assert xid.reason == "Xid 79 reported by NVML" and xid.job == "" and xid.until == pytest.approx(xid.since + 1800), xid

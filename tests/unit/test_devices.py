@@ -26,7 +26,7 @@ def test_device_ids_as_listed_and_as_the_tools_show_them() -> None:
            "  MIG 1g.18gb Device 0: (UUID: MIG-aa)\n")
     assert devices.nvidia_smi_ids(smi) == (0, 1)
     assert devices.davinci_ids(["davinci0", "davinci_manager", "davinci3", "devmm_svm", "davinci12"]) == (0, 3, 12)
-    assert devices.visible_env("gpu", (2, 3)) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert devices.visible_env("gpu", (2, 3)) == {"CUDA_VISIBLE_DEVICES": "2,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert devices.visible_env("ascend", (4,)) == {"ASCEND_RT_VISIBLE_DEVICES": "4"}
     assert devices.visible_env("", ()) == {} and devices.visible_env("gpu", ()) == {}
 
