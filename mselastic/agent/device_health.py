@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from typing import Callable
 
 import tenacity
 
@@ -40,6 +41,17 @@ MAX_BY_ONE_JOB = 2
 MISSES = 2
 #: How long a critical Xid on a GPU blames that GPU for a rank that fails on it.
 XID_BLAMES_S = 300.0
+#: The same Xid on the same GPU within this long is not written again.
+XID_REPEAT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SeenXid:
+    """NVML's last critical Xid on a GPU: when, which, and the write that sets the GPU aside."""
+
+    at: float
+    xid: int
+    written: asyncio.Future[bool]
 
 
 def unfit(member: Member, kind: str, ids: tuple[int, ...], running: dict[str, tuple[int, ...]]) -> tuple[bool, str]:
@@ -80,9 +92,13 @@ class DeviceHealth:
     devices/<id>``, with the job it was set aside for): the per-job cap counts those, and survives
     a restart of elasticd."""
 
-    def __init__(self, store: Store, node_id: str, cooldown_s: float, check: DeviceCheck = DeviceCheck()) -> None:
+    def __init__(self, store: Store, node_id: str, cooldown_s: float, check: DeviceCheck = DeviceCheck(),
+                 user_of: Callable[[int], str] = lambda device: "") -> None:
         self.store, self.node_id, self.cooldown_s, self.check_rule = store, node_id, cooldown_s, check
-        self._xids: dict[int, tuple[float, int]] = {}  # GPU -> (when, Xid): NVML's last critical one
+        #: The job whose rank uses a device here ("" none).
+        self.user_of = user_of
+        self._xids: dict[int, SeenXid] = {}  # GPU -> NVML's last critical Xid on it
+        self._writes: set[asyncio.Future[bool]] = set()
 
     async def _records(self) -> dict[int, DeviceCordon]:
         """This node's device cordons in etcd, by device (malformed ones left out)."""
@@ -139,35 +155,59 @@ class DeviceHealth:
         """What shows that ``job``'s rank failed for its ``device`` ("" nothing): the last line of its
         log naming a device error (``line``) once the device is set aside for it (the job's words:
         within its cap), or a critical Xid NVML reported on the device in the last
-        :data:`XID_BLAMES_S` (the driver's word: set aside when it came)."""
+        :data:`XID_BLAMES_S`, once it is set aside for it (and while it is: not uncordoned since)."""
         if line and await self.set_aside(job, device, line):
             return f"its log names it, set aside: {line}"
-        when, xid = self._xids.get(device, (0.0, 0))
-        if time.time() - when <= XID_BLAMES_S:
-            return f"NVML reported Xid {xid} on it at {time.strftime('%H:%M:%S', time.localtime(when))}, set aside"
-        return ""
+        seen = self._xids.get(device)
+        if seen is None or time.time() - seen.at > XID_BLAMES_S or seen.written.cancelled() or \
+                not await asyncio.shield(seen.written):
+            return ""
+        try:
+            record = (await self._records()).get(device)
+        except (TemporaryError, PermanentError):
+            record = None  # (etcd away: NVML's word, written a moment ago, stands)
+        else:
+            if record is None or not record.held(time.time()) or not record.reason.startswith("Xid"):
+                return ""  # (uncordoned since)
+        return f"NVML reported Xid {seen.xid} on it at {time.strftime('%H:%M:%S', time.localtime(seen.at))}, set aside"
 
     async def xid(self, device: int, xid: int) -> None:
         """NVML reported critical Xid ``xid`` on GPU ``device``: set it aside (``device_cooldown_s``;
-        its check runs before a generation uses it again), not counted against any job (no job's
-        code makes the driver say so: see :data:`mselastic.agent.xid.APPLICATION_XIDS`)."""
+        its check runs before a generation uses it again), in the background (a rank failing
+        meanwhile waits for it in :meth:`blame`). One of :data:`mselastic.agent.xid.HARDWARE_XIDS`
+        for no job; another counts against the job whose rank uses the GPU here (its cap: a job's
+        code might make the driver say so). The same GPU's Xids a minute apart are written once."""
         now = time.time()
-        self._xids[device] = (now, xid)
+        last = self._xids.get(device)
+        if last is not None and now - last.at < XID_REPEAT_S and last.xid == xid:
+            log.info("GPU %d: Xid %d again", device, xid, extra=dict(node=self.node_id))
+            return
+        job = "" if xid in xids.HARDWARE_XIDS else self.user_of(device)
         record = DeviceCordon(self.node_id, device, f"Xid {xid} reported by NVML", now,
-                              now + self.cooldown_s if self.cooldown_s else 0.0)
+                              now + self.cooldown_s if self.cooldown_s else 0.0, job)
+        task = asyncio.ensure_future(self._write_xid(record, xid))
+        self._xids[device] = SeenXid(now, xid, task)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_xid(self, record: DeviceCordon, xid: int) -> bool:
+        """Write ``record`` (an Xid's), etcd tried again for a minute; whether it was."""
+        extra = dict(node=self.node_id, job=record.job or "-")
         try:
+            if record.job and not await self._may_blame(record.job, record.device, record.since):
+                return False
             async for attempt in tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(60), reraise=True,
                                                         wait=tenacity.wait_exponential(0.5, max=5),
                                                         retry=tenacity.retry_if_exception_type(TemporaryError)):
                 with attempt:
                     await self._aside(record)
         except (TemporaryError, PermanentError) as e:
-            log.error("GPU %d: Xid %d reported by NVML; not set aside (etcd: %s)", device, xid, e,
-                      extra=dict(node=self.node_id))
-            return
-        log.error("GPU %d: Xid %d reported by NVML: set aside %s", device, xid,
+            log.error("GPU %d: Xid %d reported by NVML; not set aside (etcd: %s)", record.device, xid, e, extra=extra)
+            return False
+        log.error("GPU %d: Xid %d reported by NVML: set aside %s%s", record.device, xid,
                   f"for {self.cooldown_s:.0f}s" if self.cooldown_s else "until elasticctl uncordon --device",
-                  extra=dict(node=self.node_id))
+                  f" (counted against job {record.job}, whose rank uses it)" if record.job else "", extra=extra)
+        return True
 
     async def check(self, job: str, devices: tuple[int, ...], kind: str, user: WorkerUser | None,
                     group: Group | None) -> tuple[int, str, bool] | None:
@@ -243,7 +283,15 @@ class DeviceHealth:
         every ``every_s`` the node's tools asked again: a device of ``ids`` they no longer show, twice
         in a row, while they show others of ``kind`` (a tool that fails or shows none proves
         nothing), is set aside until uncordoned. Errors are logged, the watch goes on."""
-        await asyncio.gather(xids.watch(kind, ids, self.xid, stop), self._look_every(kind, ids, every_s, stop))
+        try:
+            for what, result in zip(("NVML's Xid events", "the devices' look"), await asyncio.gather(
+                    xids.watch(kind, ids, self.xid, stop), self._look_every(kind, ids, every_s, stop),
+                    return_exceptions=True)):
+                if isinstance(result, Exception):
+                    log.error("%s stopped: %r", what, result, extra=dict(node=self.node_id))
+        finally:
+            for task in list(self._writes):
+                task.cancel()
 
     async def _look_every(self, kind: str, ids: tuple[int, ...], every_s: float, stop: asyncio.Event) -> None:
         if not ids or not every_s:

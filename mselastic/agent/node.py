@@ -110,7 +110,8 @@ class NodeAgent:
         #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
         self._shutting_down = False
         self._locks: dict[str, asyncio.Lock] = {}
-        self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s, cfg.device_check)
+        self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s, cfg.device_check,
+                                          user_of=self._device_user)
         self._lease: KeptLease | None = None
         self.peers = Peers(store, cfg.node_id, cfg.lease_ttl_s, cfg.tls)
         #: Fenced without etcd: nothing is launched here until this node is registered again.
@@ -571,6 +572,11 @@ class NodeAgent:
             with contextlib.suppress(OSError):
                 os.rmdir(self.cfg.snapshot_root)  # only when empty: nothing kept for a job
         return [pid for left in lefts for pid in left]
+
+    def _device_user(self, device: int) -> str:
+        """The job whose generation not over here uses ``device`` ("" none)."""
+        return next((job for job, gen in self.generations.items()
+                     if not gen.done.is_set() and device in gen.member.devices), "")
 
     def _tell_peers_joined(self, gen: Generation) -> None:
         """A local rank of ``gen`` got through init(): the other members' agents may nudge their

@@ -585,7 +585,7 @@ class Generation:
         if left:
             log.error("processes left after teardown: %s", left, extra=self._ctx)
         self.stopped_at = time.time()
-        if cause is FailureCause.RANK_EXITED:
+        if cause in (FailureCause.RANK_EXITED, FailureCause.RANK_HUNG, FailureCause.MSRUN_FAILED):
             await self._blame_device(rank)
         self._set(GenerationState.FAILED)
         self._close()
@@ -614,30 +614,35 @@ class Generation:
         return False
 
     async def _blame_device(self, rank: int) -> None:
-        """A rank exited: when the end of its log names its device (see core.devices.device_error),
-        or NVML reported a critical Xid on it, the failure is the device's (cause DEVICE, the node
-        not blamed), set aside first (see agent.device_health's blame)."""
+        """Ranks failed: when the end of the failed rank's log names its device (see
+        core.devices.device_error), or NVML reported a critical Xid on one of this member's devices
+        (a rank on it hangs, or a peer exits first), the failure is that device's (cause DEVICE, the
+        node not blamed), set aside first (see agent.device_health's blame)."""
+        if self.on_device_fault is None or not self.member.devices:
+            return
         index = rank - self.first_rank
-        if not 0 <= index < len(self.member.devices) or self.on_device_fault is None:
-            return
-        path = os.path.join(self.log_dir, f"worker_{rank}.log")
-        try:  # (the job's file: read as jobfiles reads them)
-            line = device_error((await bounded(read_tail, path, LOG_TAIL_BYTES)).decode(errors="replace"))
-        except OSError as e:
-            log.debug("rank %d's log not read for a device error: %s", rank, e, extra=self._ctx)
-            line = ""
-        device = self.member.devices[index]
-        if line:
-            log.warning("rank %d's log names its device %s %d: %s", rank, self.member.device_kind, device, line,
-                        extra={**self._ctx, "rank": rank})
-        try:
-            evidence = await asyncio.wait_for(self.on_device_fault(device, line), DEVICE_ASIDE_S)
-        except (asyncio.TimeoutError, OSError, RuntimeError) as e:
-            log.error("device %d not set aside: %s", device, e, extra=self._ctx)
-            return
-        if evidence:
-            self.cause, self.failed_device = FailureCause.DEVICE, device
-            self.reason += f"; its device, {self.member.device_kind} {device}: {evidence}"
+        mine, line = (self.member.devices[index] if 0 <= index < len(self.member.devices) else -1), ""
+        if mine >= 0:
+            path = os.path.join(self.log_dir, f"worker_{rank}.log")
+            try:  # (the job's file: read as jobfiles reads them)
+                line = device_error((await bounded(read_tail, path, LOG_TAIL_BYTES)).decode(errors="replace"))
+            except OSError as e:
+                log.debug("rank %d's log not read for a device error: %s", rank, e, extra=self._ctx)
+            if line:
+                log.warning("rank %d's log names its device %s %d: %s", rank, self.member.device_kind, mine, line,
+                            extra={**self._ctx, "rank": rank})
+        for device in sorted(self.member.devices, key=lambda d: d != mine):  # (the failed rank's first)
+            try:
+                evidence = await asyncio.wait_for(self.on_device_fault(device, line if device == mine else ""),
+                                                  DEVICE_ASIDE_S)
+            except (asyncio.TimeoutError, OSError, RuntimeError) as e:
+                log.error("device %d not set aside: %s", device, e, extra=self._ctx)
+                continue
+            if evidence:
+                self.cause, self.failed_device = FailureCause.DEVICE, device
+                whose = "its device" if device == mine else "a device of this member"
+                self.reason += f"; {whose}, {self.member.device_kind} {device}: {evidence}"
+                return
 
     def _oom_note(self) -> str:
         """What the failure's reason adds when the OOM killer ended processes of this generation (the

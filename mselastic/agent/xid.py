@@ -1,14 +1,15 @@
 """NVIDIA's Xid events (issue #32) as NVML reports them: a critical Xid on one of this node's GPUs
 (uncorrectable ECC, fallen off the bus, row remapping failed, ...) sets that GPU aside, the way a
 GPU gone from ``nvidia-smi -L`` is; a rank that fails on it meanwhile fails for its device (cause
-DEVICE: the node is not blamed).
+DEVICE: the node is not blamed). See :meth:`mselastic.agent.device_health.DeviceHealth.xid`.
 
 Read the way NVIDIA's device plugin reads them: one event set with every GPU's critical Xid events
-(those a GPU supports), waited on in a thread of its own (NVML blocks), a short wait at a time so
-that the thread ends soon after elasticd asks it to. The Xids that mean a job's kernel faulted on a
-sound GPU (:data:`APPLICATION_XIDS`, the plugin's list) are logged and left alone: a job must not
-take a node's GPUs from the others by faulting. NVML comes from ``nvidia-ml-py`` (``pynvml``); a
-node without NVIDIA's driver has no NVML to load, and nothing is read there."""
+(those a GPU supports; a GPU that cannot register is said and the others are read), waited on in a
+thread of its own (NVML blocks), half a second a wait so that the thread ends soon after elasticd
+asks it to. The Xids that mean a job's kernel faulted on a sound GPU (:data:`APPLICATION_XIDS`,
+the plugin's list) are logged and left alone. NVML comes from ``nvidia-ml-py`` (``pynvml``); a node
+without NVIDIA's driver has no NVML to load, and nothing is read there. NVML failing later (a
+driver upgraded under elasticd) is said, and the reading starts again with a backoff."""
 
 from __future__ import annotations
 
@@ -19,33 +20,51 @@ import threading
 from types import ModuleType
 from typing import Awaitable, Callable
 
+import tenacity
+
 log = logging.getLogger(__name__)
 
 #: Xids that a job's own code causes on a sound GPU (graphics engine exception, GPU memory page
 #: fault, stopped processing, preemptive clean-up, video processor exception, context switch
 #: timeout): NVIDIA's device plugin ignores them too.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+#: Xids NVIDIA's Xid catalogue puts on the hardware alone (double-bit ECC, row remapping, NVLink,
+#: fallen off the bus, ECC rates and contained/uncontained errors, GSP, unrecovered ECC): they set
+#: a GPU aside for no job. Any other is counted against the job that uses the GPU (its cap).
+HARDWARE_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 #: One wait for events, in milliseconds (the thread looks whether it should end between two).
 WAIT_MS = 500
+#: NVML's codes for "no driver here": nothing to read, nothing to try again.
+NO_DRIVER = frozenset({9, 12})  # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND
+
+
+class Ended(Exception):
+    """The reading of NVML's events ended (why); it starts again after a while."""
 
 
 def read_events(nvml: ModuleType, ids: tuple[int, ...], emit: Callable[[int, int], None],
-                stopped: threading.Event, ready: Callable[[list[int]], None]) -> None:
+                stopped: threading.Event, ready: Callable[[list[int], dict[int, str]], None]) -> None:
     """In a thread of its own, until ``stopped``: register the critical Xid events of the GPUs
-    ``ids`` (NVML's indexes, nvidia-smi's), call ``ready`` with those that have them, then
-    ``emit(index, xid)`` for each event. Raises ``nvml.NVMLError`` when NVML cannot be read."""
+    ``ids`` (NVML's indexes, nvidia-smi's), call ``ready`` with those registered and why the
+    others are not, then ``emit(index, xid)`` for each event. Raises ``nvml.NVMLError`` when NVML
+    cannot be read."""
     nvml.nvmlInit()
     try:
         events = nvml.nvmlEventSetCreate()
         try:
-            registered = []
+            registered, failed = [], {}
             for index in ids:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                mask = nvml.nvmlEventTypeXidCriticalError & nvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if mask:
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    mask = nvml.nvmlEventTypeXidCriticalError & nvml.nvmlDeviceGetSupportedEventTypes(handle)
+                    if not mask:
+                        failed[index] = "it reports no Xid events"
+                        continue
                     nvml.nvmlDeviceRegisterEvents(handle, mask, events)
                     registered.append(index)
-            ready(registered)
+                except nvml.NVMLError as e:
+                    failed[index] = str(e)
+            ready(registered, failed)
             while not stopped.is_set():
                 try:
                     data = nvml.nvmlEventSetWait_v2(events, WAIT_MS)
@@ -67,8 +86,8 @@ async def watch(kind: str, ids: tuple[int, ...], on_xid: Callable[[int, int], Aw
                 stop: asyncio.Event) -> None:
     """Until ``stop``: ``on_xid(gpu, xid)`` for each critical Xid NVML reports on one of ``ids``
     (a node of ``kind`` gpu), the application Xids left out. Returns at once where there is no NVML
-    (no nvidia-ml-py, no driver); NVML failing later is logged and the watch ends (the other
-    evidence, a rank's log and the devices the tools show, still holds)."""
+    (no nvidia-ml-py, no driver); NVML failing later is said, and the reading starts again (1 s,
+    doubling to a minute between tries)."""
     if kind != "gpu" or not ids:
         return
     try:
@@ -76,42 +95,59 @@ async def watch(kind: str, ids: tuple[int, ...], on_xid: Callable[[int, int], Aw
     except ImportError:
         log.warning("nvidia-ml-py is not installed: NVML's Xid events are not read (pip install nvidia-ml-py)")
         return
+
+    def said(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        log.warning("NVML's Xid events are not read (%s); trying again in %.0fs", error,
+                    state.next_action.sleep if state.next_action else 0)
+
+    with contextlib.suppress(tenacity.RetryError):
+        async for attempt in tenacity.AsyncRetrying(wait=tenacity.wait_exponential(1, max=60),
+                                                    retry=tenacity.retry_if_exception_type(Ended),
+                                                    stop=lambda _: stop.is_set(), before_sleep=said):
+            with attempt:
+                await _read(pynvml, ids, on_xid, stop)
+
+
+async def _read(nvml: ModuleType, ids: tuple[int, ...], on_xid: Callable[[int, int], Awaitable[None]],
+                stop: asyncio.Event) -> None:
+    """One reading, until ``stop`` (or no driver: returns); :class:`Ended` when NVML fails."""
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[int, int] | str] = asyncio.Queue()  # (GPU, Xid), or why the reading ended
-    stopped, registered = threading.Event(), threading.Event()
+    events: asyncio.Queue[tuple[int, int] | BaseException] = asyncio.Queue()  # (GPU, Xid), or why it ended
 
-    def emit(index: int, xid: int) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, (index, xid))
+    def put(item: tuple[int, int] | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # (the loop closed: elasticd is gone)
+            loop.call_soon_threadsafe(events.put_nowait, item)
 
-    def ready(gpus: list[int]) -> None:
-        registered.set()
-        others = sorted(set(ids) - set(gpus))
-        log.info("NVML's Xid events read for GPUs %s%s", ",".join(map(str, gpus)) or "none",
-                 f" (GPUs {','.join(map(str, others))} report none)" if others else "")
+    def ready(gpus: list[int], failed: dict[int, str]) -> None:
+        log.info("NVML's Xid events read for GPUs %s", ",".join(map(str, gpus)) or "none")
+        for gpu, why in sorted(failed.items()):
+            log.warning("GPU %d: its Xid events cannot be read: %s", gpu, why)
 
     def run() -> None:
         try:
-            read_events(pynvml, ids, emit, stopped, ready)
-        except Exception as e:  # noqa: BLE001 - said on the loop; the watch ends
-            loop.call_soon_threadsafe(events.put_nowait, f"{type(e).__name__}: {e}")
+            read_events(nvml, ids, lambda gpu, xid: put((gpu, xid)), stopped, ready)
+        except Exception as e:  # noqa: BLE001 - said on the loop
+            put(e)
 
+    stopped = threading.Event()
     threading.Thread(target=run, name="nvml-xid", daemon=True).start()
     try:
         while not stop.is_set():
-            got = asyncio.ensure_future(events.get())
-            ended = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([got, ended], return_when=asyncio.FIRST_COMPLETED)
-            ended.cancel()
-            if not got.done():
+            got, ended = asyncio.ensure_future(events.get()), asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait([got, ended], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ended.cancel()
                 got.cancel()
+            if not got.done() or got.cancelled():
                 return
             event = got.result()
-            if isinstance(event, str):
-                if registered.is_set():
-                    log.warning("NVML's Xid events are no longer read: %s", event)
-                else:  # (no driver: nothing to read, the other evidence holds)
-                    log.info("NVML's Xid events are not read here: %s", event)
-                return
+            if isinstance(event, BaseException):
+                if getattr(event, "value", None) in NO_DRIVER:
+                    log.info("NVML's Xid events are not read here: %s (no NVIDIA driver)", event)
+                    return
+                raise Ended(f"{type(event).__name__}: {event}")
             gpu, xid = event
             if gpu not in ids:
                 continue

@@ -280,7 +280,8 @@ class ControlService(pb_grpc.ControlServicer):
         if refused:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"env: {', '.join(refused)} may not be set by a job (loader and interpreter variables run "
-                        f"code in every worker); an admin may allow them with elasticd's allow_env")
+                        f"code in every worker; which devices a rank sees is the node's); an admin may allow them "
+                        f"with elasticd's allow_env")
         await self._require_leader(context)
         warnings = await self._check_fit_and_dir(spec, request.force, context)
         k, tx = self.store.keys, self.store.tx
@@ -452,26 +453,32 @@ class ControlService(pb_grpc.ControlServicer):
             grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
             await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
                                                {m.node_id: m.agent_address for m in view.plan.members}, final=True)
-            await self._stop_noted(request.job)
+            await self._stop_noted(request.job, [m.node_id for m in view.plan.members])
         return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
 
-    async def _stop_noted(self, job: str) -> None:
-        """The agents have stopped the ranks; their reports reach etcd and the leader notes the step
-        they checkpointed at (the step a resubmission resumes from) a moment later. Wait for that note,
-        ``STOP_NOTE_WAIT_S`` at most (a node that is away never reports), so that what the stop's
-        caller reads next (events, status) says it."""
+    async def _stop_noted(self, job: str, nodes: list[str]) -> None:
+        """The agents of ``nodes`` have stopped the ranks; their reports reach etcd and the leader
+        notes the step they checkpointed at (the step a resubmission resumes from) a moment later.
+        Wait for that note, ``STOP_NOTE_WAIT_S`` at most, so that what the stop's caller reads next
+        (events, status) says it; not at all when a member's node is not registered (it never
+        reports) or etcd does not answer (the stop is done: only the note is late)."""
         async def unnoted() -> bool:
-            try:
-                view = (await read_cluster(self.store, job)).jobs.get(job)
-            except TemporaryError:
-                return True
-            return view is not None and view.status.state is JobState.STOPPED and \
-                STOPPED_NOTE not in view.status.message
+            kv = await self.store.get(self.store.keys.status(job))
+            if kv is None:
+                return False
+            status = JobStatus.from_json(kv.value)
+            return status.state is JobState.STOPPED and STOPPED_NOTE not in status.message
 
         self.coordinator.wake()
-        with contextlib.suppress(tenacity.RetryError):
-            await tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(STOP_NOTE_WAIT_S),
-                                         wait=tenacity.wait_fixed(0.1), retry=tenacity.retry_if_result(bool))(unnoted)
+        with contextlib.suppress(tenacity.RetryError, asyncio.TimeoutError, TemporaryError, PermanentError,
+                                 MalformedRecord):
+            for node in nodes:
+                if await self.store.get(self.store.keys.node(node)) is None:
+                    return
+            await asyncio.wait_for(tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(STOP_NOTE_WAIT_S),
+                                                          wait=tenacity.wait_fixed(0.1),
+                                                          retry=tenacity.retry_if_result(bool))(unnoted),
+                                   STOP_NOTE_WAIT_S + 1)
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.

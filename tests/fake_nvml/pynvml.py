@@ -1,7 +1,8 @@
 """A stand-in for nvidia-ml-py's ``pynvml`` on a machine without NVIDIA's driver: the names
 mselastic.agent.xid uses, with nvidia-ml-py 13's values. The GPUs are those the file ``gpus`` in
 ``$FAKE_NVML_DIR`` names; each line "GPU XID" appended to the file ``xids`` there is one critical
-Xid event (what the driver would report). Tests put this folder first on elasticd's PYTHONPATH."""
+Xid event (what the driver would report), a line "lost" NVML failing (GPU_IS_LOST) once. Tests
+put this folder first on elasticd's PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_GPU_IS_LOST = 15
 nvmlEventTypeSingleBitEccError = 0x1
 nvmlEventTypeDoubleBitEccError = 0x2
 nvmlEventTypeXidCriticalError = 0x8
@@ -33,11 +35,11 @@ def _path(name: str) -> str:
 def nvmlInit() -> None:
     if not os.path.exists(_path("gpus")):
         raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND)
-    _state["read"] = 0  # (every line of the file is an event: none is missed before the wait)
+    _state.setdefault("read", 0)  # (every line of the file is an event, once: none is missed before a wait)
 
 
 def nvmlShutdown() -> None:
-    _state.clear()
+    pass
 
 
 def nvmlEventSetCreate() -> SimpleNamespace:
@@ -78,6 +80,8 @@ def nvmlEventSetWait_v2(events: SimpleNamespace, timeout_ms: int) -> SimpleNames
             line = b""
         if line.endswith(b"\n"):
             _state["read"] += len(line)
+            if line.strip() == b"lost":
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
             gpu, xid = map(int, line.split())
             if gpu in events.devices:
                 return SimpleNamespace(device=gpu, eventType=nvmlEventTypeXidCriticalError, eventData=xid)

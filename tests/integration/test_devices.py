@@ -225,8 +225,9 @@ def test_one_job_holds_at_most_two_devices_of_a_node_aside_and_a_stronger_cordon
     """The set-aside rule against the real etcd (no processes): a job's log lines set aside at most
     two devices of a node at once (counted from etcd: an elasticd restarted counts the same);
     another job's count is its own; a device aside for good (gone, an operator's) stays so when a
-    job's rank later names it. A critical Xid from NVML sets its GPU aside for no job, and blames
-    it for a rank that fails on it even when the job is at its cap."""
+    job's rank later names it. A hardware Xid from NVML sets its GPU aside for no job, and blames
+    it for a rank that fails on it even when the job is at its cap; another Xid counts against the
+    job using the GPU."""
 
     async def run(store: Any) -> list[Any]:
         health = DeviceHealth(store, "n0", 1800.0)
@@ -238,15 +239,20 @@ def test_one_job_holds_at_most_two_devices_of_a_node_aside_and_a_stronger_cordon
                     await restarted.set_aside("y", 3, "uncorrectable ECC error"),
                     await restarted.set_aside("y", 5, "GPU has fallen off the bus")]
         kept = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 5))).value)
-        # NVML's word is not a job's: x, at its cap, has a rank fail on a GPU with a critical Xid.
-        await restarted.xid(6, 79)
-        evidence = [await restarted.blame("x", 6, ""), await restarted.blame("x", 7, ""),
-                    await restarted.blame("x", 7, "uncorrectable ECC error")]
+        # x, at its cap, has ranks on GPUs 4 and 6. NVML reports a hardware Xid (79) on 6: not x's
+        # doing, set aside for no job, and a rank failing there fails for it; an Xid that is not
+        # the hardware's alone (8) on 4 counts against x: not set aside.
+        nvml = DeviceHealth(store, "n0", 1800.0, user_of=lambda device: "x")
+        await nvml.xid(6, 79)
+        await nvml.xid(4, 8)
+        evidence = [await nvml.blame("x", 6, ""), await nvml.blame("x", 4, ""), await nvml.blame("x", 7, ""),
+                    await nvml.blame("x", 7, "uncorrectable ECC error")]
         xid = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 6))).value)
-        return [results, kept, evidence, xid]
+        return [results, kept, evidence, xid, await store.get(store.keys.device_cordon("n0", 4))]
 
-    results, kept, evidence, xid = etcd._run(run)
+    results, kept, evidence, xid, four = etcd._run(run)
     assert results == [True, True, False, False, True, True], results
     assert kept.until == 0 and kept.job == "" and kept.reason.startswith("gone from"), kept
-    assert evidence[0].startswith("NVML reported Xid 79 on it at ") and evidence[1:] == ["", ""], evidence
+    assert evidence[0].startswith("NVML reported Xid 79 on it at ") and evidence[1:] == ["", "", ""], evidence
+    assert four is None
     assert xid.reason == "Xid 79 reported by NVML" and xid.job == "" and xid.until == pytest.approx(xid.since + 1800), xid

@@ -51,6 +51,34 @@ def test_critical_xids_reach_the_handler_and_a_jobs_own_faults_do_not(nvml: str)
     assert seen == [(1, 79), (3, 48)]
 
 
+def test_a_gpu_that_cannot_register_is_said_and_nvml_failing_is_tried_again(
+        nvml: str, caplog: pytest.LogCaptureFixture) -> None:
+    """GPU 2 is not NVML's (its handle fails): the others are read. NVML then fails (GPU_IS_LOST):
+    said, and the reading starts again a second later, missing nothing."""
+    with open(os.path.join(nvml, "gpus"), "w") as f:
+        f.write("0 1 3\n")
+    seen: list[tuple[int, int]] = []
+
+    async def run() -> None:
+        stop = asyncio.Event()
+
+        async def on_xid(gpu: int, code: int) -> None:
+            seen.append((gpu, code))
+            if code == 48:
+                stop.set()
+
+        with open(os.path.join(nvml, "xids"), "w") as f:
+            f.write("1 79\nlost\n3 48\n")
+        await asyncio.wait_for(xid.watch("gpu", (0, 1, 2, 3), on_xid, stop), 10)
+
+    with caplog.at_level(logging.INFO, logger="mselastic.agent.xid"):
+        asyncio.run(run())
+    assert seen == [(1, 79), (3, 48)]
+    assert "NVML's Xid events read for GPUs 0,1,3" in caplog.text and \
+        "GPU 2: its Xid events cannot be read: NVML error 1" in caplog.text, caplog.text
+    assert "NVML's Xid events are not read (NVMLError: NVML error 15); trying again in 1s" in caplog.text, caplog.text
+
+
 def test_nothing_is_read_on_a_node_without_nvml_or_without_gpus(nvml: str, caplog: pytest.LogCaptureFixture) -> None:
     os.remove(os.path.join(nvml, "gpus"))  # (nvmlInit fails: no driver)
 
@@ -63,7 +91,7 @@ def test_nothing_is_read_on_a_node_without_nvml_or_without_gpus(nvml: str, caplo
 
     with caplog.at_level(logging.INFO, logger="mselastic.agent.xid"):
         asyncio.run(run())
-    assert "NVML's Xid events are not read here: NVMLError: NVML error 12" in caplog.text, caplog.text
+    assert "NVML's Xid events are not read here: NVML error 12 (no NVIDIA driver)" in caplog.text, caplog.text
 
 
 def test_the_reading_thread_ends_once_asked_to(nvml: str, caplog: pytest.LogCaptureFixture) -> None:
