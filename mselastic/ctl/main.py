@@ -258,7 +258,8 @@ def _job_actions(cmd: _Command) -> None:
     s.add_argument("spec")
     s.add_argument("--force", action="store_true",
                    help="submit even if checkpoint_dir holds a checkpoint at or past total_steps (refused otherwise)")
-    s = cmd("stop", "stop a job: ranks checkpoint a few steps ahead, then exit", "elasticctl stop lenet")
+    s = cmd("stop", "stop a job: ranks checkpoint a few steps ahead, then exit; returns once they have (events "
+                    "and status then name the step)", "elasticctl stop lenet")
     s.add_argument("job")
     s.add_argument("--grace-period-s", type=float, default=0.0, help="0: the job spec's stop_grace_period_s")
     s = cmd("restart", "relaunch a running job: checkpoint a few steps ahead, resume there", "elasticctl restart lenet")
