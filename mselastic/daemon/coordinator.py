@@ -62,6 +62,8 @@ PASS_REST = 2.0
 MAX_REST_S = 1.0
 #: The devices' metrics are counted at most this often (a pass at 4,000 nodes of 8 need not).
 DEVICE_METRICS_S = 5.0
+#: How long a reconcile pass may go on once elasticd is stopping.
+STOP_PASS_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +155,26 @@ class Coordinator:
         finally:
             await self.agents.close()
 
+    async def _pass(self, term: Term, stop: asyncio.Event) -> None:
+        """One reconcile pass. elasticd stopping gives it :data:`STOP_PASS_S` more, then cancels it
+        (etcd away, a pass may sit in the store's retries for seconds, and elasticd must stop): a
+        leader stopped mid-pass is one that crashed there, which the next leader's pass makes good."""
+        task = asyncio.create_task(self.reconcile(term), name="reconcile")
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait([task], timeout=STOP_PASS_S)
+        finally:
+            stopping.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            log.info("reconcile pass cut short: elasticd is stopping", extra=dict(node=self.cfg.node_id))
+            return
+        task.result()
+
     async def _lead(self, term: Term, stop: asyncio.Event) -> None:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
@@ -180,7 +202,7 @@ class Coordinator:
                     watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
                 began = time.monotonic()
                 try:
-                    await self.reconcile(term)
+                    await self._pass(term, stop)
                 except Fenced:
                     self._fenced.set()
                 except TemporaryError as e:

@@ -163,12 +163,13 @@ class Election:
             await _sleep_or(stop, min(0.25, self.ttl_s / 8))
 
     async def resign(self, term: Term) -> None:
-        """Give up leadership now (delete the key if still ours, revoke the lease)."""
+        """Give up leadership now (delete the key if still ours, revoke the lease), 2 s each at
+        most: an etcd that does not answer lets the lease, and the key with it, expire."""
         key = self.store.keys.leader
         try:
-            await self.store.txn([self.store.tx.create(key.encode()) == term.create_revision],
-                                 [self.store.tx.delete(key.encode())])
-        except (TemporaryError, PermanentError):
+            await asyncio.wait_for(self.store.txn([self.store.tx.create(key.encode()) == term.create_revision],
+                                                  [self.store.tx.delete(key.encode())]), timeout=2)
+        except (TemporaryError, PermanentError, asyncio.TimeoutError):
             pass
         await term.lease.release()
 
