@@ -5,6 +5,7 @@ a resume at the same world size is bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import glob
 import hashlib
 import json
@@ -97,6 +98,11 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     assert elasticctl("submit", spec, endpoint=cluster.endpoint(0)).returncode == 0
     etcd = cluster.etcd
     assert etcd is not None
+    # The uninterrupted run to compare with, meanwhile (the paced job leaves the cores idle).
+    ref_dir = os.path.join(cluster.tmp, "reference")
+    baseline = concurrent.futures.ThreadPoolExecutor(1)
+    reference = baseline.submit(plain_msrun, procs, ref_dir, total, workers=2, port=free_port())
+    baseline.shutdown(wait=False)
 
     def at_step(gen: int, node: str, step: int) -> None:
         wait_for(f"generation {gen} at step {step}", lambda: (r := etcd.report(JOB, gen, node)) and r.step >= step,
@@ -184,8 +190,7 @@ def test_world_size_changes_keep_samples_exactly_once_and_lose_no_planned_step(
     with open(os.path.join(out, "result_g6.json")) as f:
         result = json.load(f)
     assert result["final_step"] == total and result["global_step"] == total  # the LR schedule's step came along
-    ref_dir = os.path.join(cluster.tmp, "reference")
-    ref = plain_msrun(procs, ref_dir, total, workers=2, port=free_port())
+    ref = reference.result(timeout=600)
     ours, theirs = params(out), params(ref_dir)
     diff = max(float(np.max(np.abs(ours[k] - theirs[k]))) for k in theirs)
     print(f"world-size changes vs uninterrupted: max |dparam| = {diff:.3g}; loss {result['loss']:.4f} vs "
@@ -212,6 +217,12 @@ def test_sigterm_torn_save_and_sigkill_resume_bit_identically_with_dropout(
                       env={"MSELASTIC_FAULT": "sigkill_in_save:rank=0:generation=2:step=20"},
                       quarantine_after_failures=5)  # three failures of the only node: no cooldown
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    # The uninterrupted run to compare with, meanwhile (the paced job leaves the cores idle).
+    ref_dir = os.path.join(tmp, "reference")
+    baseline = concurrent.futures.ThreadPoolExecutor(1)
+    reference = baseline.submit(plain_msrun, procs, ref_dir, total, workers=2, port=free_port(),
+                                extra_args=("--dropout", "0.2"))
+    baseline.shutdown(wait=False)
     # The ranks stop 3 steps ahead of the highest they reached: a SIGTERM at step 10 stops them at
     # 13, between the interval checkpoint at 10 and the torn one at 20. Timed on the ranks' own
     # heartbeats (the agent's reports in etcd, once a second, were 4 steps late once: a stop at 20).
@@ -238,8 +249,7 @@ def test_sigterm_torn_save_and_sigkill_resume_bit_identically_with_dropout(
     assert rep4 is not None and rep4.resumed_steps == {"0": 20, "1": 20}, rep4
     assert not [n for n in os.listdir(ckpt) if ".tmp." in n or "-g000002" in n], os.listdir(ckpt)
 
-    ref_dir = os.path.join(tmp, "reference")
-    plain_msrun(procs, ref_dir, total, workers=2, port=free_port(), extra_args=("--dropout", "0.2"))
+    reference.result(timeout=600)
     ours, theirs = params(out), params(ref_dir)
     assert ours.keys() == theirs.keys()
     for k in theirs:
