@@ -41,8 +41,10 @@ MAX_BY_ONE_JOB = 2
 MISSES = 2
 #: How long a critical Xid on a GPU blames that GPU for a rank that fails on it.
 XID_BLAMES_S = 300.0
-#: The same Xid on the same GPU within this long is not written again.
-XID_REPEAT_S = 60.0
+#: The same Xid on the same GPU within this long is not written again (a storm of them is one).
+XID_REPEAT_S = 5.0
+#: How long the Xids' writes under way may take once elasticd is stopping.
+WRITES_AT_STOP_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +99,7 @@ class DeviceHealth:
         self.store, self.node_id, self.cooldown_s, self.check_rule = store, node_id, cooldown_s, check
         #: The job whose rank uses a device here ("" none).
         self.user_of = user_of
-        self._xids: dict[int, SeenXid] = {}  # GPU -> NVML's last critical Xid on it
+        self._xids: dict[int, list[SeenXid]] = {}  # GPU -> NVML's critical Xids on it, oldest first
         self._writes: set[asyncio.Future[bool]] = set()
 
     async def _records(self) -> dict[int, DeviceCordon]:
@@ -113,7 +115,8 @@ class DeviceHealth:
 
     async def _aside(self, record: DeviceCordon) -> None:
         """Write ``record``, unless the device is aside already for good (``until`` 0: an operator's,
-        a device gone), or for longer: the stronger record is kept."""
+        a device gone), or for longer: the stronger record is kept. A device aside for no job (the
+        hardware's word, an operator's) stays so for no job: no job's cap pays for it."""
         key = self.store.keys.device_cordon(self.node_id, record.device)
         kv = await self.store.get(key)
         if kv is not None:
@@ -121,6 +124,8 @@ class DeviceHealth:
                 old = DeviceCordon.from_json(kv.value)
                 if old.held(record.since) and (not old.until or (record.until and old.until >= record.until)):
                     return
+                if old.held(record.since) and not old.job:
+                    record = dataclasses.replace(record, job="")
         await self.store.put(key, record.to_json())
 
     async def _may_blame(self, job: str, device: int, now: float) -> bool:
@@ -155,38 +160,47 @@ class DeviceHealth:
         """What shows that ``job``'s rank failed for its ``device`` ("" nothing): the last line of its
         log naming a device error (``line``) once the device is set aside for it (the job's words:
         within its cap), or a critical Xid NVML reported on the device in the last
-        :data:`XID_BLAMES_S`, once it is set aside for it (and while it is: not uncordoned since)."""
+        :data:`XID_BLAMES_S` that set it aside, while it is aside (not uncordoned since; a record
+        that replaced the Xid's, the device gone, counts). Bounded: 2 s for an Xid's write under
+        way, 1.5 s to read etcd again (NVML's word stands when etcd does not answer)."""
         if line and await self.set_aside(job, device, line):
             return f"its log names it, set aside: {line}"
-        seen = self._xids.get(device)
-        if seen is None or time.time() - seen.at > XID_BLAMES_S or seen.written.cancelled() or \
-                not await asyncio.shield(seen.written):
-            return ""
-        try:
-            record = (await self._records()).get(device)
-        except (TemporaryError, PermanentError):
-            record = None  # (etcd away: NVML's word, written a moment ago, stands)
-        else:
-            if record is None or not record.held(time.time()) or not record.reason.startswith("Xid"):
+        now = time.time()
+        for seen in reversed(self._xids.get(device, [])):
+            if now - seen.at > XID_BLAMES_S:
+                break
+            done, _ = await asyncio.wait({seen.written}, timeout=2.0)
+            if seen.written.cancelled() or (done and not seen.written.result()):
+                continue  # (not written: the job's cap, etcd away for a minute)
+            at = time.strftime('%H:%M:%S', time.localtime(seen.at))
+            if not done:
+                return f"NVML reported Xid {seen.xid} on it at {at} (being set aside: etcd is slow)"
+            try:
+                record = (await asyncio.wait_for(self._records(), 1.5)).get(device)
+            except (TemporaryError, PermanentError, asyncio.TimeoutError):
+                return f"NVML reported Xid {seen.xid} on it at {at}, set aside"
+            if record is None or not record.held(time.time()):
                 return ""  # (uncordoned since)
-        return f"NVML reported Xid {seen.xid} on it at {time.strftime('%H:%M:%S', time.localtime(seen.at))}, set aside"
+            return f"NVML reported Xid {seen.xid} on it at {at}, set aside"
+        return ""
 
     async def xid(self, device: int, xid: int) -> None:
         """NVML reported critical Xid ``xid`` on GPU ``device``: set it aside (``device_cooldown_s``;
         its check runs before a generation uses it again), in the background (a rank failing
         meanwhile waits for it in :meth:`blame`). One of :data:`mselastic.agent.xid.HARDWARE_XIDS`
         for no job; another counts against the job whose rank uses the GPU here (its cap: a job's
-        code might make the driver say so). The same GPU's Xids a minute apart are written once."""
+        code might make the driver say so). The same Xid on a GPU again within
+        :data:`XID_REPEAT_S` is not written again."""
         now = time.time()
-        last = self._xids.get(device)
-        if last is not None and now - last.at < XID_REPEAT_S and last.xid == xid:
+        seen = [x for x in self._xids.get(device, []) if now - x.at <= XID_BLAMES_S]
+        if seen and now - seen[-1].at < XID_REPEAT_S and seen[-1].xid == xid:
             log.info("GPU %d: Xid %d again", device, xid, extra=dict(node=self.node_id))
             return
         job = "" if xid in xids.HARDWARE_XIDS else self.user_of(device)
         record = DeviceCordon(self.node_id, device, f"Xid {xid} reported by NVML", now,
                               now + self.cooldown_s if self.cooldown_s else 0.0, job)
         task = asyncio.ensure_future(self._write_xid(record, xid))
-        self._xids[device] = SeenXid(now, xid, task)
+        self._xids[device] = [*seen, SeenXid(now, xid, task)]
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
@@ -290,6 +304,8 @@ class DeviceHealth:
                 if isinstance(result, Exception):
                     log.error("%s stopped: %r", what, result, extra=dict(node=self.node_id))
         finally:
+            if self._writes:  # (an Xid's record reaches etcd if it can: elasticd restarted remembers it)
+                await asyncio.wait(list(self._writes), timeout=WRITES_AT_STOP_S)
             for task in list(self._writes):
                 task.cancel()
 

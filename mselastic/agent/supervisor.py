@@ -636,7 +636,7 @@ class Generation:
                 evidence = await asyncio.wait_for(self.on_device_fault(device, line if device == mine else ""),
                                                   DEVICE_ASIDE_S)
             except (asyncio.TimeoutError, OSError, RuntimeError) as e:
-                log.error("device %d not set aside: %s", device, e, extra=self._ctx)
+                log.error("device %d not set aside: %r", device, e, extra=self._ctx)
                 continue
             if evidence:
                 self.cause, self.failed_device = FailureCause.DEVICE, device

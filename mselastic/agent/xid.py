@@ -42,6 +42,15 @@ class Ended(Exception):
     """The reading of NVML's events ended (why); it starts again after a while."""
 
 
+class Lasted(Exception):
+    """The reading of NVML's events ended after it had read for :data:`LASTED_S` (why): it starts
+    again after a second, the backoff over."""
+
+
+#: A reading that read this long before it ended starts the backoff over.
+LASTED_S = 60.0
+
+
 def read_events(nvml: ModuleType, ids: tuple[int, ...], emit: Callable[[int, int], None],
                 stopped: threading.Event, ready: Callable[[list[int], dict[int, str]], None]) -> None:
     """In a thread of its own, until ``stopped``: register the critical Xid events of the GPUs
@@ -87,7 +96,7 @@ async def watch(kind: str, ids: tuple[int, ...], on_xid: Callable[[int, int], Aw
     """Until ``stop``: ``on_xid(gpu, xid)`` for each critical Xid NVML reports on one of ``ids``
     (a node of ``kind`` gpu), the application Xids left out. Returns at once where there is no NVML
     (no nvidia-ml-py, no driver); NVML failing later is said, and the reading starts again (1 s,
-    doubling to a minute between tries)."""
+    doubling to a minute between tries; once a reading has lasted a minute, from 1 s again)."""
     if kind != "gpu" or not ids:
         return
     try:
@@ -101,17 +110,24 @@ async def watch(kind: str, ids: tuple[int, ...], on_xid: Callable[[int, int], Aw
         log.warning("NVML's Xid events are not read (%s); trying again in %.0fs", error,
                     state.next_action.sleep if state.next_action else 0)
 
-    with contextlib.suppress(tenacity.RetryError):
-        async for attempt in tenacity.AsyncRetrying(wait=tenacity.wait_exponential(1, max=60),
-                                                    retry=tenacity.retry_if_exception_type(Ended),
-                                                    stop=lambda _: stop.is_set(), before_sleep=said):
-            with attempt:
-                await _read(pynvml, ids, on_xid, stop)
+    while not stop.is_set():  # (a reading that lasted starts the backoff over: a new retrier)
+        with contextlib.suppress(tenacity.RetryError):
+            try:
+                async for attempt in tenacity.AsyncRetrying(wait=tenacity.wait_exponential(1, max=60),
+                                                            retry=tenacity.retry_if_exception_type(Ended),
+                                                            stop=lambda _: stop.is_set(), before_sleep=said):
+                    with attempt:
+                        await _read(pynvml, ids, on_xid, stop)
+                return  # (asked to stop, or no driver)
+            except Lasted as e:
+                log.warning("NVML's Xid events are not read (%s); trying again in 1s", e)
+                await asyncio.sleep(1)
 
 
 async def _read(nvml: ModuleType, ids: tuple[int, ...], on_xid: Callable[[int, int], Awaitable[None]],
                 stop: asyncio.Event) -> None:
-    """One reading, until ``stop`` (or no driver: returns); :class:`Ended` when NVML fails."""
+    """One reading, until ``stop`` (or no driver: returns); :class:`Ended` when NVML fails
+    (:class:`Lasted` when it had read for a while first)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[int, int] | BaseException] = asyncio.Queue()  # (GPU, Xid), or why it ended
 
@@ -130,7 +146,10 @@ async def _read(nvml: ModuleType, ids: tuple[int, ...], on_xid: Callable[[int, i
         except Exception as e:  # noqa: BLE001 - said on the loop
             put(e)
 
+    if stop.is_set():
+        return
     stopped = threading.Event()
+    started = loop.time()
     threading.Thread(target=run, name="nvml-xid", daemon=True).start()
     try:
         while not stop.is_set():
@@ -147,7 +166,8 @@ async def _read(nvml: ModuleType, ids: tuple[int, ...], on_xid: Callable[[int, i
                 if getattr(event, "value", None) in NO_DRIVER:
                     log.info("NVML's Xid events are not read here: %s (no NVIDIA driver)", event)
                     return
-                raise Ended(f"{type(event).__name__}: {event}")
+                why = f"{type(event).__name__}: {event}"
+                raise Lasted(why) if loop.time() - started >= LASTED_S else Ended(why)
             gpu, xid = event
             if gpu not in ids:
                 continue

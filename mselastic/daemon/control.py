@@ -469,16 +469,16 @@ class ControlService(pb_grpc.ControlServicer):
             status = JobStatus.from_json(kv.value)
             return status.state is JobState.STOPPED and STOPPED_NOTE not in status.message
 
+        async def noted() -> None:
+            registered = await asyncio.gather(*(self.store.get(self.store.keys.node(n)) for n in nodes))
+            if all(registered):
+                await tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(STOP_NOTE_WAIT_S),
+                                             wait=tenacity.wait_fixed(0.1), retry=tenacity.retry_if_result(bool))(unnoted)
+
         self.coordinator.wake()
         with contextlib.suppress(tenacity.RetryError, asyncio.TimeoutError, TemporaryError, PermanentError,
                                  MalformedRecord):
-            for node in nodes:
-                if await self.store.get(self.store.keys.node(node)) is None:
-                    return
-            await asyncio.wait_for(tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(STOP_NOTE_WAIT_S),
-                                                          wait=tenacity.wait_fixed(0.1),
-                                                          retry=tenacity.retry_if_result(bool))(unnoted),
-                                   STOP_NOTE_WAIT_S + 1)
+            await asyncio.wait_for(noted(), STOP_NOTE_WAIT_S + 1)
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.

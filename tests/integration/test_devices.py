@@ -248,11 +248,22 @@ def test_one_job_holds_at_most_two_devices_of_a_node_aside_and_a_stronger_cordon
         evidence = [await nvml.blame("x", 6, ""), await nvml.blame("x", 4, ""), await nvml.blame("x", 7, ""),
                     await nvml.blame("x", 7, "uncorrectable ECC error")]
         xid = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 6))).value)
-        return [results, kept, evidence, xid, await store.get(store.keys.device_cordon("n0", 4))]
+        # GPU 6 then gone from the tools (for good): still the Xid's evidence; a job's later log
+        # line about it charges no job; once uncordoned, no evidence.
+        await nvml._aside(DeviceCordon("n0", 6, "gone from nvidia-smi -L (it shows 0-5)", time.time()))
+        evidence.append(await nvml.blame("x", 6, ""))
+        await store.delete(store.keys.device_cordon("n0", 6))
+        evidence.append(await nvml.blame("x", 6, ""))
+        await nvml.xid(8, 79)
+        await nvml.blame("y", 8, "")
+        await nvml._aside(DeviceCordon("n0", 8, "job y: uncorrectable ECC error", time.time(), time.time() + 3600, "y"))
+        eight = DeviceCordon.from_json((await store.get(store.keys.device_cordon("n0", 8))).value)
+        return [results, kept, evidence, xid, await store.get(store.keys.device_cordon("n0", 4)), eight]
 
-    results, kept, evidence, xid, four = etcd._run(run)
+    results, kept, evidence, xid, four, eight = etcd._run(run)
     assert results == [True, True, False, False, True, True], results
     assert kept.until == 0 and kept.job == "" and kept.reason.startswith("gone from"), kept
-    assert evidence[0].startswith("NVML reported Xid 79 on it at ") and evidence[1:] == ["", "", ""], evidence
-    assert four is None
+    assert evidence[0].startswith("NVML reported Xid 79 on it at ") and evidence[1:4] == ["", "", ""], evidence
+    assert evidence[4] == evidence[0] and evidence[5] == "", evidence
+    assert four is None and eight.job == "" and "ECC" in eight.reason, eight
     assert xid.reason == "Xid 79 reported by NVML" and xid.job == "" and xid.until == pytest.approx(xid.since + 1800), xid

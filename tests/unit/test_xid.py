@@ -54,7 +54,8 @@ def test_critical_xids_reach_the_handler_and_a_jobs_own_faults_do_not(nvml: str)
 def test_a_gpu_that_cannot_register_is_said_and_nvml_failing_is_tried_again(
         nvml: str, caplog: pytest.LogCaptureFixture) -> None:
     """GPU 2 is not NVML's (its handle fails): the others are read. NVML then fails (GPU_IS_LOST):
-    said, and the reading starts again a second later, missing nothing."""
+    said, and the reading starts again a second later (the stand-in keeps what it has not yet
+    reported; the real NVML loses what comes meanwhile)."""
     with open(os.path.join(nvml, "gpus"), "w") as f:
         f.write("0 1 3\n")
     seen: list[tuple[int, int]] = []
