@@ -32,32 +32,9 @@ def nvml(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(tmp_path)
 
 
-def test_critical_xids_reach_the_handler_and_a_jobs_own_faults_do_not(nvml: str) -> None:
-    seen: list[tuple[int, int]] = []
-
-    async def run() -> None:
-        stop = asyncio.Event()
-
-        async def on_xid(gpu: int, code: int) -> None:
-            seen.append((gpu, code))
-            if code == 48:
-                stop.set()
-
-        with open(os.path.join(nvml, "xids"), "w") as f:  # 13, 31: a job's faults; 9: not one of ours
-            f.write("1 79\n2 13\n0 31\n9 79\n3 48\n")
-        await asyncio.wait_for(xid.watch("gpu", (0, 1, 2, 3), on_xid, stop), 10)
-
-    asyncio.run(run())
-    assert seen == [(1, 79), (3, 48)]
-
-
-def test_a_gpu_that_cannot_register_is_said_and_nvml_failing_is_tried_again(
-        nvml: str, caplog: pytest.LogCaptureFixture) -> None:
-    """GPU 2 is not NVML's (its handle fails): the others are read. NVML then fails (GPU_IS_LOST):
-    said, and the reading starts again a second later (the stand-in keeps what it has not yet
-    reported; the real NVML loses what comes meanwhile)."""
-    with open(os.path.join(nvml, "gpus"), "w") as f:
-        f.write("0 1 3\n")
+def watched(nvml: str, events: str) -> list[tuple[int, int]]:
+    """The (GPU, Xid) the watch of GPUs 0-3 hands on, the stand-in reporting ``events`` (its lines),
+    until Xid 48 comes."""
     seen: list[tuple[int, int]] = []
 
     async def run() -> None:
@@ -69,12 +46,26 @@ def test_a_gpu_that_cannot_register_is_said_and_nvml_failing_is_tried_again(
                 stop.set()
 
         with open(os.path.join(nvml, "xids"), "w") as f:
-            f.write("1 79\nlost\n3 48\n")
+            f.write(events)
         await asyncio.wait_for(xid.watch("gpu", (0, 1, 2, 3), on_xid, stop), 10)
 
+    asyncio.run(run())
+    return seen
+
+
+def test_critical_xids_reach_the_handler_and_a_jobs_own_faults_do_not(nvml: str) -> None:
+    assert watched(nvml, "1 79\n2 13\n0 31\n9 79\n3 48\n") == [(1, 79), (3, 48)]  # 13, 31: a job's; 9: not ours
+
+
+def test_a_gpu_that_cannot_register_is_said_and_nvml_failing_is_tried_again(
+        nvml: str, caplog: pytest.LogCaptureFixture) -> None:
+    """GPU 2 is not NVML's (its handle fails): the others are read. NVML then fails (GPU_IS_LOST):
+    said, and the reading starts again a second later (the stand-in keeps what it has not yet
+    reported; the real NVML loses what comes meanwhile)."""
+    with open(os.path.join(nvml, "gpus"), "w") as f:
+        f.write("0 1 3\n")
     with caplog.at_level(logging.INFO, logger="mselastic.agent.xid"):
-        asyncio.run(run())
-    assert seen == [(1, 79), (3, 48)]
+        assert watched(nvml, "1 79\nlost\n3 48\n") == [(1, 79), (3, 48)]
     assert "NVML's Xid events read for GPUs 0,1,3" in caplog.text and \
         "GPU 2: its Xid events cannot be read: NVML error 1" in caplog.text, caplog.text
     assert "NVML's Xid events are not read (NVMLError: NVML error 15); trying again in 1s" in caplog.text, caplog.text
