@@ -18,11 +18,13 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 
 from localnode import LocalNode, say, wait_for
 
 from mselastic.agent.devices import detect
+from mselastic.agent.xid import read_events
 from mselastic.core.devices import VISIBLE, format_ids
 
 #: A rank: what it was launched with, into OUT/<job>-<rank>.json; then it waits to be stopped.
@@ -48,6 +50,27 @@ def spec(path: str, name: str, script: str, out: str, ranks: int) -> str:
     return path
 
 
+def xid_events(ids: tuple[int, ...]) -> str:
+    """Which GPUs NVML gives critical Xid events for (what elasticd reads), or why none."""
+    try:
+        import pynvml
+    except ImportError:
+        return "not readable: nvidia-ml-py is not installed"
+    said: list[str] = []
+    stopped = threading.Event()
+
+    def ready(gpus: list[int], failed: dict[int, str]) -> None:
+        said.append(f"read for GPUs {format_ids(tuple(gpus)) or 'none'}"
+                    + "".join(f"; GPU {g}: {why}" for g, why in sorted(failed.items())))
+        stopped.set()
+
+    try:
+        read_events(pynvml, ids, lambda gpu, code: None, stopped, ready)
+    except pynvml.NVMLError as e:
+        return f"not readable: {e}"
+    return said[0] if said else "not readable"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default="", help="folder for elasticd and the ranks' records (default: a new one)")
@@ -57,6 +80,8 @@ def main() -> int:
         print("RESULT no devices: neither nvidia-smi -L nor /dev/davinci* shows any on this node", file=sys.stderr)
         return 2
     say(f"detected {kind} devices {format_ids(ids)} ({how}); visible-devices variable {VISIBLE[kind]}")
+    if kind == "gpu":
+        say(f"NVML's Xid events: {xid_events(ids)}")
     per_job = max(1, len(ids) // 2)
     jobs = ["check-a", "check-b"] if len(ids) >= 2 else ["check-a"]
     work = a.work or tempfile.mkdtemp(prefix="mselastic-device-check-")
