@@ -4,9 +4,10 @@ failure is reported, so that the relaunch the leader plans leaves that device ou
 keeps serving with the others. The log is the job's own words: one job may hold at most
 :data:`MAX_BY_ONE_JOB` devices of a node aside at once, counted from etcd's records (past that, its
 failures stay its ranks'), so that a job cannot take a node's devices from the others by writing
-such lines. A
-device that the node's tools stop showing while elasticd runs (:meth:`DeviceHealth.watch`) is set
-aside until an operator puts it back. A device check (``device_check``, a short command run with
+such lines. A device that the node's tools stop showing while elasticd runs
+(:meth:`DeviceHealth.watch`) is set aside until an operator puts it back; a GPU NVML reports a
+critical Xid on (:mod:`mselastic.agent.xid`) for ``device_cooldown_s``. :func:`evidence` says which
+device a failure is, if any. A device check (``device_check``, a short command run with
 the visible-devices variable naming one device) runs before a generation uses a device that was
 set aside (or every generation's devices, ``device_check_every_generation``); a device that fails
 it is set aside again, and the launch fails with cause DEVICE (the node not blamed). Before a
@@ -21,15 +22,16 @@ import logging
 import os
 import signal
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import tenacity
 
 from mselastic.agent import devices as inventory
 from mselastic.agent import xid as xids
 from mselastic.agent.cgroups import Group, join_prefix
+from mselastic.agent.jobfiles import bounded, read_tail
 from mselastic.agent.users import WorkerUser, inherited_env, setpriv
-from mselastic.core.devices import format_ids, visible_env
+from mselastic.core.devices import LOG_TAIL_BYTES, device_error, format_ids, visible_env
 from mselastic.core.model import DeviceCordon, MalformedRecord, Member
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 MAX_BY_ONE_JOB = 2
 #: Looks in a row a device must be missing from the node's tools before it is set aside.
 MISSES = 2
+#: How long setting a failed rank's device aside may hold the failure's report (an etcd write).
+DEVICE_ASIDE_S = 5.0
 #: How long a critical Xid on a GPU blames that GPU for a rank that fails on it.
 XID_BLAMES_S = 300.0
 #: The same Xid on the same GPU within this long is not written again (a storm of them is one).
@@ -54,6 +58,32 @@ class SeenXid:
     at: float
     xid: int
     written: asyncio.Future[bool]
+
+
+async def evidence(blame: Callable[[int, str], Awaitable[str]], member: Member, index: int, log_path: str,
+                   ctx: dict[str, object]) -> tuple[int, str, str]:
+    """Ranks of ``member`` failed (the ``index``-th of its local ranks first, whose log is
+    ``log_path``: -1, none of them): (the device that shows it failed, whose it is, why) or
+    (-1, "", ""). The failed rank's own device first: the last line at the end of its log that
+    names a device error (see core.devices.device_error); then every device of the member, by what
+    ``blame`` (:meth:`DeviceHealth.blame`, bound to the job) says, :data:`DEVICE_ASIDE_S` each."""
+    mine, line = (member.devices[index] if 0 <= index < len(member.devices) else -1), ""
+    if mine >= 0:
+        try:  # (the job's file: read as jobfiles reads them)
+            line = device_error((await bounded(read_tail, log_path, LOG_TAIL_BYTES)).decode(errors="replace"))
+        except OSError as e:
+            log.debug("%s not read for a device error: %s", log_path, e, extra=ctx)
+        if line:
+            log.warning("the failed rank's log names its device %s %d: %s", member.device_kind, mine, line, extra=ctx)
+    for device in sorted(member.devices, key=lambda d: d != mine):
+        try:
+            why = await asyncio.wait_for(blame(device, line if device == mine else ""), DEVICE_ASIDE_S)
+        except (asyncio.TimeoutError, OSError, RuntimeError) as e:
+            log.error("device %d not set aside: %r", device, e, extra=ctx)
+            continue
+        if why:
+            return device, "its device" if device == mine else "a device of this member", why
+    return -1, "", ""
 
 
 def unfit(member: Member, kind: str, ids: tuple[int, ...], running: dict[str, tuple[int, ...]]) -> tuple[bool, str]:

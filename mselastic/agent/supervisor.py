@@ -28,7 +28,8 @@ from mselastic import metrics
 from mselastic.agent import observe, procs, ranks as rank_rules, verdict
 from mselastic.agent.beats import BeatSocket, Senders
 from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
-from mselastic.agent.jobfiles import Unreadable, bounded, read_tail
+from mselastic.agent.device_health import evidence
+from mselastic.agent.jobfiles import Unreadable, bounded
 from mselastic.agent.launch import MSRUN, Launch, Path
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
 from mselastic.agent.preflight import LaunchError, port_free, preflight
@@ -39,7 +40,6 @@ from mselastic.agent.stop import signal_ranks, write_stop_step
 from mselastic.agent.users import WorkerUser
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
-from mselastic.core.devices import LOG_TAIL_BYTES, device_error
 from mselastic.core.model import GenerationReport, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, check_generation_transition
@@ -54,8 +54,6 @@ NUDGE_AFTER_S = 0.1
 #: How long a launch's checks (:func:`preflight`: files on shared storage, the worker user's probes)
 #: may take before the launch fails on this node (at most a third of the job's startup_timeout_s).
 PREFLIGHT_S = 60.0
-#: How long setting a failed device aside may hold the failure's report (an etcd write).
-DEVICE_ASIDE_S = 5.0
 
 #: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
 #: reaches a rank busy in a step; a fast job makes several steps meanwhile).
@@ -614,35 +612,17 @@ class Generation:
         return False
 
     async def _blame_device(self, rank: int) -> None:
-        """Ranks failed: when the end of the failed rank's log names its device (see
-        core.devices.device_error), or NVML reported a critical Xid on one of this member's devices
-        (a rank on it hangs, or a peer exits first), the failure is that device's (cause DEVICE, the
-        node not blamed), set aside first (see agent.device_health's blame)."""
+        """Ranks failed: when a device of this member shows it failed (see
+        agent.device_health.evidence), the failure is that device's (cause DEVICE, the node not
+        blamed), set aside first."""
         if self.on_device_fault is None or not self.member.devices:
             return
-        index = rank - self.first_rank
-        mine, line = (self.member.devices[index] if 0 <= index < len(self.member.devices) else -1), ""
-        if mine >= 0:
-            path = os.path.join(self.log_dir, f"worker_{rank}.log")
-            try:  # (the job's file: read as jobfiles reads them)
-                line = device_error((await bounded(read_tail, path, LOG_TAIL_BYTES)).decode(errors="replace"))
-            except OSError as e:
-                log.debug("rank %d's log not read for a device error: %s", rank, e, extra=self._ctx)
-            if line:
-                log.warning("rank %d's log names its device %s %d: %s", rank, self.member.device_kind, mine, line,
-                            extra={**self._ctx, "rank": rank})
-        for device in sorted(self.member.devices, key=lambda d: d != mine):  # (the failed rank's first)
-            try:
-                evidence = await asyncio.wait_for(self.on_device_fault(device, line if device == mine else ""),
-                                                  DEVICE_ASIDE_S)
-            except (asyncio.TimeoutError, OSError, RuntimeError) as e:
-                log.error("device %d not set aside: %r", device, e, extra=self._ctx)
-                continue
-            if evidence:
-                self.cause, self.failed_device = FailureCause.DEVICE, device
-                whose = "its device" if device == mine else "a device of this member"
-                self.reason += f"; {whose}, {self.member.device_kind} {device}: {evidence}"
-                return
+        device, whose, why = await evidence(self.on_device_fault, self.member, rank - self.first_rank,
+                                            os.path.join(self.log_dir, f"worker_{rank}.log"),
+                                            {**self._ctx, "rank": rank})
+        if why:
+            self.cause, self.failed_device = FailureCause.DEVICE, device
+            self.reason += f"; {whose}, {self.member.device_kind} {device}: {why}"
 
     def _oom_note(self) -> str:
         """What the failure's reason adds when the OOM killer ended processes of this generation (the
