@@ -202,16 +202,17 @@ class DeviceHealth:
             done, _ = await asyncio.wait({seen.written}, timeout=2.0)
             if seen.written.cancelled() or (done and not seen.written.result()):
                 continue  # (not written: the job's cap, etcd away for a minute)
-            at = time.strftime('%H:%M:%S', time.localtime(seen.at))
+            said = f"NVML reported Xid {seen.xid} on it at {time.strftime('%H:%M:%S', time.localtime(seen.at))}"
             if not done:
-                return f"NVML reported Xid {seen.xid} on it at {at} (being set aside: etcd is slow)"
+                return f"{said} (being set aside: etcd is slow)"
             try:
                 record = (await asyncio.wait_for(self._records(), 1.5)).get(device)
             except (TemporaryError, PermanentError, asyncio.TimeoutError):
-                return f"NVML reported Xid {seen.xid} on it at {at}, set aside"
-            if record is None or not record.held(time.time()):
-                return ""  # (uncordoned since)
-            return f"NVML reported Xid {seen.xid} on it at {at}, set aside"
+                pass  # (etcd away: NVML's word stands)
+            else:
+                if record is None or not record.held(time.time()):
+                    return ""  # (uncordoned since)
+            return f"{said}, set aside"
         return ""
 
     async def xid(self, device: int, xid: int) -> None:
