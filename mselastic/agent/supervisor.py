@@ -291,8 +291,9 @@ class Generation:
         member, or one this agent chooses when every rank is its own (else none: the ranks agree
         at their backstop). They checkpoint there and exit with the planned-exit code. msrun
         itself must not get it (it has no handler and dies; its workers die with it, unsaved).
-        Whatever is left after the grace period is killed; with no step named it counts from
-        the backstop step the ranks can next agree at (at the measured step rate).
+        Whatever is left after the grace period is killed; it counts from the step they stop at
+        (the one named, else the backstop they can next agree at), reached at the measured step
+        rate: on a busy node the steps to it may take longer than the grace itself.
         """
         self._begin_stop()
         if now:
@@ -303,9 +304,7 @@ class Generation:
                     stop_at = self.next_stop_step()
                 if stop_at > 0:
                     self.plan_stop(stop_at)
-            rate = self.steps_per_s()
-            if not self.stop_at and rate > 0:
-                grace_s += self.spec.stop_check_interval_steps / rate
+            grace_s += self._steps_to_go_s()
             await self._ask_ranks_to_stop(grace_s)
         elif not now and not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
             await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
@@ -330,6 +329,18 @@ class Generation:
         if left:
             log.error("processes left after stop: %s", left, extra=self._ctx)
         return left
+
+    def _steps_to_go_s(self) -> float:
+        """How long the ranks need, at their measured rate, to reach the step they stop at (the one
+        named, else their backstop), on top of the grace: the grace is for the checkpoint and the
+        exit, however slow the steps on a busy node (0.0 before the rate is known)."""
+        rate = self.steps_per_s()
+        if rate <= 0:
+            return 0.0
+        if not self.stop_at:
+            return self.spec.stop_check_interval_steps / rate
+        top = max((rs.step for rs in self.ranks.values()), default=self.stop_at)
+        return max(0, self.stop_at - top) / rate
 
     def steps_per_s(self) -> float:
         """The highest local rank's step rate over its last few steps (0.0 before two steps)."""

@@ -102,7 +102,8 @@ class JobSpec:
     hang_timeout_s: float = 60.0
     #: A rank that has not sent its first heartbeat after this long is declared hung.
     startup_timeout_s: float = 180.0
-    #: SIGTERM -> SIGKILL grace period when a generation is stopped.
+    #: SIGTERM -> SIGKILL grace period when a generation is stopped; for a planned stop, on top of
+    #: the time the ranks take to reach the step they stop at (at their measured step rate).
     stop_grace_period_s: float = 10.0
     #: Memory the job's processes may use on each node, in MiB (0: the node's job_memory_limit_mb,
     #: which is also the most a job gets). Past it the kernel's OOM killer ends one of them.
