@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-#: Every job's events are pruned to ``keep_events`` when this leader first sees the job and then
-#: this often (and every 100 progress events), whatever wrote them.
+#: Every job's events are pruned to ``keep_events`` when a term of this leader first sees the job
+#: and then this often (and every 100 progress events), whatever wrote them.
 PRUNE_EVERY_S = 300.0
 
 
@@ -35,6 +35,8 @@ class JobMemo:
     first_step: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def new_term(self) -> None:
+        # (A prune cut short by the end of the last term, deposed mid-way, is done again at once.)
+        self.pruned_at = -PRUNE_EVERY_S
         self.anchors.clear()
         self.relaunched.clear()
         self.first_step.clear()
