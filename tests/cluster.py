@@ -13,12 +13,15 @@ Everything is torn down at the end, pass or fail: processes (through the test's
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import uuid
+from typing import Iterator
 
 from mselastic.store.embedded import EmbeddedEtcd
 from tests.harness import VENV_BIN, Etcd, Processes, elasticd_cmd, wait_for
@@ -56,6 +59,18 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+#: Held while a cluster picks its subnet and puts its bridge's address on it: clusters of tests side
+#: by side (pytest-xdist workers, a bench beside the suite) never pick the same one.
+SUBNET_LOCK = "/run/lock/mselastic-test-subnets.lock" if os.path.isdir("/run/lock") else "/tmp/mselastic-test-subnets.lock"
+
+
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    with open(SUBNET_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _free_subnet() -> int:
     used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
     for n in range(10, 250):
@@ -73,7 +88,7 @@ class Cluster:
         #: Nodes started from now on keep standby workers (see tests.harness.elasticd_cmd).
         self.warm = False
         self.id = uuid.uuid4().hex[:4]
-        self.subnet = _free_subnet()
+        self.subnet = 0  # (10.213.<subnet>.0/24, picked by up())
         self.bridge = f"msb{self.id}"
         self.nodes: dict[int, str] = {}  # index -> netns name
         self.daemons: dict[int, subprocess.Popen[bytes]] = {}
@@ -109,7 +124,9 @@ class Cluster:
 
     def up(self, n_nodes: int, etcd_members: int = 1) -> "Cluster":
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        with _subnet_lock():  # (taken once the bridge has its address)
+            self.subnet = _free_subnet()
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i in range(n_nodes):
             ns = f"msn{self.id}{i}"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -37,12 +37,78 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
 
 _IMAGE_BUILD: list[subprocess.Popen[bytes]] = []
 
+# -- Side by side ----------------------------------------------------------------------------------
+# `make test` runs the suite on several pytest-xdist workers (`-n`). What keeps two tests apart: a
+# key namespace and an etcd server per worker (session fixtures are per worker), folders under each
+# worker's own tmp_path, free ports, a cluster's subnet reserved under a lock (tests/cluster.py),
+# cgroups and snapshot folders named by the namespace (elasticd's own rule for several elasticds of
+# one node id on a machine), and a marker per test for its processes. Tests that share a
+# module-scoped fixture and run in file order against it go to one worker (ONE_WORKER: a unit of
+# the queue). Workers take the units in the queue's order, the longest first (QUEUE_FIRST), so that
+# none is left to start alone at the end: xdist hands a worker its next unit as it runs out.
+# (xdist's own `xdist_group` marks do nothing under pytest 9.2, which no longer reads the
+# `_nodeid` they rewrite: the units are this file's, through xdist's scheduler hook.)
+
+#: Tests that must run on one worker, in file order, and what they share.
+ONE_WORKER = {
+    "tests/integration/test_operator.py": "the module's one job, which the tests act on in turn",
+    "tests/integration/test_systemd.py": "the module's booted container (and the wheel built in the checkout)",
+    "tests/integration/test_trainer_api.py::test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy":
+        "the module's uninterrupted baseline, run once",
+}
+
+#: Modules in the order their tests are queued (the longest single tests and units first, from
+#: `--durations`); modules not named come after these, the unit tests last.
+QUEUE_FIRST = ("test_elastic", "test_trainer_api", "test_faults", "test_operator", "test_systemd", "test_cluster",
+               "test_split_brain", "test_e2e", "test_readme", "test_containment", "test_control_plane", "test_ctl",
+               "test_devices", "test_snapshots", "test_warm", "test_service")
+
+
+def _queue_rank(item: pytest.Item) -> tuple[int, int]:
+    module = item.nodeid.split("::", 1)[0]
+    name = os.path.splitext(os.path.basename(module))[0]
+    if module.startswith("tests/unit/"):
+        return (2, 0)
+    return (0, QUEUE_FIRST.index(name)) if name in QUEUE_FIRST else (1, 0)
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of the queue a test belongs to: its ONE_WORKER entry, else itself."""
+    base = nodeid.split("[", 1)[0]
+    return next((k for k in ONE_WORKER if base == k or base.startswith(k + "::")), nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling over our units, in the queue's order (not reordered by size)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return Units(config, log)
+
+
+def _worker(config: pytest.Config) -> str:
+    """This process's xdist worker id ("gw0", ...); "" in the controller or without xdist."""
+    return str(getattr(config, "workerinput", {}).get("workerid", ""))
+
+
+def _side_by_side(config: pytest.Config) -> bool:
+    """Whether this is the controller of workers (pytest -n N, N > 0)."""
+    return not _worker(config) and bool(getattr(config.option, "numprocesses", 0))
+
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """When systemd tests will run and their image is not built yet: build it in the background
-    now, at the lowest CPU and I/O priority (see :mod:`tests.systemd_image`)."""
+    """The queue's order (see above; a stable sort, identical on every worker as xdist requires).
+    When systemd tests will run and their image is not built yet: build it in the background
+    now, at the lowest CPU and I/O priority (see :mod:`tests.systemd_image`), from one process."""
     from tests import systemd_image
 
+    items.sort(key=_queue_rank)
+    if _worker(config) not in ("", "gw0"):
+        return
     if not any(item.nodeid.startswith("tests/integration/test_systemd.py") for item in items):
         return
     if systemd_image.cannot_boot() or systemd_image.ready():
@@ -54,11 +120,18 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             cwd=systemd_image.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _side_by_side(session.config):  # (the workers' tests run as nobody while any worker runs)
+        _PASSABLE.extend(_make_passable())
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for p in _IMAGE_BUILD:  # (still building: the session ended before the systemd tests)
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    if _side_by_side(session.config):
+        _restore_modes(_PASSABLE)
 
 
 @pytest.fixture(scope="session")
@@ -130,11 +203,13 @@ def shared_tmp() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def python_for_nobody() -> Iterator[None]:
-    """Tests that run something as nobody need this venv's Python within its reach, and a
-    pyenv under /root (mode 0700) is not: the folders on the way get o+x (others may pass, not
-    list) for the session, and their modes back afterwards, pass or fail."""
+#: The folders made passable for the whole run by the controller of the workers (see below).
+_PASSABLE: list[tuple[str, int]] = []
+
+
+def _make_passable() -> list[tuple[str, int]]:
+    """o+x (others may pass, not list) on the folders above this venv's Python that lack it;
+    returns them with their modes as they were."""
     changed: list[tuple[str, int]] = []
     for start in (os.path.realpath(sys.executable), os.path.realpath(os.path.dirname(sys.executable))):
         d = os.path.dirname(start)
@@ -148,8 +223,27 @@ def python_for_nobody() -> Iterator[None]:
             d = os.path.dirname(d)
     if changed:
         print("made passable for the session:", ", ".join(d for d, _ in changed))
+    return changed
+
+
+def _restore_modes(changed: list[tuple[str, int]]) -> None:
+    for d, mode in reversed(changed):
+        os.chmod(d, mode)
+    changed.clear()
+
+
+@pytest.fixture(scope="session")
+def python_for_nobody(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that run something as nobody need this venv's Python within its reach, and a
+    pyenv under /root (mode 0700) is not: the folders on the way get o+x (others may pass, not
+    list) for the session, and their modes back afterwards, pass or fail. Side by side, the
+    controller does it for the whole run (a worker that finished must not take it from another's
+    test)."""
+    if _worker(request.config):
+        yield
+        return
+    changed = _make_passable()
     try:
         yield
     finally:
-        for d, mode in reversed(changed):
-            os.chmod(d, mode)
+        _restore_modes(changed)

@@ -309,6 +309,22 @@ def agent_status(endpoint: str) -> Any:
         return pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5)
 
 
+def jobs_answer_s(endpoint: str) -> float:
+    """How long elasticd at ``endpoint`` (its local socket) takes to answer the ``Control.Status``
+    call behind ``elasticctl jobs``, on a channel already connected: elasticd's own latency,
+    without a client process's start-up (which is the machine's speed, not elasticd's, and several
+    times longer on a busy machine)."""
+    import grpc
+
+    from mselastic.v1 import elastic_pb2 as pb
+    from mselastic.v1 import elastic_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(endpoint) as ch:
+        grpc.channel_ready_future(ch).result(timeout=10)
+        t0 = time.monotonic()
+        pb_grpc.ControlStub(ch).Status(pb.StatusRequest(), timeout=30)
+        return time.monotonic() - t0
+
+
 def rank_steps(endpoint: str, generation: int, job: str = "lenet") -> dict[int, int]:
     """rank -> step of the ranks of ``job``'s ``generation`` on the node at ``endpoint``, as their
     last heartbeats told its agent (each step: the ranks' own progress, unlike the reports in etcd,

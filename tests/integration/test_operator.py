@@ -29,6 +29,7 @@ from mselastic.core.states import JobState
 from mselastic.store.embedded import EmbeddedEtcd, free_port
 from tests.harness import DATA_DIR, VENV_BIN, Etcd, Processes, elasticctl, lenet_spec, start_node, wait_for
 
+# (The tests run in file order against the module's one job, on one worker: tests/conftest.py, ONE_WORKER.)
 pytestmark = pytest.mark.slow
 JOB, TOTAL = "lenet", 60
 

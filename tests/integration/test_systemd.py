@@ -26,6 +26,7 @@ from tests.systemd_container import VENV, Container, cannot_boot, image, wheel
 
 WHY_NOT = cannot_boot()
 # The first test also builds the image on a fresh checkout (~2 min): more than the suite's 300 s.
+# (One worker boots the module's container and runs its tests in order: tests/conftest.py, ONE_WORKER.)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.skipif(bool(WHY_NOT) and not os.environ.get("CI"),
                                                    reason=f"no systemd container here: {WHY_NOT}")]
 UNIT = "elasticd.service"
