@@ -98,8 +98,8 @@ class Decision:
 def master_port(job: str, generation: int, previous: int | None, ports: PortRange, salt: int = 0) -> int:
     """A per-generation port: spread by a hash, never the previous generation's.
 
-    ``salt`` (the coordinator passes the etcd revision it decided at) keeps two
-    clusters on one host from choosing the same port for a job of the same name.
+    ``salt`` (the coordinator passes the etcd revision it decided at, mixed with its namespace)
+    keeps two clusters on one host from choosing the same port for a job of the same name.
     """
     port = ports.start + zlib.crc32(f"{job}/{generation}/{salt}".encode()) % ports.span
     if port == previous:
@@ -123,7 +123,7 @@ def make_plan(
 ) -> Plan:
     members = tuple(
         Member(node_id=n.node_id, node_rank=i, local_workers=spec.workers_per_node,
-               agent_address=n.agent_address, host=n.host)
+               agent_address=n.agent_address, host=n.host, lease_ttl_s=n.lease_ttl_s)
         for i, n in enumerate(nodes)
     )
     return Plan(

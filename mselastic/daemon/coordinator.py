@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import zlib
 from typing import Awaitable
 
 from mselastic import metrics
@@ -302,6 +303,14 @@ class Coordinator:
     def _not_inflight(self, job: str) -> None:
         self._inflight.pop(job, None)
 
+    def _port_salt(self, revision: int) -> int:
+        """What varies a generation's master port besides its job and number: the etcd revision the
+        pass read, and this cluster's namespace. Two clusters on one host (namespaces of one etcd,
+        or etcds of their own at the same revision: test clusters side by side did so) would
+        otherwise give a job of the same name the same port, and one's ranks register with the
+        other's scheduler ("Repeated registration node")."""
+        return revision ^ (zlib.crc32(self.store.keys.namespace.encode()) << 32)
+
     def _memo(self, job: str) -> JobMemo:
         return self._memos.setdefault(job, JobMemo())
 
@@ -341,7 +350,7 @@ class Coordinator:
         def plan_with(free_slots: dict[str, int], why: str) -> Decision:
             assert view.spec is not None
             return decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
-                          self.cfg.ports, salt=cluster.revision, now=now, status=view.status,
+                          self.cfg.ports, salt=self._port_salt(cluster.revision), now=now, status=view.status,
                           free_slots=free_slots, busy=why, may_grow=may_grow or view.name in self._queued)
 
         decision = plan_with(free, busy)
