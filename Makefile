@@ -55,7 +55,7 @@ test: systemd-tools etcd-server
 # paced jobs, MindSpore's start-up), so more workers than cores; `make test TEST_WORKERS=0` runs it
 # in one process.
 TEST_WORKERS ?= 4
-SIDE_BY_SIDE := -n $(TEST_WORKERS) --dist loadgroup
+SIDE_BY_SIDE := -n $(TEST_WORKERS)
 
 # What the compatibility run on the wheel's etcd covers: the store, leases, the election, every
 # transaction and watch elasticd makes (test_store.py). etcd's own faults (a member frozen, then
