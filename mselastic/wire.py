@@ -20,7 +20,7 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         stop_previous_at_step=plan.stop_previous_at_step,
         members=[pb.Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                            agent_address=m.agent_address, host=m.host, devices=m.devices,
-                           device_kind=m.device_kind) for m in plan.members])
+                           device_kind=m.device_kind, lease_ttl_s=m.lease_ttl_s) for m in plan.members])
 
 
 def plan_from_pb(msg: pb.Plan) -> Plan:
@@ -31,7 +31,7 @@ def plan_from_pb(msg: pb.Plan) -> Plan:
         if msg.kind else RelaunchReason.INITIAL, stop_previous_at_step=msg.stop_previous_at_step,
         members=tuple(Member(node_id=m.node_id, node_rank=m.node_rank, local_workers=m.local_workers,
                              agent_address=m.agent_address, host=m.host, devices=tuple(m.devices),
-                             device_kind=m.device_kind) for m in msg.members))
+                             device_kind=m.device_kind, lease_ttl_s=m.lease_ttl_s) for m in msg.members))
 
 
 def failure_cause_to_pb(cause: FailureCause) -> pb.FailureCause:

@@ -387,7 +387,7 @@ class NodeAgent:
     def _record(self) -> NodeRecord:
         return NodeRecord(node_id=self.cfg.node_id, agent_address=self.cfg.agent_address, host=self.cfg.host,
                           slots=self.cfg.slots, version=__version__, device_kind=self.cfg.device_kind,
-                          devices=self.cfg.devices)
+                          devices=self.cfg.devices, lease_ttl_s=self.cfg.lease_ttl_s)
 
     async def _register(self, lease: KeptLease, stop: asyncio.Event, fencing_by: KeptLease | None = None) -> None:
         """Register the node id under our lease, if it is free (create-if-absent); meanwhile,

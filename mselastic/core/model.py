@@ -118,6 +118,10 @@ class NodeRecord:
     #: the ids a plan may use; with devices, ``slots`` is their number.
     device_kind: str = ""
     devices: tuple[int, ...] = ()
+    #: Its registration lease TTL (its own ``lease_ttl_s``): its fencing deadline follows it, not the
+    #: leader's (a config rollout half done, a site's choice). 0: not said (a node of an earlier
+    #: release): a leader counts its own.
+    lease_ttl_s: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +148,9 @@ class Member:
     #: node's); () and "" on a node without devices (see mselastic.core.devices).
     devices: tuple[int, ...] = ()
     device_kind: str = ""
+    #: Its node's lease TTL when the plan was made (NodeRecord.lease_ttl_s; 0: not said): how long a
+    #: leader waits for it to have fenced itself once its registration is gone.
+    lease_ttl_s: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

@@ -100,7 +100,7 @@ JOB_STATE_FAILED: JobState
 JOB_STATE_STOPPED: JobState
 
 class Member(_message.Message):
-    __slots__ = ("node_id", "node_rank", "local_workers", "agent_address", "host", "devices", "device_kind")
+    __slots__ = ("node_id", "node_rank", "local_workers", "agent_address", "host", "devices", "device_kind", "lease_ttl_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Member(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_rank: int
     local_workers: int
@@ -115,7 +116,8 @@ class Member(_message.Message):
     host: str
     devices: _containers.RepeatedScalarFieldContainer[int]
     device_kind: str
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_workers: _Optional[int] = ..., agent_address: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., device_kind: _Optional[str] = ...) -> None: ...
+    lease_ttl_s: int
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., local_workers: _Optional[int] = ..., agent_address: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., device_kind: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("job", "generation", "members", "world_size", "master_addr", "master_port", "restart_count", "reason", "planned", "kind", "stop_previous_at_step")
@@ -292,7 +294,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., detected_at: _Optional[float] = ..., recover_s: _Optional[float] = ..., cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs", "used_slots", "device_kind", "devices")
+    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs", "used_slots", "device_kind", "devices", "lease_ttl_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +306,7 @@ class NodeInfo(_message.Message):
     USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_address: str
     slots: int
@@ -315,7 +318,8 @@ class NodeInfo(_message.Message):
     used_slots: int
     device_kind: str
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
-    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ..., used_slots: _Optional[int] = ..., device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+    lease_ttl_s: int
+    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ..., used_slots: _Optional[int] = ..., device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("id", "job", "rank", "unhealthy", "unhealthy_since", "unhealthy_until")

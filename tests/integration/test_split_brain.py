@@ -15,7 +15,7 @@ import pytest
 
 from mselastic.core import fencing
 from mselastic.core.contract import ENV_RUN_ID
-from mselastic.core.model import Event
+from mselastic.core.model import Event, NodeRecord
 from mselastic.core.states import JobState
 from tests.cluster import Cluster, ClusterFault
 from tests.harness import (DATA_DIR, LENET, REPO, TEST_MARK, Pace, Sampler, check_history, elasticctl, lenet_spec,
@@ -47,33 +47,36 @@ def first(sampler: Sampler, since: float, fn) -> float:  # type: ignore[no-untyp
     return next((t - since for t, s in sampler.samples if t >= since and fn(s)), float("nan"))
 
 
-def submit(cluster: Cluster, pace: Pace, deaf_to_term: bool = False) -> None:
+def submit(cluster: Cluster, pace: Pace, deaf_to_term: bool = False, total: int = 60) -> None:
     """``deaf_to_term``: rank 0 ignores SIGTERM (tests/linger.py), so a planned stop leaves it
     training until the grace is over."""
     out = os.path.join(cluster.tmp, "out")
     args = ["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", *pace.args]
     extra: dict[str, object] = dict(script=LINGER, args=[LENET, *args], env={"MSELASTIC_TEST_DEAF_TO_TERM": "0"}) \
         if deaf_to_term else {}
-    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), 60,
+    spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, out, os.path.join(cluster.tmp, "ckpt"), total,
                       workers=2, min_nodes=1, max_nodes=1, **{"args": args, **extra})
     r = elasticctl("submit", spec, endpoint=cluster.endpoint(0))
     assert r.returncode == 0, r.stderr
 
 
 def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule,  # type: ignore[no-untyped-def]
-                deaf_to_term: bool = False) -> None:
+                deaf_to_term: bool = False, ttl_s: float = 0, total: int = 60, step_sleep_s: float = 0.3) -> None:
     """The job on ``job_node``, ``cut()`` made after step 10: never two generations with live
     workers; the job's workers gone and a new generation's first step elsewhere within the
-    documented bound, its event naming the ``rule`` that let the leader replace ``job_node``;
-    then ``heal()``, and the job ends SUCCEEDED with an intact history."""
+    documented bound (for the longest lease TTL in play, ``ttl_s``: the cluster's by default),
+    its event naming the ``rule`` that let the leader replace ``job_node``; then ``heal()``, and
+    the job ends SUCCEEDED with an intact history (``total`` steps, each paced at
+    ``step_sleep_s`` until then)."""
     etcd = cluster.etcd
     assert etcd is not None
-    pace = Pace(cluster.tmp, 0.3)
-    submit(cluster, pace, deaf_to_term)
+    ttl_s = ttl_s or cluster.lease_ttl_s
+    pace = Pace(cluster.tmp, step_sleep_s)
+    submit(cluster, pace, deaf_to_term, total)
     plan1 = wait_for("generation 1", lambda: etcd.plan(JOB), 30)
     assert [m.node_id for m in plan1.members] == [job_node]
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, job_node)) and r.step >= 10, 180, 0.2)
-    bound = 2 * cluster.lease_ttl_s + fencing.fenced_within(cluster.lease_ttl_s) + 30  # (+ a cold launch)
+    bound = 2 * ttl_s + fencing.fenced_within(ttl_s) + 30  # (+ a cold launch)
     with Sampler(lambda: live_generations(cluster.procs.mark)) as sampler:
         time.sleep(0.5)
         still_running(etcd, JOB, "the cut")
@@ -98,7 +101,7 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule, 
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
     # (A member cut off may have trained past what its reports in etcd say.)
-    check_history(etcd, JOB, 60, trained={1: trained_steps(os.path.join(cluster.tmp, "out"), 1)})
+    check_history(etcd, JOB, total, trained={1: trained_steps(os.path.join(cluster.tmp, "out"), 1)})
     events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
     relaunch = next(e.message for e in events if e.kind == "generation" and e.generation == p2.generation)
     assert f"{job_node}: {rule.value}" in relaunch, relaunch
@@ -174,3 +177,39 @@ def test_a_job_node_that_can_send_to_etcd_but_not_hear_from_it(cluster: Cluster)
     cluster.start_nodes(1, 2, slots=2)
     partitioned(cluster, "n1", lambda: cluster.inject(ClusterFault.DEAF_TO_ETCD, 1),
                 lambda: cluster.inject(ClusterFault.RECONNECT_ETCD, 1), fencing.Rule.SAYS_STOPPED)
+
+
+def test_a_job_node_whose_lease_ttl_is_longer_than_the_leaders_trains_on_one_side_only(cluster: Cluster) -> None:
+    """The fence's numbers travel with the node (#45): n1 runs the job at lease_ttl_s = 10, the
+    leader n0 (no slots) at 3. n0 and n1 lose etcd and still reach each other; then n2 (at 3)
+    starts, reaching etcd alone: n1 never learns of it, asks n0 whether etcd is down (it is, for n0
+    too) and trains on through what looks like an outage, up to 3 x 10 s past its lease. n2 leads
+    once n0's key expires and counts n1's deadline on the 10 s n1 said in its registration: on its
+    own 3 s it would relaunch about 20 s before n1 fences (tests/unit/test_fencing.py runs that
+    mutation)."""
+    cluster.up(3)
+    cluster.start_node(0, slots=0)
+    cluster.wait_registered(0)
+    cluster.start_nodes(1, slots=2, extra=("--lease-ttl-s", "10"))
+    etcd = cluster.etcd
+    assert etcd is not None
+    said = wait_for("n1's registration", lambda: etcd.get(etcd.keys.node("n1")), 10)
+    assert NodeRecord.from_json(said).lease_ttl_s == 10
+
+    def cut() -> None:
+        for i in (0, 1):
+            cluster.inject(ClusterFault.CUT_FROM_ETCD, i)
+            cluster.cut(i, 2)
+        cluster.start_node(2, slots=2)
+
+    def heal() -> None:
+        for i in (0, 1):
+            cluster.inject(ClusterFault.RECONNECT_ETCD, i)
+            cluster.cut(i, 2, heal=True)
+
+    partitioned(cluster, "n1", cut, heal, fencing.Rule.FENCE_DEADLINE, ttl_s=10, total=160, step_sleep_s=0.5)
+    with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
+        log = f.read()
+    # (n1 trained on as through an outage, then stopped at its own deadline: 3 x 10 s past its lease.)
+    assert "etcd unreachable here; training goes on" in log, log[-2000:]
+    assert f"self-fencing: {fencing.Rule.OUTAGE_TOO_LONG.value}" in log, log[-2000:]
