@@ -45,7 +45,8 @@ _IMAGE_BUILD: list[subprocess.Popen[bytes]] = []
 # one node id on a machine), and a marker per test for its processes. Tests that share a
 # module-scoped fixture and run in file order against it go to one worker (ONE_WORKER: a unit of
 # the queue). Workers take the units in the queue's order, the longest first (QUEUE_FIRST), so that
-# none is left to start alone at the end: xdist hands a worker its next unit as it runs out.
+# none is left to start alone at the end: xdist hands each worker two units at the start, then one
+# more whenever two tests or fewer are left on it.
 # (xdist's own `xdist_group` marks do nothing under pytest 9.2, which no longer reads the
 # `_nodeid` they rewrite: the units are this file's, through xdist's scheduler hook.)
 
@@ -53,6 +54,7 @@ _IMAGE_BUILD: list[subprocess.Popen[bytes]] = []
 ONE_WORKER = {
     "tests/integration/test_operator.py": "the module's one job, which the tests act on in turn",
     "tests/integration/test_systemd.py": "the module's booted container (and the wheel built in the checkout)",
+    "tests/integration/test_readme.py": "the README's default ports (2379, 2380, 7070, 9464) and socket",
     "tests/integration/test_trainer_api.py::test_a_rank_sigkilled_and_a_world_size_change_cost_no_sample_and_no_accuracy":
         "the module's uninterrupted baseline, run once",
 }

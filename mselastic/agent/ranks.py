@@ -102,6 +102,19 @@ def steps_per_s(progress: list[tuple[float, int]]) -> float:
     return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+def steps_to_go_s(stop_at: int, steps: Iterable[int], rate: float, backstop_steps: int, most_s: float) -> float:
+    """How long ranks at ``steps`` (-1: not said) take at ``rate`` to reach the step they stop at:
+    ``stop_at`` counted from the slowest rank that said its step, at most ``most_s``; with no step
+    named (0), their backstop ``backstop_steps`` ahead. 0.0 while the rate is not known."""
+    if rate <= 0:
+        return 0.0
+    if not stop_at:
+        return backstop_steps / rate
+    known = [s for s in steps if s >= 0]
+    behind = stop_at - min(known) if known else 0
+    return min(max(0, behind) / rate, most_s)
+
+
 def to_nudge(ranks: Iterable[RankState], remote_joined_at: float, now: float, after_s: float) -> list[RankState]:
     """The ranks still in MindSpore's CPU collective address exchange ``after_s`` after a peer got
     through ``init()`` (a local one, or one on another node at ``remote_joined_at``; 0: none), not

@@ -58,6 +58,10 @@ PREFLIGHT_S = 60.0
 #: A stop the agent names for its own ranks covers the steps they make in this long (the SIGTERM
 #: reaches a rank busy in a step; a fast job makes several steps meanwhile).
 LOCAL_STOP_LATENCY_S = 0.25
+#: The most a planned stop adds to its grace for the ranks to reach a named stop step at their
+#: measured rate (a few steps on a busy node): within the leader's push timeout (10 s), which its
+#: Stop call waits on top of the grace.
+STEPS_TO_GO_MAX_S = 5.0
 
 
 class Phase(enum.Enum):
@@ -333,14 +337,9 @@ class Generation:
     def _steps_to_go_s(self) -> float:
         """How long the ranks need, at their measured rate, to reach the step they stop at (the one
         named, else their backstop), on top of the grace: the grace is for the checkpoint and the
-        exit, however slow the steps on a busy node (0.0 before the rate is known)."""
-        rate = self.steps_per_s()
-        if rate <= 0:
-            return 0.0
-        if not self.stop_at:
-            return self.spec.stop_check_interval_steps / rate
-        top = max((rs.step for rs in self.ranks.values()), default=self.stop_at)
-        return max(0, self.stop_at - top) / rate
+        exit, however slow the steps on a busy node (see :func:`ranks.steps_to_go_s`)."""
+        return rank_rules.steps_to_go_s(self.stop_at, [rs.step for rs in self.ranks.values()], self.steps_per_s(),
+                                        self.spec.stop_check_interval_steps, STEPS_TO_GO_MAX_S)
 
     def steps_per_s(self) -> float:
         """The highest local rank's step rate over its last few steps (0.0 before two steps)."""

@@ -33,3 +33,18 @@ def test_exit_step_and_exit_codes_sum_the_ranks_up() -> None:
     assert ranks.exit_step([a, b]) == -1 and not ranks.exited_on_sigterm([a, b])
     assert ranks.exit_codes([a, b]) == "exited with code 0"
     assert ranks.steps_per_s([(0.0, 10), (2.0, 30)]) == 10.0 and ranks.steps_per_s([(0.0, 10)]) == 0.0
+
+
+@pytest.mark.parametrize("stop_at, steps, rate, expected", [
+    (28, [25, 25], 2.0, 1.5),  # three steps to the named step at 2 steps/s
+    (28, [25, 27], 2.0, 1.5),  # from the slowest rank
+    (28, [-1, 26], 2.0, 1.0),  # a rank that has not said its step is not counted
+    (28, [-1, -1], 2.0, 0.0),
+    (28, [30, 31], 2.0, 0.0),  # past it already
+    (28, [25, 25], 0.0, 0.0),  # no rate yet
+    (200, [25, 25], 1.0, 5.0),  # at most most_s: the leader's Stop call waits the grace and 10 s
+    (0, [25, 25], 2.0, 10.0),  # no step named: the backstop, 20 steps ahead
+])
+def test_the_steps_to_a_stop_step_come_on_top_of_the_grace(stop_at: int, steps: list[int], rate: float,
+                                                            expected: float) -> None:
+    assert ranks.steps_to_go_s(stop_at, steps, rate, 20, 5.0) == expected
