@@ -308,7 +308,11 @@ class Generation:
                     stop_at = self.next_stop_step()
                 if stop_at > 0:
                     self.plan_stop(stop_at)
-            grace_s += self._steps_to_go_s()
+            # (The steps to the step they stop at, at the measured rate: the grace is for the
+            # checkpoint and the exit, however slow the steps on a busy node.)
+            grace_s += rank_rules.steps_to_go_s(self.stop_at, [rs.step for rs in self.ranks.values()],
+                                                self.steps_per_s(), self.spec.stop_check_interval_steps,
+                                                STEPS_TO_GO_MAX_S)
             await self._ask_ranks_to_stop(grace_s)
         elif not now and not self.state.terminal and any(rs.exit_step >= 0 for rs in self.ranks.values()):
             await self._wait_ranks_gone(min(self.spec.stop_grace_period_s, 2.0))  # they are leaving already
@@ -333,13 +337,6 @@ class Generation:
         if left:
             log.error("processes left after stop: %s", left, extra=self._ctx)
         return left
-
-    def _steps_to_go_s(self) -> float:
-        """How long the ranks need, at their measured rate, to reach the step they stop at (the one
-        named, else their backstop), on top of the grace: the grace is for the checkpoint and the
-        exit, however slow the steps on a busy node (see :func:`ranks.steps_to_go_s`)."""
-        return rank_rules.steps_to_go_s(self.stop_at, [rs.step for rs in self.ranks.values()], self.steps_per_s(),
-                                        self.spec.stop_check_interval_steps, STEPS_TO_GO_MAX_S)
 
     def steps_per_s(self) -> float:
         """The highest local rank's step rate over its last few steps (0.0 before two steps)."""

@@ -53,19 +53,19 @@ class Presence:
         self._wake = wake
         #: Members of live plans seen unregistered, by node id (see :meth:`excused`).
         self._absent: dict[str, Absence] = {}
-        #: The lease TTL each node said in its registration, as last seen (see :meth:`member_ttl_s`).
+        #: The lease TTL each node said: in its registration as last seen, or the longest in the live
+        #: plans it is a member of (see :meth:`member_ttl_s`).
         self._said_ttl: dict[str, int] = {}
         #: Members of live plans whose agent's connection dropped: unregistered until it answers.
         self.liveness = liveness.Liveness(agents.channel, wake)
         self._blind = False  # (logged once) the evidence is ignored: most connections dropped at once
 
-    def member_ttl_s(self, node_id: str, in_plans: int = 0) -> float:
+    def member_ttl_s(self, node_id: str) -> float:
         """The lease TTL a member's fencing deadline is counted on: its node's own (a node fences on
         its own TTL, which may be longer than this leader's: a config rollout half done, a site's
-        choice): the longer of what it said in its registration as last seen and in the plans it is a
-        member of (``in_plans``: a leader that never saw it registered still has those); this
+        choice), as it said it (a leader that never saw it registered has it from the plans); this
         leader's own only where it said none (a node of an earlier release)."""
-        said = max(self._said_ttl.get(node_id, 0), in_plans)
+        said = self._said_ttl.get(node_id, 0)
         return float(said) if said > 0 else self.ttl_s
 
     def verdict(self, node_id: str) -> fencing.Verdict | None:
@@ -130,7 +130,6 @@ class Presence:
         self._said_ttl.update((n.node_id, n.lease_ttl_s) for n in cluster.nodes if n.lease_ttl_s > 0)
         wanted: dict[str, list[tuple[str, int]]] = {}
         members: dict[str, Member] = {}
-        said_in_plans: dict[str, int] = {}
         for view in cluster.jobs.values():
             if view.plan is None or view.status.state.terminal:
                 continue
@@ -140,7 +139,7 @@ class Presence:
                 if m.node_id not in present and not (m.node_id in reports and reports[m.node_id].state.terminal):
                     wanted.setdefault(m.node_id, []).append((view.name, view.plan.generation))
                     members.setdefault(m.node_id, m)
-                    said_in_plans[m.node_id] = max(said_in_plans.get(m.node_id, 0), m.lease_ttl_s)
+                    self._said_ttl[m.node_id] = max(self._said_ttl.get(m.node_id, 0), m.lease_ttl_s)
         for node_id in list(self._absent):
             if node_id not in wanted:
                 gone = self._absent.pop(node_id)
@@ -161,9 +160,8 @@ class Presence:
             elif a.gone_since is None:
                 a.gone_since = now
             verdict = fencing.replace_verdict(fencing.MemberEvidence(
-                now=now, ttl_s=self.member_ttl_s(node_id, said_in_plans[node_id]), registered=node_id in registered,
-                gone_since=a.gone_since,
-                running=a.running, wanted=frozenset(gens)))
+                now=now, ttl_s=self.member_ttl_s(node_id), registered=node_id in registered,
+                gone_since=a.gone_since, running=a.running, wanted=frozenset(gens)))
             if a.verdict is None or verdict.rule is not a.verdict.rule:
                 what = ", ".join(f"{j} generation {g}" for j, g in gens)
                 if verdict.act:
