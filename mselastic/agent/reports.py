@@ -57,8 +57,11 @@ class Reports:
                 await self.store.put(self.store.keys.report(key[0], key[1], self.node_id), body)
                 last = self._written = {k: v for k, v in last.items() if k[0] != key[0] or k[1] >= key[1] - 1}
                 last[key] = body
-            except (TemporaryError, PermanentError) as e:
-                log.warning("report not written (%s); will retry", e, extra=self._ctx)
+            except Exception as e:  # an error of a kind not foreseen must not end the reports either
+                if isinstance(e, (TemporaryError, PermanentError)):
+                    log.warning("report not written (%s); will retry", e, extra=self._ctx)
+                else:
+                    log.exception("report not written; will retry", extra=self._ctx)
                 self._dirty.setdefault(key, gen)
                 self._wake.set()
 
