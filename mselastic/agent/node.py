@@ -337,6 +337,7 @@ class NodeAgent:
         while not self._closed.is_set():
             await first(self._closed, timeout_s=0.25)
             self.beat = time.monotonic()
+            self._extend_shims()
             cover = self._cover
             if cover is None or not cover.valid_until or any(not k.done() for k in self._kills):
                 continue
@@ -346,6 +347,25 @@ class NodeAgent:
                     await self._fence_now(cover, f"{fencing.Rule.OUTAGE_TOO_LONG.value}: {over:.1f}s past the lease")
                 except Exception:  # a bug in one kill must not end the checks (the next tries again)
                     log.exception("fencing at the deadline failed", extra=self._ctx)
+
+    def _fence_deadline(self) -> float:
+        """Where the workers must be gone by, on fencing.clock(): the lease they run on plus the
+        outage grace (0: no lease yet). Each generation's shim holds it too (agent.shim)."""
+        cover = self._cover
+        if cover is None or not cover.valid_until:
+            return 0.0
+        return cover.valid_until + fencing.outage_grace_s(self.cfg.lease_ttl_s)
+
+    def _extend_shims(self) -> None:
+        """Move every running generation's shim deadline on to the node's (written when it moved)."""
+        until = self._fence_deadline()
+        for g in self.generations.values():
+            if until and not g.done.is_set():
+                try:
+                    g.shim.extend(until)
+                except OSError as e:  # (a full disk: the shim fences on the last one written)
+                    log.error("the fence deadline of %s g%d not written: %s", g.plan.job, g.plan.generation, e,
+                              extra=self._ctx)
 
     async def _fence_now(self, lease: KeptLease, why: str) -> None:
         """Stop renewing ``lease`` (registered again once etcd answers) and kill every local
@@ -497,7 +517,8 @@ class NodeAgent:
                              user=user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
                              cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
-                             heartbeat_dir=self.cfg.heartbeat_dir)
+                             heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
+                             lease_ttl_s=self.cfg.lease_ttl_s)
             gen.prepare_snapshots()
             gen.take_standbys(self.standbys.take(plan.job, gen.launch_env.launch_key(),
                                                      gen.member.local_workers + (gen.member.node_rank == 0)))

@@ -196,7 +196,7 @@ def exit_status(pid: int, create_time: float) -> int | None:
     return -(status & 0x7F) if status & 0x7F else status >> 8
 
 
-def _signal_groups(procs: list[psutil.Process], signum: int) -> None:
+def signal_groups(procs: list[psutil.Process], signum: int) -> None:
     groups = set()
     for p in procs:
         try:
@@ -228,12 +228,12 @@ async def stop_generation(markers: str | set[str], extra: list[psutil.Process], 
         procs = {p.pid: p for p in marked(markers)}
         for p in extra:
             procs.setdefault(p.pid, p)
-        return [p for p in procs.values() if _running(p)]
+        return [p for p in procs.values() if running(p)]
 
     procs = live()
-    _signal_groups(procs, signal.SIGCONT)
+    signal_groups(procs, signal.SIGCONT)
     if grace_s > 0:
-        _signal_groups(procs, signal.SIGTERM)
+        signal_groups(procs, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while procs and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
@@ -241,7 +241,7 @@ async def stop_generation(markers: str | set[str], extra: list[psutil.Process], 
     for _ in range(3):
         if not procs:
             break
-        _signal_groups(procs, signal.SIGKILL)
+        signal_groups(procs, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while procs and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
@@ -249,7 +249,7 @@ async def stop_generation(markers: str | set[str], extra: list[psutil.Process], 
     return [p.pid for p in procs]
 
 
-def _running(p: psutil.Process) -> bool:
+def running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Awaitable, Callable
 import psutil
 
 from mselastic import metrics
-from mselastic.agent import observe, procs, ranks as rank_rules, verdict
+from mselastic.agent import observe, procs, ranks as rank_rules, shim, verdict
 from mselastic.agent.beats import BeatSocket, Senders
 from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
 from mselastic.agent.device_health import evidence
@@ -83,7 +84,8 @@ class Generation:
                  user: WorkerUser | None = None, allow_env: frozenset[str] = frozenset(),
                  pass_env: frozenset[str] = frozenset(), standbys: list[Standby] | None = None,
                  snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
-                 node_limits: Limits = Limits(), heartbeat_dir: str = "") -> None:
+                 node_limits: Limits = Limits(), heartbeat_dir: str = "",
+                 fence_deadline: Callable[[], float] = lambda: 0.0, lease_ttl_s: float = 0.0) -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -152,6 +154,10 @@ class Generation:
         self.limits = Limits(effective(spec.memory_limit_mb * 2**20, node_limits.memory_bytes),
                              effective(spec.max_processes, node_limits.max_tasks))
         self.job_group: Group | None = None
+        #: The generation's shim (see agent.shim): the fence where the workers are, on the deadline
+        #: ``fence_deadline()`` says (the node's lease plus the outage grace; 0: none yet).
+        self.shim = shim.Handle(self.log_dir, self._ctx)
+        self._fence_deadline, self._lease_ttl_s = fence_deadline, lease_ttl_s
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -241,6 +247,15 @@ class Generation:
             # One died since it was taken (the OOM killer, a signal): cold, rather than blame the node.
             log.warning("a standby worker exited before its handover; starting cold", extra=self._ctx)
             await self.launch.go_cold()
+        try:
+            await self.shim.start(shim.Record(
+                self.spec.name, p.generation, self.node_id, sorted(self.launch.markers()), self._lease_ttl_s,
+                dataclasses.asdict(self.launch.group.layout) if self.launch.group else None,
+                self.launch.group.rel if self.launch.group else "",
+                self.user.uid if self.user and self.user.switch else -1), self._fence_deadline())
+        except OSError as e:
+            await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
+            return
         try:
             self.launch.open_log(self.log_dir)
             if self.launch.path is Path.COLD:
@@ -409,6 +424,7 @@ class Generation:
         with contextlib.suppress(OSError):
             os.unlink(self.stop_file)
         self.launch.close()
+        self.shim.end()
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         if self._beats is not None:
@@ -484,6 +500,8 @@ class Generation:
         ``poll_interval_s``."""
         try:
             while not self.state.terminal and not self.stopping:
+                if await self._fenced_by_shim():
+                    return
                 self.exits.wake.clear()
                 self._discover()
                 if not self.done.is_set():
@@ -494,6 +512,8 @@ class Generation:
                 fault = self._find_fault()
                 if fault is not None and rank_rules.exited_on_sigterm(self.ranks.values()):
                     await self._stopped_unasked()
+                    return
+                if fault is not None and await self._fenced_by_shim():  # (it killed them just now)
                     return
                 if fault is not None:
                     # Dead or hung, the collective is broken: kill at once and resume from the last
@@ -517,6 +537,14 @@ class Generation:
         except Exception:  # a bug here must not leave workers unwatched
             log.exception("supervisor failed; tearing the generation down", extra=self._ctx)
             await self._fail(-1, "supervisor error", FailureCause.SUPERVISOR_ERROR)
+
+    async def _fenced_by_shim(self) -> bool:
+        """The shim fenced the generation (elasticd was held up past its deadline): stopped as a
+        fence, not failed."""
+        why = self.shim.fenced()
+        if why is not None:
+            await self.stop(0, reason=why, now=True)
+        return why is not None
 
     def _discover(self) -> None:
         """Learn each local rank's pid from msrun's direct children (warm: every rank is known from

@@ -213,3 +213,36 @@ def test_a_job_node_whose_lease_ttl_is_longer_than_the_leaders_trains_on_one_sid
     # (n1 trained on as through an outage, then stopped at its own deadline: 3 x 10 s past its lease.)
     assert "etcd unreachable here; training goes on" in log, log[-2000:]
     assert f"self-fencing: {fencing.Rule.OUTAGE_TOO_LONG.value}" in log, log[-2000:]
+
+
+def test_a_job_nodes_elasticd_frozen_outside_systemd_never_leaves_its_job_live_beside_the_relaunch(
+        cluster: Cluster) -> None:
+    """#45: n1's elasticd SIGSTOPped for 40 s, started from the command line (no systemd, no
+    watchdog to kill it): the leader n0 replaces n1 once its lease has been gone for fenced_within,
+    and n2 trains the job. Nothing in elasticd runs meanwhile; the generation's shim, a process of
+    its own, sees the fence deadline no longer moved on and kills the generation before that. After
+    SIGCONT n1 registers again and the job finishes whole."""
+    cluster.up(3)
+    cluster.start_node(0, slots=0)
+    cluster.wait_registered(0)
+    cluster.start_nodes(1, slots=2)
+    etcd = cluster.etcd
+    assert etcd is not None
+    frozen_at: list[float] = []
+
+    def cut() -> None:
+        os.kill(cluster.daemons[1].pid, signal.SIGSTOP)
+        frozen_at.append(time.monotonic())
+        cluster.start_node(2, slots=2)
+
+    def heal() -> None:
+        time.sleep(max(0.0, frozen_at[0] + 40 - time.monotonic()) if frozen_at else 0)
+        os.kill(cluster.daemons[1].pid, signal.SIGCONT)
+
+    partitioned(cluster, "n1", cut, heal, fencing.Rule.FENCE_DEADLINE)
+    wait_for("n1 registered again", lambda: etcd.get(etcd.keys.node("n1")), 30, 0.2)
+    with open(os.path.join(cluster.procs.log_dir, "elasticd-n1.log")) as f:
+        log = f.read()
+    assert "(its shim fenced the generation)" in log, log[-2000:]
+    report = etcd.report(JOB, 1, "n1")
+    assert report is not None and "its shim fenced the generation" in report.reason, report

@@ -17,6 +17,7 @@ import random
 
 import pytest
 
+from mselastic.agent import shim
 from mselastic.core import fencing
 from mselastic.core.fencing import MemberEvidence, NodeObservation, Rule, node_verdict, replace_verdict
 
@@ -86,7 +87,8 @@ class Sim:
                  member_rule=node_verdict, leader_rule=replace_verdict,  # type: ignore[no-untyped-def]
                  changes: tuple[tuple[float, set[tuple[str, str]]], ...] = (), late: str = "",
                  pauses: dict[str, tuple[float, float]] | None = None, rejects: bool = False,
-                 deaf: str = "", ttls: dict[str, float] | None = None, leader_counts_own_ttl: bool = False) -> None:
+                 deaf: str = "", ttls: dict[str, float] | None = None, leader_counts_own_ttl: bool = False,
+                 watchdog: bool = True, shims: bool = True) -> None:
         self.names = names
         self.links = links
         #: (from when, links): the partition changes (comes, heals, flaps).
@@ -101,6 +103,10 @@ class Sim:
         #: ``leader_counts_own_ttl``, the rule of before) on its own.
         self.ttl = {n: (ttls or {}).get(n, TTL) for n in names}
         self.leader_counts_own_ttl = leader_counts_own_ttl
+        #: systemd's watchdog kills a paused elasticd (False: started from the command line); each
+        #: generation's shim kills its workers on the deadline elasticd last wrote (False: the
+        #: mutation, the fence in elasticd alone).
+        self.watchdog, self.shims = watchdog, shims
         self.nodes = {n: Node(n, lease_until=self.ttl[n] * (1 - fencing.DRIFT)) for n in names}
         self.expiry = {n: self.ttl[n] for n in names}  # etcd's view of each registration (real time)
         if late:  # it registers after the others last read the registrations
@@ -136,11 +142,17 @@ class Sim:
         # A paused elasticd misses its watchdog: systemd kills it (its workers die with it) and
         # starts it again, which revokes its old registration and registers anew.
         for node in self.nodes.values():
-            if node.paused and t >= node.paused[0] + fencing.watchdog_s(self.ttl[node.name]) and node.paused[1] > t:
+            ttl = self.ttl[node.name]
+            if self.watchdog and node.paused and t >= node.paused[0] + fencing.watchdog_s(ttl) and node.paused[1] > t:
                 node.paused = (node.paused[0], t)
                 if node.running:
                     node.dies_at = t
                 self.expiry[node.name] = t if self.rpc(node.name, E) else self.expiry[node.name]
+            # The generation's shim (agent/shim.py), paused elasticd or not: past the deadline
+            # elasticd last wrote (its lease view plus the grace) and its lag, a poll and the kill.
+            if (self.shims and node.running and node.dies_at < 0
+                    and t - node.lease_until >= fencing.outage_grace_s(ttl) + shim.lag_s(ttl)):
+                node.dies_at = t + shim.POLL_S + fencing.KILL_S
         # etcd: registrations and the leader key expire.
         for n in self.names:
             node = self.nodes[n]
@@ -173,11 +185,11 @@ class Sim:
             self.violations.append(f"t={t:.2f}: generations {sorted(live)} both have live workers")
 
     def _agent(self, node: Node, t: float) -> None:
-        if not self.awake(node.name, t):
-            return  # (its workers train on meanwhile)
-        if 0 <= node.dies_at <= t:
+        if 0 <= node.dies_at <= t:  # (killed: by the agent, or by the shim while it is paused)
             node.unreported.append(node.running)
             node.running, node.dies_at = 0, -1.0
+        if not self.awake(node.name, t):
+            return  # (its workers train on meanwhile, until the shim kills them)
         if node.unreported and (node.name, E) in self.links:  # its reports that generations ended get to etcd
             self.reports.update({(g, node.name): True for g in node.unreported})
             node.unreported.clear()
@@ -375,11 +387,12 @@ def test_partitions_that_come_heal_and_flap_keep_one_generation() -> None:
 PAUSES = (0.5, 2.0, 4.0, 5.0, 7.0, 30.0)  # seconds an elasticd is stopped (longer ones meet the watchdog)
 
 
-@pytest.mark.parametrize("who", ["n0", "n1"])
-def test_a_paused_elasticd_is_killed_before_it_can_be_replaced(who: str) -> None:
+@pytest.mark.parametrize("who, watchdog", [("n0", True), ("n1", True), ("n0", False), ("n1", False)])
+def test_a_paused_elasticd_is_killed_before_it_can_be_replaced(who: str, watchdog: bool) -> None:
     """The job's node's elasticd (or the leader's) is SIGSTOPped: no renewals, no rounds, no
     answers, and its workers train on. It is replaced only after the watchdog killed it (and
-    its workers), or it wakes and is adopted; under every partition of a sample besides."""
+    its workers) or, without systemd, the generation's shim killed the workers, or it wakes and
+    is adopted; under every partition of a sample besides."""
     rng = random.Random(31)
     failures: list[str] = []
     runs = 0
@@ -388,10 +401,11 @@ def test_a_paused_elasticd_is_killed_before_it_can_be_replaced(who: str) -> None
             for _ in range(40):
                 cut = {p for p in sorted(FULL) if rng.random() < 0.15}
                 _, problems = run(["n0", "n1", "n2"], "n0", "n1", FULL - cut, pauses={who: (start, start + pause)},
-                                  changes=((start, FULL - cut),))
+                                  changes=((start, FULL - cut),), watchdog=watchdog)
                 runs += 1
                 failures += [f"paused {pause}s from {start}, cut {sorted(cut)}: {p}" for p in problems[:1]]
-    print(f"fencing: {runs} runs with {who}'s elasticd paused, {len(failures)} failures")
+    print(f"fencing: {runs} runs with {who}'s elasticd paused ({'watchdog' if watchdog else 'no watchdog'}, "
+          f"shims), {len(failures)} failures")
     assert not failures, "\n".join(failures[:20])
 
 
@@ -446,12 +460,24 @@ def test_a_leader_that_counts_a_members_deadline_on_its_own_shorter_ttl_runs_the
 
 
 def test_a_watchdog_slower_than_fenced_within_runs_the_job_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check can fail on the watchdog: with it at twice fenced_within, a paused elasticd's
-    workers outlive the leader's wait."""
-    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), pauses={"n0": (1.0, 60.0)})
+    """The check can fail on the watchdog: with it at twice fenced_within (and no shims, which
+    would kill the workers anyway), a paused elasticd's workers outlive the leader's wait."""
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), pauses={"n0": (1.0, 60.0)}, shims=False)
     assert not problems, problems
     monkeypatch.setattr(fencing, "watchdog_s", lambda ttl: 2 * fencing.fenced_within(ttl))
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), pauses={"n0": (1.0, 60.0)}, shims=False)
+    assert any("both have live workers" in p for p in problems), problems
     _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), pauses={"n0": (1.0, 60.0)})
+    assert not problems, problems  # (the shim)
+
+
+def test_a_paused_elasticd_without_a_watchdog_or_a_shim_runs_the_job_twice() -> None:
+    """The check can fail on the shim (#45): elasticd started from the command line, paused for
+    40 s; without the generation's shim its workers train on beside their replacement."""
+    pause = {"n0": (1.0, 41.0)}
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), pauses=pause, watchdog=False)
+    assert not problems, problems
+    _, problems = run(["n0", "n1", "n2"], "n0", "n1", set(FULL), pauses=pause, watchdog=False, shims=False)
     assert any("both have live workers" in p for p in problems), problems
 
 
