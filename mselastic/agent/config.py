@@ -47,6 +47,8 @@ class AgentConfig:
     #: elasticd's folder for the generations' heartbeat sockets ("": abstract names; see
     #: mselastic.agent.beats).
     heartbeat_dir: str = ""
+    #: elasticd's own folder for its generations' shim files (agent.shim; "": beside the logs).
+    shim_dir: str = ""
     #: Each log file of a generation is rotated past this many MiB (0: never; mselastic.agent.logcap).
     max_log_mb: int = 1024
     #: How long a device a failed rank's log named stays aside (0: until uncordoned; see

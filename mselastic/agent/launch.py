@@ -26,6 +26,7 @@ from mselastic.agent.cgroups import CgroupError, Group, join_prefix
 from mselastic.agent.launch_env import LaunchEnv
 from mselastic.agent.preflight import LaunchError
 from mselastic.agent.ranks import RankState
+from mselastic.agent.shim import Handle
 from mselastic.agent.forkserver import Forked, Proc, Standby
 from mselastic.agent.users import WorkerUser, batch_prefix
 from mselastic.core.model import Member
@@ -49,7 +50,7 @@ def _write_and_close(fd: int, data: bytes) -> None:
 # registration failed and retried 0.5 s later; the trainer library also runs init() on one core:
 # mselastic.trainer.context._unraced). The measurements: docs/journal/2026-12.md, "... SCHED_BATCH".
 async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str, str], user: WorkerUser | None,
-                          cwd: str, *, batch: bool = True, group: Group | None = None,
+                          cwd: str, *, batch: bool = True, group: Group | None = None, shim: Handle | None = None,
                           **io: Any) -> asyncio.subprocess.Process:
     """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a
     standby). ``job_env`` (the job spec's variables) is added after the user switch: it reaches the
@@ -58,8 +59,11 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     in the worker user's folders. ``batch``: under the ``SCHED_BATCH`` policy, inherited by every
     process and thread it starts (see above). ``group``: the cgroup it starts in, before it runs
     anything of the job's (:func:`mselastic.agent.cgroups.join_prefix`, which also makes it, and
-    all it starts, the OOM killer's choice before elasticd). ``io``: stdin, stdout, stderr as for
-    asyncio's subprocesses. Raises OSError or RuntimeError when it cannot be started."""
+    all it starts, the OOM killer's choice before elasticd). ``shim``: started through the
+    generation's shim, which becomes its parent (``io``'s stdout goes to the process; the
+    shim's stdout is a pipe on which it says the pid: :meth:`Handle.parent`). ``io``: stdin,
+    stdout, stderr as for asyncio's subprocesses. Raises OSError or RuntimeError when it cannot
+    be started."""
     if batch:
         cmd = [*batch_prefix(), *cmd]
     who = user if user is not None and user.switch else None
@@ -70,17 +74,34 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     else:
         env = {**env, **job_env}
     started = False
+    pass_fds = (env_r,) if who else ()
+    prefix: list[str] = []
+    spawn_env: dict[str, str] | None = env
+    shim_r = shim_w = -1
+    if shim is not None:
+        # The shim runs as root with elasticd's environment: the process's own (the generation's
+        # marker among it) reaches it through a pipe, for its child alone.
+        shim_r, shim_w = os.pipe()
+        out = io["stdout"].fileno()
+        prefix = [*with_parent_death(shim.command(out, pass_fds, cwd, env_fd=shim_r)), "--"]
+        pass_fds, cwd, spawn_env = (*pass_fds, out, shim_r), os.getcwd(), None
+        io = dict(io, stdout=asyncio.subprocess.PIPE, stderr=None)
     try:
         proc = await asyncio.create_subprocess_exec(
-            *join_prefix([group] if group else []), *with_parent_death(cmd, who.setpriv_args() if who else None),
-            env=env, cwd=cwd, start_new_session=True,
-            pass_fds=(env_r,) if who else (), **io)
+            *prefix, *join_prefix([group] if group else []),
+            *with_parent_death(cmd, who.setpriv_args() if who else None),
+            env=spawn_env, cwd=cwd, start_new_session=True, pass_fds=pass_fds, **io)
         started = True
     finally:
-        if env_r >= 0:
-            os.close(env_r)
-        if env_w >= 0 and not started:
-            os.close(env_w)
+        for fd in (env_r, shim_r):
+            if fd >= 0:
+                os.close(fd)
+        for fd in (env_w, shim_w):
+            if fd >= 0 and not started:
+                os.close(fd)
+    if shim_w >= 0:
+        threading.Thread(target=_write_and_close, args=(shim_w, json.dumps(env).encode()),
+                         name=f"shim-env-{proc.pid}", daemon=True).start()
     if env_w >= 0:
         # A daemon thread of its own, not awaited: a job env larger than the pipe waits for envexec
         # to read it, and one that never reads (stopped, killed) must hold nothing up; its end of
@@ -207,6 +228,26 @@ class Path(enum.Enum):
     WARM = "warm"  # standbys of the fork server are handed the generation: no msrun
 
 
+class UnderShim:
+    """msrun started by the generation's shim: msrun's pid; the shim's wait and code, which are
+    msrun's (it exits as msrun did: see :mod:`mselastic.agent.shim`)."""
+
+    def __init__(self, shim: asyncio.subprocess.Process, pid: int) -> None:
+        self.shim, self.pid = shim, pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.shim.returncode
+
+    async def wait(self) -> int:
+        return await self.shim.wait()
+
+    def kill(self) -> None:
+        """The shim killed: msrun's parent-death signal kills msrun, and the ranks with it."""
+        with contextlib.suppress(ProcessLookupError):
+            self.shim.kill()
+
+
 class Launch:
     """What elasticd started for one generation on this node (msrun, or the standbys it took over:
     the scheduler's first on node_rank 0) and msrun's log; the rank each warm worker became."""
@@ -215,7 +256,9 @@ class Launch:
         self.run_id, self.member, self._ctx = run_id, member, ctx
         self.standbys = list(standbys)
         self.path = Path.WARM if self.standbys else Path.COLD
-        self.msrun: asyncio.subprocess.Process | None = None
+        self.msrun: asyncio.subprocess.Process | UnderShim | None = None
+        #: The generation's shim: msrun's parent, when it has not been started to guard alone.
+        self.shim: Handle | None = None
         self.warm_ranks: dict[int, Standby] = {}
         #: msrun.log, opened by root before anything of the generation runs (see :func:`open_own`).
         self.log: Any = None
@@ -297,10 +340,12 @@ class Launch:
         """The cold path: msrun starts the scheduler (on node_rank 0) and the local ranks."""
         assert self.log is not None
         p = env.plan
-        self.msrun = await spawn_as_worker(env.msrun_command(msrun, self.member), env.env(), env.job_env(), env.user,
-                                           env.cwd, batch=env.batch_scheduling, group=self.group,
-                                           stdin=asyncio.subprocess.DEVNULL,
-                                           stdout=self.log, stderr=asyncio.subprocess.STDOUT)
+        shim = self.shim if self.shim is not None and self.shim.proc is None else None
+        proc = await spawn_as_worker(env.msrun_command(msrun, self.member), env.env(), env.job_env(), env.user,
+                                     env.cwd, batch=env.batch_scheduling, group=self.group, shim=shim,
+                                     stdin=asyncio.subprocess.DEVNULL,
+                                     stdout=self.log, stderr=asyncio.subprocess.STDOUT)
+        self.msrun = UnderShim(proc, await shim.parent(proc)) if shim is not None else proc
         first = p.first_rank(env.node_id)
         log.info("generation launched: msrun pid %d, master %s:%d, ranks %d..%d, logs %s", self.msrun.pid,
                  p.master_addr, p.master_port, first, first + self.member.local_workers - 1, env.log_dir,

@@ -367,6 +367,14 @@ class NodeAgent:
                     log.error("the fence deadline of %s g%d not written: %s", g.plan.job, g.plan.generation, e,
                               extra=self._ctx)
 
+    def _fenced_by_shim(self, why: str) -> None:
+        """A generation's shim fenced it: its deadline, the node's, has passed (this elasticd was
+        held up), so the node fences as its own check would have (the lease abandoned, every
+        other generation killed, registered again), unless it has already."""
+        cover = self._cover
+        if cover is not None and not self._fenced:
+            self._spawn(self._fence_now(cover, why.removeprefix("self-fenced: ")))
+
     async def _fence_now(self, lease: KeptLease, why: str) -> None:
         """Stop renewing ``lease`` (registered again once etcd answers) and kill every local
         generation at once, without the jobs' locks: a launch or a planned stop may hold one while
@@ -518,7 +526,8 @@ class NodeAgent:
                              snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
                              cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
                              heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
-                             lease_ttl_s=self.cfg.lease_ttl_s)
+                             lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir)
+            gen.on_fenced = self._fenced_by_shim
             gen.prepare_snapshots()
             gen.take_standbys(self.standbys.take(plan.job, gen.launch_env.launch_key(),
                                                      gen.member.local_workers + (gen.member.node_rank == 0)))

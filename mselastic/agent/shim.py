@@ -1,13 +1,14 @@
 """The generation's shim: a small process per generation, apart from elasticd, that holds the
-fence where the generation is. elasticd keeps a deadline on disk (``<logs>/g<N>.deadline``: the
-lease the workers run on, plus the outage grace, on ``CLOCK_BOOTTIME``) and moves it on with
-every renewal; the shim reads it four times a second and, once it has passed, writes why
-(``.fenced``) and kills the generation (its cgroup, and every process carrying its markers).
+fence where the generation is. elasticd keeps a deadline in a file (``<shim_dir>/<run id>.deadline``,
+in elasticd's own folder on /run, see ``daemon.main.shim_dir``: the lease the workers run on, plus
+the outage grace, on ``CLOCK_BOOTTIME``) and moves it on with every renewal; the shim reads it four
+times a second and, once it has passed, kills the generation (its cgroup, and every process
+carrying its markers) and writes why (``.fenced``).
 elasticd frozen (a SIGSTOP, a debugger, swap storms), its event loop stuck, or the machine
 suspended: the deadline stops moving, and the generation ends itself before a leader may replace
 it (``fencing.fenced_within``), with or without systemd's watchdog.
 
-It runs half a round behind elasticd's own deadline check (``LAG``), so that a live elasticd
+It runs half a round behind elasticd's own deadline check (:func:`lag_s`), so that a live elasticd
 fences first and reports the fence as such; elasticd reads ``.fenced`` too, and a generation the
 shim ended is reported self-fenced, not failed.
 
@@ -16,20 +17,31 @@ What the shim shares with elasticd is versioned (``RECORD_VERSION``): the genera
 this shim does not know is refused with one line, and the shim exits (elasticd then fences by
 itself, as before there were shims).
 
+On the cold path the shim is msrun's parent (``-- CMD``): it starts msrun in a session of its
+own, tells elasticd msrun's pid (one line on its stdout), records how msrun ended (``.exit``)
+and then exits the way msrun did (its code, or killed by the same signal), so that elasticd's
+wait on it is a wait on msrun. msrun's parent-death signal is the shim's: the generation lives
+as long as its shim. On the warm path (standbys of the fork server, no msrun) it only guards.
+
 For now the shim dies with elasticd (a parent-death signal, like msrun and the ranks): it guards
-the generation while elasticd cannot, not after it is gone. Run as ``python -m
-mselastic.agent.shim RECORD``; SIGTERM ends it (elasticd sends it when the generation is over).
+the generation while elasticd cannot, not after it is gone. Run as ``python -I -m
+mselastic.agent.shim RECORD [--stdout-fd N] [--pass-fd N] [--cwd DIR] [-- CMD...]`` (``-I``: it
+runs as root, and nothing of the job's folders may come first on its import path); SIGTERM ends
+a shim that only guards (elasticd sends it when the generation is over).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import os
+import select
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +52,7 @@ from mselastic.agent.cgroups import Group, Layout
 from mselastic.core import fencing
 from mselastic.core.pdeathsig import with_parent_death
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mselastic.agent.shim")  # (the same name when run as __main__)
 
 RECORD_VERSION = 1
 #: How often the shim reads the deadline.
@@ -84,8 +96,8 @@ class Record:
 
 @dataclasses.dataclass(frozen=True)
 class Paths:
-    """The shim's files, beside the generation's log folder (in elasticd's folder: the worker user
-    owns the log folder itself, and must not move its own deadline)."""
+    """The shim's files: ``base`` and a suffix each, in a folder of elasticd's alone (the worker
+    user must not move its own deadline)."""
 
     base: str
 
@@ -101,8 +113,12 @@ class Paths:
     def fenced(self) -> str:
         return self.base + ".fenced"
 
+    @property
+    def exit(self) -> str:
+        return self.base + ".exit"
+
     def all(self) -> list[str]:
-        return [self.record, self.deadline, self.fenced]
+        return [self.record, self.deadline, self.fenced, self.exit]
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -145,20 +161,45 @@ class Handle:
     def __init__(self, base: str, ctx: dict[str, Any]) -> None:
         self.paths, self._ctx = Paths(base), ctx
         self.proc: asyncio.subprocess.Process | None = None
-        self._until, self._gone = 0.0, False
+        self._until, self._gone, self._ended = 0.0, False, False
+        #: Why the shim fenced the generation, once read (its files go with the generation).
+        self._why: str | None = None
+        #: msrun's parent (its end is msrun's), or a guard alone (its end is unexpected).
+        self._parent = False
 
-    async def start(self, record: Record, until: float) -> None:
-        """Write the record and the deadline, and start the shim (it need not be up before the
-        launch: it finds the generation's processes by their cgroup and markers when it fences)."""
+    def prepare(self, record: Record, until: float) -> None:
+        """Write the record and the deadline (before the shim starts)."""
         for path in self.paths.all():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         write_atomically(self.paths.record, record.to_json())
         write_deadline(self.paths, until)
         self._until = until
-        self.proc = await asyncio.create_subprocess_exec(
-            *with_parent_death([sys.executable, "-m", "mselastic.agent.shim", self.paths.record]),
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+
+    def command(self, stdout_fd: int = -1, pass_fds: tuple[int, ...] = (), cwd: str = "", env_fd: int = -1) -> list[str]:
+        """The shim's command line; followed by ``--`` and a command, it starts that as its child."""
+        cmd = [sys.executable, "-I", "-m", "mselastic.agent.shim", self.paths.record]
+        cmd += ["--stdout-fd", str(stdout_fd)] if stdout_fd >= 0 else []
+        cmd += ["--env-fd", str(env_fd)] if env_fd >= 0 else []
+        cmd += [a for fd in pass_fds for a in ("--pass-fd", str(fd))]
+        return cmd + (["--cwd", cwd] if cwd else [])
+
+    async def guard(self) -> None:
+        """Start the shim alone (the warm path: it need not be up before the launch; it finds the
+        generation's processes by their cgroup and markers when it fences)."""
+        self.proc = await asyncio.create_subprocess_exec(*with_parent_death(self.command()),
+                                                         stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+
+    async def parent(self, proc: asyncio.subprocess.Process) -> int:
+        """``proc``, the shim started with a command (stdout a pipe): the child's pid, once it
+        says it (raises RuntimeError with its reason when the child could not be started)."""
+        self.proc, self._parent = proc, True
+        assert proc.stdout is not None
+        line = (await proc.stdout.readline()).decode().strip()
+        if not line.isdigit():
+            await proc.wait()
+            raise RuntimeError(line or f"its shim exited with {proc.returncode}")
+        return int(line)
 
     def extend(self, until: float) -> None:
         """Move the deadline on (written when it changed; nothing before the shim is started)."""
@@ -167,37 +208,42 @@ class Handle:
             self._until = until
 
     def fenced(self) -> str | None:
-        """Why the shim fenced the generation (None: it has not). A shim gone without a fence is
-        logged once: elasticd alone fences the generation from then on."""
+        """Why the shim fenced the generation (None: it has not). A guard gone without a fence
+        while the generation runs is logged once: elasticd alone fences it from then on (a shim
+        that is msrun's parent ends with msrun, and msrun with it)."""
         proc = self.proc
-        if proc is None:
-            return None
-        why = fence_reason(self.paths)
-        if why is None and proc.returncode is not None and not self._gone:
+        if proc is None or self._ended or self._why is not None:
+            return self._why
+        self._why = fence_reason(self.paths)
+        if self._why is None and proc.returncode is not None and not self._parent and not self._gone:
             self._gone = True
             log.error("the generation's shim (pid %d) exited with %s; elasticd alone fences the generation",
                       proc.pid, proc.returncode, extra=self._ctx)
-        return why
+        return self._why
 
     def end(self) -> None:
-        """The generation is over: the shim is asked to end (SIGTERM; asyncio reaps it)."""
+        """The generation is over: the shim is asked to end (SIGTERM; asyncio reaps it), and its
+        files go (what it recorded is in the generation's report by now)."""
+        self.fenced()  # (read before its files go)
+        self._ended = True
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
-        for path in (self.paths.record, self.paths.deadline):
+        for path in self.paths.all():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
 
 def kill(record: Record) -> list[int]:
-    """SIGKILL to the generation (its cgroup, and every process carrying its markers), until none is
-    left or ``fencing.KILL_S`` has passed; the pids left."""
+    """SIGKILL to the generation (its cgroup, and every process carrying its markers but the shim,
+    which carries them when it is msrun's parent), until none is left or ``fencing.KILL_S`` has
+    passed; the pids left."""
     group, markers = record.group(), set(record.markers)
     deadline = time.monotonic() + fencing.KILL_S
     while True:
         if group is not None:
             group.kill()
-        left = procs.marked(markers)
+        left = [p for p in procs.marked(markers) if p.pid != os.getpid()]
         procs.signal_groups(left, signal.SIGKILL)
         pids = sorted((group.pids() if group is not None else set()) | {p.pid for p in left if procs.running(p)})
         if not pids or time.monotonic() > deadline:
@@ -205,52 +251,116 @@ def kill(record: Record) -> list[int]:
         time.sleep(0.02)
 
 
-def watch(record: Record, paths: Paths, ctx: dict[str, Any]) -> int:
-    """Fence the generation once its deadline has passed; 0 once asked to end (SIGTERM)."""
-    lag, until, seen = lag_s(record.ttl_s), 0.0, -1
+def exit_like(code: int) -> int:
+    """Exit as a child that ended with ``code`` did (negative: killed by that signal)."""
+    if code < 0:
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL's cannot be set, nor need be)
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)  # (a signal whose default is not to end the process: say it in the code)
+        return 128 - code
+    return code
+
+
+def watch(record: Record, paths: Paths, ctx: dict[str, Any], child: subprocess.Popen[bytes] | None = None) -> int:
+    """Fence the generation once its deadline has passed; 0 once asked to end (SIGTERM). With
+    ``child`` (msrun), also wait for it: its end is recorded and the shim's code is its code."""
+    lag, until, said = lag_s(record.ttl_s), 0.0, ""
+    pidfd = os.pidfd_open(child.pid) if child is not None else -1
     while True:
-        try:
-            mtime = os.stat(paths.deadline).st_mtime_ns
-            if mtime != seen:
-                until, seen = read_deadline(paths), mtime
+        try:  # (read every time: a few bytes on /run; a file's time may not change between two writes)
+            until, said = read_deadline(paths), ""
         except FileNotFoundError:
             pass  # (removed as the generation ends) the last one read stands
         except (OSError, ValueError) as e:  # never extended by what cannot be read
-            log.error("deadline unreadable (%s); the last one read stands", e, extra=ctx)
+            if str(e) != said:
+                log.error("deadline unreadable (%s); the last one read stands", e, extra=ctx)
+                said = str(e)
         over = fencing.clock() - until
         if until and over >= lag:
             why = (f"{fencing.Rule.OUTAGE_TOO_LONG.value}: elasticd did not move the deadline on; "
                    f"{over:.1f}s past it (its shim fenced the generation)")
             log.error("self-fencing: %s", why, extra=ctx)
-            write_atomically(paths.fenced, json.dumps({"version": RECORD_VERSION, "reason": f"self-fenced: {why}",
-                                                       "at": fencing.clock()}))
-            left = kill(record)
+            left = kill(record)  # (first: nothing the writes below meet may hold it up)
+            try:
+                write_atomically(paths.fenced, json.dumps({"version": RECORD_VERSION, "reason": f"self-fenced: {why}",
+                                                           "at": fencing.clock()}))
+            except OSError as e:
+                log.error("the fence's record %s not written: %s", paths.fenced, e, extra=ctx)
             if left:
                 log.error("processes left after the fence: %s", left, extra=ctx)
                 return 1
-            return 0
-        time.sleep(POLL_S)
+            return 0 if child is None else exit_like(child.wait())
+        if child is None:
+            time.sleep(POLL_S)
+        elif select.select([pidfd], [], [], POLL_S)[0]:
+            code = child.wait()
+            try:
+                write_atomically(paths.exit, json.dumps({"version": RECORD_VERSION, "pid": child.pid, "code": code}))
+            except OSError as e:
+                log.error("msrun's end (%d) not recorded in %s: %s", code, paths.exit, e, extra=ctx)
+            return exit_like(code)
+
+
+def start_child(cmd: list[str], stdout_fd: int, pass_fds: list[int], cwd: str, env_fd: int) -> subprocess.Popen[bytes]:
+    """msrun, in a session of its own, its output where elasticd said, its environment the one
+    elasticd wrote to ``env_fd`` (JSON; -1: the shim's); its pid on our stdout."""
+    env = None
+    if env_fd >= 0:
+        with os.fdopen(env_fd, "rb") as f:
+            env = json.loads(f.read())
+        if not isinstance(env, dict):
+            raise ValueError("the child's environment is not a JSON object")
+    out = stdout_fd if stdout_fd >= 0 else None
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=pass_fds,
+                             cwd=cwd or None, env=env, start_new_session=True)
+    for fd in {stdout_fd, *pass_fds} - {-1}:
+        os.close(fd)
+    print(child.pid, flush=True)
+    return child
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s job=%(job)s gen=%(generation)s node=%(node)s "
                                "rank=-: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if len(argv) != 1:
-        print("usage: python -m mselastic.agent.shim RECORD (elasticd starts it)", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -I -m mselastic.agent.shim",
+                                     description="A generation's shim (elasticd starts it; see agent/shim.py).")
+    parser.add_argument("record", help="the generation's record, <logs>/<job>/g<N>.shim.json")
+    parser.add_argument("--stdout-fd", type=int, default=-1, help="the child's stdout and stderr (msrun.log)")
+    parser.add_argument("--pass-fd", type=int, action="append", default=[], help="a descriptor the child keeps")
+    parser.add_argument("--cwd", default="", help="the child's working folder")
+    parser.add_argument("--env-fd", type=int, default=-1, help="the child's environment, JSON (default: the shim's)")
+    parser.epilog = "After --: the child (msrun), whose parent the shim is."
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.cmd = cmd
     ctx = dict(job="-", generation="-", node="-")
     try:
-        record = Record.from_json(open(argv[0]).read())
+        record = Record.from_json(open(args.record).read())
     except (OSError, ValueError, TypeError) as e:
+        if args.cmd:  # (elasticd waits for the child's pid on our stdout)
+            print(f"the generation's record {args.record} cannot be used ({e})", flush=True)
         log.error("shim not started: the generation's record %s cannot be used (%s); elasticd alone fences it",
-                  argv[0], e, extra=ctx)
+                  args.record, e, extra=ctx)
         return 2
     ctx = dict(job=record.job, generation=str(record.generation), node=record.node)
     if record.read_as > 0:
         procs.read_as(record.read_as)
-    return watch(record, Paths(argv[0].removesuffix(".shim.json")), ctx)
+    child = None
+    if args.cmd:
+        # msrun's end is the shim's: a SIGTERM to the generation's process groups must not end the
+        # shim first (msrun's parent-death signal would kill it, and the ranks with it, unsaved).
+        # A handler, not SIG_IGN: the child does not inherit it.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            child = start_child(args.cmd, args.stdout_fd, args.pass_fd, args.cwd, args.env_fd)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            print(f"{args.cmd[0]} could not be started: {e}", flush=True)
+            return 127
+    else:  # (SIGTERM ends a shim that guards alone)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return watch(record, Paths(args.record.removesuffix(".shim.json")), ctx, child)
 
 
 if __name__ == "__main__":

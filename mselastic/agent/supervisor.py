@@ -1,8 +1,9 @@
 """One generation of a job on this node, from launch to its end: :class:`Generation` observes its
 processes, has :func:`mselastic.agent.verdict.judge` say what a look means, and acts on it.
 
-The generation starts cold (msrun, in a new session, dying with elasticd) or warm (standbys handed
-over: :mod:`mselastic.agent.launch`), with the environment of the trainer contract
+The generation starts cold (msrun, in a new session, its parent the generation's shim, which
+dies with elasticd for now: :mod:`mselastic.agent.shim`) or warm (standbys handed over:
+:mod:`mselastic.agent.launch`; the shim only guards them), with the environment of the trainer contract
 (:mod:`mselastic.agent.launch_env`). It then watches the workers themselves, not only msrun: msrun
 notices a dead rank only after its scheduler times out (~35 s). A worker that is gone (or a zombie)
 without having said ``finished``, or silent for longer than the hang timeout, fails the generation
@@ -85,7 +86,8 @@ class Generation:
                  pass_env: frozenset[str] = frozenset(), standbys: list[Standby] | None = None,
                  snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
                  node_limits: Limits = Limits(), heartbeat_dir: str = "",
-                 fence_deadline: Callable[[], float] = lambda: 0.0, lease_ttl_s: float = 0.0) -> None:
+                 fence_deadline: Callable[[], float] = lambda: 0.0, lease_ttl_s: float = 0.0,
+                 shim_dir: str = "") -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -155,9 +157,12 @@ class Generation:
                              effective(spec.max_processes, node_limits.max_tasks))
         self.job_group: Group | None = None
         #: The generation's shim (see agent.shim): the fence where the workers are, on the deadline
-        #: ``fence_deadline()`` says (the node's lease plus the outage grace; 0: none yet).
-        self.shim = shim.Handle(self.log_dir, self._ctx)
+        #: ``fence_deadline()`` says (the node's lease plus the outage grace; 0: none yet). Its files
+        #: in ``shim_dir`` (elasticd's own folder on /run; "": beside the log folder).
+        self.shim = shim.Handle(os.path.join(shim_dir, self.run_id) if shim_dir else self.log_dir, self._ctx)
         self._fence_deadline, self._lease_ttl_s = fence_deadline, lease_ttl_s
+        #: Called once the shim fenced the generation (the node fences as its own deadline says).
+        self.on_fenced: Callable[[str], None] = lambda why: None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -247,13 +252,18 @@ class Generation:
             # One died since it was taken (the OOM killer, a signal): cold, rather than blame the node.
             log.warning("a standby worker exited before its handover; starting cold", extra=self._ctx)
             await self.launch.go_cold()
-        try:
-            await self.shim.start(shim.Record(
+        if self.stopping:  # (stopped or fenced during the checks: nothing is started)
+            return
+        try:  # (cold: the shim starts with msrun, as its parent; warm: it guards alone)
+            self.shim.prepare(shim.Record(
                 self.spec.name, p.generation, self.node_id, sorted(self.launch.markers()), self._lease_ttl_s,
                 dataclasses.asdict(self.launch.group.layout) if self.launch.group else None,
                 self.launch.group.rel if self.launch.group else "",
                 self.user.uid if self.user and self.user.switch else -1), self._fence_deadline())
-        except OSError as e:
+            self.launch.shim = self.shim
+            if self.launch.path is Path.WARM:
+                await self.shim.guard()
+        except (OSError, RuntimeError) as e:
             await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
             return
         try:
@@ -279,7 +289,8 @@ class Generation:
         """Hand the generation to its standbys (see :meth:`Launch.warm`: it may go cold instead).
         False when it was stopped meanwhile or could not start."""
         try:
-            if not await self.launch.warm(self.launch_env, list(self.ranks.values()), lambda: self.stopping):
+            if not await self.launch.warm(self.launch_env, list(self.ranks.values()),
+                                          lambda: self.stopping or self.shim.fenced() is not None):
                 return False
         except asyncio.CancelledError:
             raise
@@ -315,6 +326,8 @@ class Generation:
         rate: on a busy node the steps to it may take longer than the grace itself.
         """
         self._begin_stop()
+        if (fenced := self.shim.fenced()) is not None:  # (its shim fenced it: that is why, whoever asks)
+            reason, now = fenced, True
         if now:
             grace_s = 0
         if grace_s > 0 and not self.state.terminal:
@@ -513,8 +526,6 @@ class Generation:
                 if fault is not None and rank_rules.exited_on_sigterm(self.ranks.values()):
                     await self._stopped_unasked()
                     return
-                if fault is not None and await self._fenced_by_shim():  # (it killed them just now)
-                    return
                 if fault is not None:
                     # Dead or hung, the collective is broken: kill at once and resume from the last
                     # committed checkpoint. (A SIGTERM to msrun's group here raced msrun's death,
@@ -540,10 +551,12 @@ class Generation:
 
     async def _fenced_by_shim(self) -> bool:
         """The shim fenced the generation (elasticd was held up past its deadline): stopped as a
-        fence, not failed."""
+        fence, not failed, and the node told (it fences as its own deadline says)."""
         why = self.shim.fenced()
         if why is not None:
-            await self.stop(0, reason=why, now=True)
+            if not self.state.terminal:
+                await self.stop(0, reason=why, now=True)
+            self.on_fenced(why)
         return why is not None
 
     def _discover(self) -> None:
@@ -608,6 +621,8 @@ class Generation:
         self._close()
 
     async def _fail(self, rank: int, reason: str, cause: FailureCause, grace_s: float = 0) -> None:
+        if await self._fenced_by_shim():  # (what looks like a failure is the fence's kill)
+            return
         self.detected_at = time.time()
         if rank in self.ranks and self.ranks[rank].last_beat:
             metrics.DETECTION.observe(time.monotonic() - self.ranks[rank].last_beat)
@@ -669,6 +684,8 @@ class Generation:
 
     async def _launch_exited(self, code: int) -> None:
         """msrun exited (cold), or every rank did (warm: the scheduler leaves once they are gone)."""
+        if await self._fenced_by_shim():
+            return
         if code == 0 and all(r.finished for r in self.ranks.values()):
             self._set(GenerationState.SUCCEEDED)
             left = await self.launch.teardown(grace_s=1)

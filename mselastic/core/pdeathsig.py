@@ -1,4 +1,5 @@
-"""Parent-death signal: the process chain elasticd -> msrun -> workers dies together.
+"""Parent-death signal: the process chain elasticd -> the generation's shim -> msrun -> workers
+dies together.
 
 msrun and the embedded etcd are started through util-linux's ``setpriv
 --pdeathsig KILL`` (never a Python ``preexec_fn``: running ctypes in a child

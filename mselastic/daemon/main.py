@@ -238,8 +238,29 @@ def heartbeat_dir() -> str:
     return path
 
 
+def shim_dir(hb_dir: str) -> str:
+    """elasticd's folder for its generations' shim files (see mselastic.agent.shim), beside the
+    heartbeat sockets' (/run/mselastic/gen for root): only elasticd may read or write there (a
+    job's user must not move its own fence deadline). "" (the files beside the logs, in elasticd's
+    folder of the job) where none can be had."""
+    if not hb_dir:
+        return ""
+    path = os.path.join(os.path.dirname(hb_dir), "gen")
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise OSError(f"{path} is not a folder of elasticd's own that only it may use")
+    except OSError as e:
+        log.warning("no folder of its own on /run for the generations' shims (%s): their files go beside the logs", e)
+        return ""
+    return path
+
+
 def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tree | None, device_kind: str,
            device_ids: tuple[int, ...]) -> NodeAgent:
+    hb_dir = heartbeat_dir()
     return NodeAgent(store, AgentConfig(node_id=s.node_id, host=s.advertise_host, agent_address=address,
                                         slots=len(device_ids) if device_ids else s.slots,
                                         device_kind=device_kind, devices=device_ids,
@@ -252,7 +273,7 @@ def _agent(s: Settings, store: Store, address: str, worker: WorkerUser, tree: Tr
                                         snapshot_root=snapshot_root(s), shutdown_grace_s=s.shutdown_grace_s,
                                         cgroups=tree, job_limits=Limits(*default_limits(s.job_memory_limit_mb,
                                                                                         s.job_max_processes)),
-                                        job_uids=s.job_uid_range, heartbeat_dir=heartbeat_dir(),
+                                        job_uids=s.job_uid_range, heartbeat_dir=hb_dir, shim_dir=shim_dir(hb_dir),
                                         max_log_mb=s.max_log_mb))
 
 

@@ -222,11 +222,13 @@ def test_a_rank_death_msrun_reports_first_is_still_blamed_on_the_rank(cluster: C
     wait_for("generation 1 training on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 5, 180, 0.05)
     still_running(etcd, JOB, "the kill")
     agent = cluster.daemons[1]
-    msrun = next(p for p in generation_processes(cluster.procs, 1) if p.ppid() == agent.pid)
+    # (msrun's parent is the generation's shim, elasticd's child: agent/shim.py.)
+    msrun = next(p for p in generation_processes(cluster.procs, 1) if psutil.Process(p.ppid()).ppid() == agent.pid)
     os.kill(agent.pid, signal.SIGSTOP)
     try:
         os.kill(worker_pids(cluster.procs, 1)[1], signal.SIGKILL)
-        wait_for("msrun on n1 to exit", lambda: msrun.status() == psutil.STATUS_ZOMBIE, 10, 0.05)
+        wait_for("msrun on n1 to exit", lambda: not msrun.is_running() or msrun.status() == psutil.STATUS_ZOMBIE,
+                 10, 0.05)
     finally:
         os.kill(agent.pid, signal.SIGCONT)
     failed = wait_for("generation 1 to end on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.state.terminal

@@ -98,3 +98,61 @@ def test_a_record_of_another_version_is_refused_in_one_line(procs: Processes, tm
     with open(os.path.join(procs.log_dir, "shim.log")) as f:
         lines = f.read().splitlines()
     assert len(lines) == 1 and "record version 99, this shim reads version 1" in lines[0], lines
+
+
+def parent_of(procs: Processes, paths: shim.Paths, tmp: str, script: str) -> tuple[subprocess.Popen[bytes], int, str]:
+    """The shim started as elasticd starts it for msrun: ``-- CMD``, the child's output to a log
+    descriptor it is handed, its environment (the generation's marker in it) through a pipe, the
+    shim's stdout a pipe on which it says the child's pid."""
+    log_path = os.path.join(tmp, "msrun.log")
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    env_r, env_w = os.pipe()
+    try:
+        sh = subprocess.Popen([sys.executable, "-I", "-m", "mselastic.agent.shim", paths.record, "--stdout-fd",
+                               str(log_fd), "--env-fd", str(env_r), "--cwd", tmp, "--", "sh", "-c", script],
+                              pass_fds=(log_fd, env_r), stdout=subprocess.PIPE, start_new_session=True)
+    finally:
+        os.close(log_fd)
+        os.close(env_r)
+    with os.fdopen(env_w, "w") as f:
+        json.dump(dict(os.environ, **{ENV_RUN_ID: MARKER, "CHILD_SAYS": "child"}), f)
+    procs.started.append(sh)
+    assert sh.stdout is not None
+    pid = int(sh.stdout.readline())
+    return sh, pid, log_path
+
+
+def test_the_shim_as_msruns_parent_exits_as_msrun_did_and_records_it(procs: Processes, tmp_path: str) -> None:
+    """On the cold path the shim is msrun's parent: it says msrun's pid, msrun's output goes to
+    its log, msrun runs in the folder it was given, and the shim records msrun's end and exits
+    with its code; killed by a signal, the shim is killed by the same one (elasticd's wait on the
+    shim is a wait on msrun). A SIGTERM to the shim does not end it before its child."""
+    tmp = str(tmp_path)
+    paths, _ = generation(procs, tmp)
+    shim.write_deadline(paths, fencing.clock() + 60)
+    sh, pid, log_path = parent_of(procs, paths, tmp, "pwd; echo $CHILD_SAYS $$; sleep 0.5; exit 3")
+    assert psutil.Process(pid).ppid() == sh.pid
+    # (The shim runs as root: the generation's marker is its child's, not its own.)
+    assert ENV_RUN_ID not in psutil.Process(sh.pid).environ() and psutil.Process(pid).environ()[ENV_RUN_ID] == MARKER
+    sh.send_signal(signal.SIGTERM)  # (the generation's process groups get one in a stop with a grace)
+    assert sh.wait(timeout=10) == 3
+    with open(paths.exit) as f:
+        assert json.load(f) == {"version": shim.RECORD_VERSION, "pid": pid, "code": 3}
+    with open(log_path) as f:
+        assert f.read().split() == [tmp, "child", str(pid)]
+    os.unlink(paths.exit)
+    sh, pid, _ = parent_of(procs, paths, tmp, "sleep 60")
+    os.kill(pid, signal.SIGKILL)
+    assert sh.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_the_shim_as_msruns_parent_fences_it_and_its_children(procs: Processes, tmp_path: str) -> None:
+    """Past the deadline the shim kills msrun and everything carrying the generation's markers,
+    then exits as msrun did (killed)."""
+    tmp = str(tmp_path)
+    paths, rank = generation(procs, tmp)
+    shim.write_deadline(paths, fencing.clock() + 1.0)
+    sh, pid, _ = parent_of(procs, paths, tmp, "sleep 60")
+    assert sh.wait(timeout=10) == -signal.SIGKILL
+    wait_for("the rank killed", lambda: not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE, 2)
+    assert shim.fence_reason(paths) is not None

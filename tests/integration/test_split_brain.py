@@ -19,7 +19,7 @@ from mselastic.core.model import Event, NodeRecord
 from mselastic.core.states import JobState
 from tests.cluster import Cluster, ClusterFault
 from tests.harness import (DATA_DIR, LENET, REPO, TEST_MARK, Pace, Sampler, check_history, elasticctl, lenet_spec,
-                           still_running, trained_steps, wait_for)
+                           marked_processes, still_running, trained_steps, wait_for)
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"
@@ -40,6 +40,18 @@ def live_generations(mark: str) -> dict[int, int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ValueError):
             continue
     return live
+
+
+def shims(mark: str) -> list[int]:
+    """The generations' shims (agent/shim.py) the test's elasticds started, still running."""
+    found = []
+    for p in marked_processes(mark):
+        try:
+            if "mselastic.agent.shim" in p.cmdline():
+                found.append(p.pid)
+        except psutil.Error:
+            continue
+    return found
 
 
 def first(sampler: Sampler, since: float, fn) -> float:  # type: ignore[no-untyped-def]
@@ -100,6 +112,8 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule, 
     assert job_node not in [m.node_id for m in p2.members]
     status = wait_for("job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 300, 0.5)
     assert status.state is JobState.SUCCEEDED, status.message
+    # Every generation's shim ended with its generation (the elasticds still run).
+    wait_for("no shim left", lambda: not shims(cluster.procs.mark), 10, 0.2)
     # (A member cut off may have trained past what its reports in etcd say.)
     check_history(etcd, JOB, total, trained={1: trained_steps(os.path.join(cluster.tmp, "out"), 1)})
     events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]

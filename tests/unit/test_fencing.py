@@ -387,8 +387,9 @@ def test_partitions_that_come_heal_and_flap_keep_one_generation() -> None:
 PAUSES = (0.5, 2.0, 4.0, 5.0, 7.0, 30.0)  # seconds an elasticd is stopped (longer ones meet the watchdog)
 
 
-@pytest.mark.parametrize("who, watchdog", [("n0", True), ("n1", True), ("n0", False), ("n1", False)])
-def test_a_paused_elasticd_is_killed_before_it_can_be_replaced(who: str, watchdog: bool) -> None:
+@pytest.mark.parametrize("who, watchdog, shims", [(who, watchdog, shims) for who in ("n0", "n1")
+                                                   for watchdog, shims in ((True, False), (False, True), (True, True))])
+def test_a_paused_elasticd_is_killed_before_it_can_be_replaced(who: str, watchdog: bool, shims: bool) -> None:
     """The job's node's elasticd (or the leader's) is SIGSTOPped: no renewals, no rounds, no
     answers, and its workers train on. It is replaced only after the watchdog killed it (and
     its workers) or, without systemd, the generation's shim killed the workers, or it wakes and
@@ -401,11 +402,11 @@ def test_a_paused_elasticd_is_killed_before_it_can_be_replaced(who: str, watchdo
             for _ in range(40):
                 cut = {p for p in sorted(FULL) if rng.random() < 0.15}
                 _, problems = run(["n0", "n1", "n2"], "n0", "n1", FULL - cut, pauses={who: (start, start + pause)},
-                                  changes=((start, FULL - cut),), watchdog=watchdog)
+                                  changes=((start, FULL - cut),), watchdog=watchdog, shims=shims)
                 runs += 1
                 failures += [f"paused {pause}s from {start}, cut {sorted(cut)}: {p}" for p in problems[:1]]
-    print(f"fencing: {runs} runs with {who}'s elasticd paused ({'watchdog' if watchdog else 'no watchdog'}, "
-          f"shims), {len(failures)} failures")
+    print(f"fencing: {runs} runs with {who}'s elasticd paused ({'a' if watchdog else 'no'} watchdog, "
+          f"{'' if shims else 'no '}shims), {len(failures)} failures")
     assert not failures, "\n".join(failures[:20])
 
 
