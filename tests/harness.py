@@ -141,6 +141,13 @@ class Etcd:
             return kv.value if kv else None
         return self._run(fn)
 
+    def lease_of(self, key: str) -> int:
+        """The lease ``key`` is held under (0: none, or no such key)."""
+        async def fn(s: Store) -> int:
+            kv = await s.get(key)
+            return kv.lease if kv else 0
+        return self._run(fn)
+
     def prefix(self, prefix: str) -> dict[str, bytes]:
         async def fn(s: Store) -> dict[str, bytes]:
             _, kvs = await s.get_prefix(prefix)

@@ -505,20 +505,29 @@ class Tree:
         named as no job can be (``.``); stop it once the helper is done (or late)."""
         return self.root.child(f".{what}-{uuid.uuid4().hex[:8]}").make()
 
-    async def sweep(self) -> None:
-        """Kill what an earlier elasticd of this node left in the subtree, and remove its groups
-        (its processes die with it anyway, by their parent-death signal: these are stragglers),
-        side by side."""
+    async def sweep(self, keep: Iterable[str] = ()) -> None:
+        """Kill what an earlier elasticd of this node left in the subtree, and remove its groups,
+        side by side, but the generations this elasticd adopted (``keep``: their groups' relative
+        paths, ``<job>/gen-<run id>``; see agent.adopt): what else is there was not adopted."""
+        keep = set(keep)
         try:
-            left = self.root.pids()
             names = [n for n in os.listdir(self.layout.members) if os.path.isdir(os.path.join(self.layout.members, n))]
+            groups = []
+            for name in names:
+                if not any(k.startswith(name + "/") for k in keep):
+                    groups.append(self.root.child(name))
+                    continue
+                job = self.root.child(name).path(self.layout.members)
+                groups += [self.root.child(f"{name}/{sub}") for sub in os.listdir(job)
+                           if os.path.isdir(os.path.join(job, sub)) and f"{name}/{sub}" not in keep]
+            left = set().union(*(g.pids() for g in groups)) if groups else set()
         except OSError as e:
             log.warning("cgroups: cannot look at %s: %s", self.layout.members, e)
             return
         if left:
             log.warning("cgroups: %d processes left by an earlier elasticd of this node in %s; killing them",
                         len(left), self.layout.members)
-        await asyncio.gather(*(self.root.child(name).stop() for name in names))
+        await asyncio.gather(*(g.stop() for g in groups))
 
     async def close(self) -> None:
         """At elasticd's exit: kill anything left and remove the subtree."""

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Collection
 
 from mselastic.agent.supervisor import Generation
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, Plan
@@ -23,10 +23,13 @@ log = logging.getLogger(__name__)
 StopGen = Callable[[str, int, float, int], Awaitable[list[int]]]
 
 
-async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event) -> None:
-    """Close what a previous elasticd of this node left open in etcd, before registering.
+async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event,
+                              keep: Collection[tuple[str, int]] = ()) -> None:
+    """Close what a previous elasticd of this node left open in etcd, before registering, but
+    the generations this one adopted (``keep``: job, generation; see agent.adopt).
 
-    A starting elasticd runs nothing, and the workers of the one before it died with it.
+    A starting elasticd runs nothing else: the workers of the one before it died with it, or
+    were killed as not adoptable.
     Its reports that still say starting or running would show the node busy for ever
     (``elasticctl drain`` would wait for ever), and when it came back within a lease TTL
     the current generation would only be relaunched once the other ranks' hang timeout
@@ -43,7 +46,7 @@ async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event) -
         with attempt:
             for key in await store.keys_under(k.all_reports):
                 parsed = k.parse_report_key(key)
-                if parsed is None or parsed[2] != node_id:
+                if parsed is None or parsed[2] != node_id or (parsed[0], parsed[1]) in keep:
                     continue
                 try:
                     rep = await store.update(key, GenerationReport.from_json, closed)

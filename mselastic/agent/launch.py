@@ -26,7 +26,7 @@ from mselastic.agent.cgroups import CgroupError, Group, join_prefix
 from mselastic.agent.launch_env import LaunchEnv
 from mselastic.agent.preflight import LaunchError
 from mselastic.agent.ranks import RankState
-from mselastic.agent.shim import Handle
+from mselastic.agent.shim import AdoptedShim, Handle
 from mselastic.agent.forkserver import Forked, Proc, Standby
 from mselastic.agent.users import WorkerUser, batch_prefix
 from mselastic.core.model import Member
@@ -83,7 +83,9 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
         # marker among it) reaches it through a pipe, for its child alone.
         shim_r, shim_w = os.pipe()
         out = io["stdout"].fileno()
-        prefix = [*with_parent_death(shim.command(out, pass_fds, cwd, env_fd=shim_r)), "--"]
+        # (No parent-death signal: the generation outlives elasticd, its shim fencing it on the
+        # deadline a successor must move on in time; see agent.adopt.)
+        prefix = [*shim.command(out, pass_fds, cwd, env_fd=shim_r), "--"]
         pass_fds, cwd, spawn_env = (*pass_fds, out, shim_r), os.getcwd(), None
         io = dict(io, stdout=asyncio.subprocess.PIPE, stderr=None)
     try:
@@ -232,7 +234,7 @@ class UnderShim:
     """msrun started by the generation's shim: msrun's pid; the shim's wait and code, which are
     msrun's (it exits as msrun did: see :mod:`mselastic.agent.shim`)."""
 
-    def __init__(self, shim: asyncio.subprocess.Process, pid: int) -> None:
+    def __init__(self, shim: asyncio.subprocess.Process | AdoptedShim, pid: int) -> None:
         self.shim, self.pid = shim, pid
 
     @property

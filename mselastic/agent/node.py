@@ -26,7 +26,7 @@ from typing import Any, Callable, Coroutine
 import grpc
 
 from mselastic import __version__
-from mselastic.agent import committed, device_health, logcap
+from mselastic.agent import adopt, committed, device_health, logcap
 from mselastic.agent.config import AgentConfig
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
@@ -38,7 +38,7 @@ from mselastic.agent.supervisor import Generation
 from mselastic.agent.users import WorkerUser
 from mselastic.core import fencing
 from mselastic.core.waits import first
-from mselastic.core.model import JobStatus, MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
@@ -57,9 +57,10 @@ SHUTDOWN_REPORT_S = 5.0
 
 
 class _StallGuard:
-    """While elasticd shuts down with workers still running: a thread that kills elasticd (and so
-    its workers, through their parent-death signals) once the event loop has not run the
-    deadline check for ``limit_s`` (a hung loop cannot fence). A context manager."""
+    """While elasticd shuts down with workers still running: a thread that kills elasticd once the
+    event loop has not run the deadline check for ``limit_s`` (a hung loop cannot fence): its warm
+    workers die with it (their parent-death signals), its cold ones by their shims' deadline (no
+    later than elasticd's own check would have killed them). A context manager."""
 
     def __init__(self, agent: "NodeAgent", limit_s: float) -> None:
         self.agent, self.limit_s = agent, limit_s
@@ -137,6 +138,8 @@ class NodeAgent:
         #: The lease expired with generations running: once registered again, keep only those that
         #: are still the committed plan of a live job.
         self._recheck = False
+        #: What an earlier elasticd of this node left running (see find_left).
+        self._found: list[adopt.Found] = []
         #: The rule the latest round without etcd went by (logged when it changes).
         self._rule: fencing.Rule | None = None
         #: Set once the cgroups an earlier elasticd of this node left are swept (after this one
@@ -158,7 +161,8 @@ class NodeAgent:
                                                                self.cfg.device_detect_interval_s, stop),
                                       name="devices")
         try:
-            await committed.close_stale_reports(self.store, self.cfg.node_id, stop)
+            adopted = await self._adopt()
+            await committed.close_stale_reports(self.store, self.cfg.node_id, stop, keep=adopted)
             while not stop.is_set():
                 previous, self._lease = self._lease, KeptLease(self.store, self.cfg.lease_ttl_s)
                 self._cover = previous
@@ -167,7 +171,8 @@ class NodeAgent:
                     break
                 await self._killed()  # a fence decided before the registration went through ends first
                 if not self._cgroups_swept.is_set() and self.cfg.cgroups is not None:
-                    await self.cfg.cgroups.sweep()
+                    await self.cfg.cgroups.sweep({g.launch.group.rel for g in self.generations.values()
+                                                  if g.launch.group is not None and not g.done.is_set()})
                     self._cgroups_swept.set()
                 self._cover, self._fenced = self._lease, False
                 on_registered()
@@ -436,15 +441,19 @@ class NodeAgent:
                     if not await self.store.create(key, self._record().to_json(), lease=lease.id):
                         holder = await self.store.get(key)
                         if holder is None or holder.lease != lease.id:
-                            await self._claim(holder)
+                            await self._claim(holder, lease)
         finally:
             if rounds is not None:
                 rounds.cancel()
                 await asyncio.gather(rounds, return_exceptions=True)
         log.info("registered %s (lease %x, ttl %ss)", key, lease.id, lease.ttl_s, extra=self._ctx)
 
-    async def _claim(self, holder: KV | None) -> None:
-        """The node id is registered under another lease: refuse, take over or wait (raises)."""
+    async def _claim(self, holder: KV | None, lease: KeptLease) -> None:
+        """The node id is registered under another lease: take it over, refuse or wait (raises
+        unless taken over). The previous elasticd at this same address (it died less than a TTL
+        ago, or handed over): its lease is kept (by id, not revoked: the generations it left run
+        on it, agent.adopt) and the record rewritten (this release's); when it cannot be kept,
+        it is revoked and the id registered anew."""
         if holder is None:
             raise TemporaryError("the registration changed meanwhile")
         try:
@@ -452,6 +461,12 @@ class NodeAgent:
         except MalformedRecord:
             address = ""
         if address == self.cfg.agent_address:
+            await lease.release()  # (the one just granted: the previous elasticd's is kept instead)
+            if await lease.adopt(holder.lease):
+                await self.store.put(self.store.keys.node(self.cfg.node_id), self._record().to_json(), lease=lease.id)
+                log.warning("took over the registration (lease %x) the previous elasticd at %s left", lease.id,
+                            address, extra=self._ctx)
+                return
             log.warning("taking over the registration left by the previous elasticd at %s", address, extra=self._ctx)
             await self.store.revoke(holder.lease)
             raise TemporaryError("the previous registration was revoked; registering")
@@ -521,13 +536,7 @@ class NodeAgent:
             if self._fenced or self._fences != fences:  # fenced meanwhile: the plan may be replaced already
                 raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd since this launch began; "
                                     f"it launches the plans committed once it is registered again")
-            gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
-                             user=user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
-                             snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
-                             cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
-                             heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
-                             lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir)
-            gen.on_fenced = self._fenced_by_shim
+            gen = self._generation(plan, spec, user)
             gen.prepare_snapshots()
             gen.take_standbys(self.standbys.take(plan.job, gen.launch_env.launch_key(),
                                                      gen.member.local_workers + (gen.member.node_rank == 0)))
@@ -536,14 +545,83 @@ class NodeAgent:
                 self._spawn(sweep_snapshot_folders(self.cfg.snapshot_root,
                                                    {j for j, g in self.generations.items() if not g.done.is_set()}
                                                    | {plan.job}, self.cfg.cgroups))
-            gen.on_joined = self._tell_peers_joined
-            gen.on_device_fault = functools.partial(self.device_health.blame, plan.job)
-            gen.check_devices = functools.partial(self.device_health.check, plan.job)
             self.generations[plan.job] = gen
             self._ended.discard(plan.job)  # submitted again
             await gen.start()
             self._changed(gen)
             return "launched"
+
+    def _generation(self, plan: Plan, spec: JobSpec, user: WorkerUser | None, run_id: str = "") -> Generation:
+        gen = Generation(plan, spec, self.cfg.node_id, self.cfg.work_dir, self._changed,
+                         user=user, allow_env=self.cfg.allow_env, pass_env=self.cfg.pass_env,
+                         snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
+                         cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
+                         heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
+                         lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir, run_id=run_id)
+        gen.on_fenced = self._fenced_by_shim
+        gen.on_joined = self._tell_peers_joined
+        gen.on_device_fault = functools.partial(self.device_health.blame, plan.job)
+        gen.check_devices = functools.partial(self.device_health.check, plan.job)
+        return gen
+
+    # -- adoption (agent.adopt) --------------------------------------------
+
+    def find_left(self) -> None:
+        """Before elasticd answers anyone: the generations an earlier elasticd of this node left
+        running (agent.adopt). Those that may be adopted count as launches under way, so that a
+        leader asking what runs here does not take them for stopped meanwhile."""
+        self._found = adopt.find(self.cfg.shim_dir, self.cfg.work_dir, self.cfg.node_id)
+        for f in self._found:
+            if f.child is not None:
+                self.launching[f.key] += 1
+
+    async def _adopt(self) -> set[tuple[str, int]]:
+        """Adopt each generation :meth:`find_left` found that etcd still has committed here; kill
+        the others. Returns the (job, generation) adopted."""
+        adopted: set[tuple[str, int]] = set()
+        for f in self._found:
+            ctx = dict(self._ctx, job=f.record.job, generation=f.record.generation)
+            why = f.why_not
+            try:
+                if f.child is not None:
+                    why = await self._take_over(f)
+                    if not why:
+                        adopted.add(f.key)
+            except Exception as e:  # (etcd away, a record gone bad, a handle refused: not adopted)
+                why = f"{type(e).__name__}: {e}"
+            finally:
+                if f.child is not None:
+                    self.launching[f.key] -= 1
+                    if self.launching[f.key] <= 0:
+                        del self.launching[f.key]
+            if why:
+                left = await asyncio.to_thread(adopt.discard, f)
+                log.warning("a generation the previous elasticd left is not adopted (%s): %s", why,
+                            f"processes left: {left}" if left else "stopped", extra=ctx)
+        self._found = []
+        return adopted
+
+    async def _take_over(self, f: adopt.Found) -> str:
+        """Adopt ``f`` if etcd still has it committed here; "" once adopted, else why not."""
+        job, generation = f.key
+        k = self.store.keys
+        plan_kv, spec_kv, status_kv = (await self.store.get(k.plan(job)), await self.store.get(k.spec(job)),
+                                       await self.store.get(k.status(job)))
+        plan = Plan.from_json(plan_kv.value) if plan_kv is not None else None
+        if plan is None or plan.generation != generation or plan.member(self.cfg.node_id) is None:
+            return "it is no longer the committed plan of its job here"
+        if spec_kv is None or (status_kv is not None and JobStatus.from_json(status_kv.value).state.terminal):
+            return "its job has ended"
+        report_kv = await self.store.get(k.report(job, generation, self.cfg.node_id))
+        report = GenerationReport.from_json(report_kv.value) if report_kv is not None else None
+        if report is not None and report.state.terminal:
+            return f"its report says it ended ({report.state.value})"
+        gen = self._generation(plan, JobSpec.from_json(spec_kv.value), await self._job_user(job), f.record.run_id)
+        assert f.child is not None
+        gen.adopt(f.child, report)
+        self.generations[job] = gen
+        self._changed(gen)
+        return ""
 
     async def _job_user(self, job: str) -> WorkerUser | None:
         """Who ``job``'s processes run as here: the uid of job_uids it got at submit (the same on

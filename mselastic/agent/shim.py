@@ -23,8 +23,11 @@ and then exits the way msrun did (its code, or killed by the same signal), so th
 wait on it is a wait on msrun. msrun's parent-death signal is the shim's: the generation lives
 as long as its shim. On the warm path (standbys of the fork server, no msrun) it only guards.
 
-For now the shim dies with elasticd (a parent-death signal, like msrun and the ranks): it guards
-the generation while elasticd cannot, not after it is gone. Run as ``python -I -m
+A shim that is msrun's parent outlives elasticd (no parent-death signal of its own): after a
+crash its generation trains on, fenced by the shim on the last deadline written, and a successor
+adopts it (:mod:`mselastic.agent.adopt`; ``.child`` says who to adopt). A shim that only guards
+(warm: the ranks are the fork server's children, and die with elasticd) dies with elasticd. Run
+as ``python -I -m
 mselastic.agent.shim RECORD [--stdout-fd N] [--pass-fd N] [--cwd DIR] [-- CMD...]`` (``-I``: it
 runs as root, and nothing of the job's folders may come first on its import path); SIGTERM ends
 a shim that only guards (elasticd sends it when the generation is over).
@@ -46,6 +49,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+import psutil
 
 from mselastic.agent import procs
 from mselastic.agent.cgroups import Group, Layout
@@ -77,6 +82,10 @@ class Record:
     cgroup_layout: dict[str, Any] | None = None
     cgroup_rel: str = ""
     read_as: int = -1  # the worker user's uid (-1: the workers run as elasticd)
+    #: The generation's run id and the work_dir of the elasticd that started it (a successor
+    #: adopts only the generations of its own work_dir and node id: agent.adopt).
+    run_id: str = ""
+    work_dir: str = ""
     version: int = RECORD_VERSION
 
     def to_json(self) -> str:
@@ -117,8 +126,12 @@ class Paths:
     def exit(self) -> str:
         return self.base + ".exit"
 
+    @property
+    def child(self) -> str:
+        return self.base + ".child"
+
     def all(self) -> list[str]:
-        return [self.record, self.deadline, self.fenced, self.exit]
+        return [self.record, self.deadline, self.fenced, self.exit, self.child]
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -155,12 +168,83 @@ def fence_reason(paths: Paths) -> str | None:
     return str(raw.get("reason", "fenced by its shim")) if isinstance(raw, dict) else "fenced by its shim"
 
 
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """What a shim that is msrun's parent wrote of itself and msrun (``.child``), each by pid and
+    start time (a pid alone may be another process's by now)."""
+
+    shim: int
+    shim_start: float
+    pid: int
+    start: float
+
+    @classmethod
+    def read(cls, paths: Paths) -> "Child | None":
+        try:
+            raw = json.loads(open(paths.child).read())
+            if raw.get("version") != RECORD_VERSION:
+                return None
+            return cls(int(raw["shim"]), float(raw["shim_start"]), int(raw["pid"]), float(raw["start"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def alive(self) -> bool:
+        """The shim and msrun both still run (the same processes)."""
+        return all(same(pid, start) for pid, start in ((self.shim, self.shim_start), (self.pid, self.start)))
+
+
+def same(pid: int, start: float) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - start) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class AdoptedShim:
+    """The shim of a generation an earlier elasticd started (a successor adopts it): not this
+    process's child, so watched through a pidfd; its code is msrun's, from ``.exit`` (none there:
+    killed, -SIGKILL)."""
+
+    def __init__(self, child: Child, paths: Paths) -> None:
+        self.pid, self.paths = child.shim, paths
+        self._fd = os.pidfd_open(child.shim)
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None and self._fd >= 0 and select.select([self._fd], [], [], 0)[0]:
+            try:
+                self._code = int(json.loads(open(self.paths.exit).read())["code"])
+            except (OSError, ValueError, KeyError, TypeError):
+                self._code = -signal.SIGKILL
+            os.close(self._fd)
+            self._fd = -1
+        return self._code
+
+    async def wait(self) -> int:
+        while (code := self.returncode) is None:
+            await asyncio.sleep(0.05)
+        return code
+
+    def _send(self, signum: int) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._fd, signum)
+
+    def terminate(self) -> None:
+        self._send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+
+
 class Handle:
     """elasticd's side of one generation's shim: start it, move its deadline on, stop it."""
 
     def __init__(self, base: str, ctx: dict[str, Any]) -> None:
         self.paths, self._ctx = Paths(base), ctx
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | AdoptedShim | None = None
         self._until, self._gone, self._ended = 0.0, False, False
         #: Why the shim fenced the generation, once read (its files go with the generation).
         self._why: str | None = None
@@ -175,6 +259,14 @@ class Handle:
         write_atomically(self.paths.record, record.to_json())
         write_deadline(self.paths, until)
         self._until = until
+
+    def adopt(self, child: Child) -> AdoptedShim:
+        """The shim an earlier elasticd started for this generation, msrun's parent (raises
+        OSError when it is gone meanwhile)."""
+        self.proc, self._parent = AdoptedShim(child, self.paths), True
+        with contextlib.suppress(OSError, ValueError):
+            self._until = read_deadline(self.paths)
+        return self.proc
 
     def command(self, stdout_fd: int = -1, pass_fds: tuple[int, ...] = (), cwd: str = "", env_fd: int = -1) -> list[str]:
         """The shim's command line; followed by ``--`` and a command, it starts that as its child."""
@@ -302,7 +394,8 @@ def watch(record: Record, paths: Paths, ctx: dict[str, Any], child: subprocess.P
             return exit_like(code)
 
 
-def start_child(cmd: list[str], stdout_fd: int, pass_fds: list[int], cwd: str, env_fd: int) -> subprocess.Popen[bytes]:
+def start_child(cmd: list[str], stdout_fd: int, pass_fds: list[int], cwd: str, env_fd: int,
+                paths: Paths, ctx: dict[str, Any]) -> subprocess.Popen[bytes]:
     """msrun, in a session of its own, its output where elasticd said, its environment the one
     elasticd wrote to ``env_fd`` (JSON; -1: the shim's); its pid on our stdout."""
     env = None
@@ -316,6 +409,13 @@ def start_child(cmd: list[str], stdout_fd: int, pass_fds: list[int], cwd: str, e
                              cwd=cwd or None, env=env, start_new_session=True)
     for fd in {stdout_fd, *pass_fds} - {-1}:
         os.close(fd)
+    try:  # (who to adopt, for elasticd's successor: the shim and its child, each by its start time)
+        write_atomically(paths.child, json.dumps({"version": RECORD_VERSION, "shim": os.getpid(),
+                                                  "shim_start": psutil.Process().create_time(), "pid": child.pid,
+                                                  "start": psutil.Process(child.pid).create_time()}))
+    except (OSError, psutil.Error) as e:
+        log.error("the child's record %s not written (%s): a successor of elasticd cannot adopt it", paths.child, e,
+                  extra=ctx)
     print(child.pid, flush=True)
     return child
 
@@ -354,7 +454,8 @@ def main(argv: list[str]) -> int:
         # A handler, not SIG_IGN: the child does not inherit it.
         signal.signal(signal.SIGTERM, lambda *_: None)
         try:
-            child = start_child(args.cmd, args.stdout_fd, args.pass_fd, args.cwd, args.env_fd)
+            child = start_child(args.cmd, args.stdout_fd, args.pass_fd, args.cwd, args.env_fd,
+                                Paths(args.record.removesuffix(".shim.json")), ctx)
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             print(f"{args.cmd[0]} could not be started: {e}", flush=True)
             return 127

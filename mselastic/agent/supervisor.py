@@ -32,7 +32,7 @@ from mselastic.agent.beats import BeatSocket, Senders
 from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
 from mselastic.agent.device_health import evidence
 from mselastic.agent.jobfiles import Unreadable, bounded
-from mselastic.agent.launch import MSRUN, Launch, Path
+from mselastic.agent.launch import MSRUN, Launch, Path, UnderShim, open_own
 from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
 from mselastic.agent.preflight import LaunchError, port_free, preflight
 from mselastic.agent.ranks import JOINED, RankState
@@ -87,12 +87,13 @@ class Generation:
                  snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
                  node_limits: Limits = Limits(), heartbeat_dir: str = "",
                  fence_deadline: Callable[[], float] = lambda: 0.0, lease_ttl_s: float = 0.0,
-                 shim_dir: str = "") -> None:
+                 shim_dir: str = "", run_id: str = "") -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
         self.plan, self.spec, self.node_id, self.member = plan, spec, node_id, member
         self.first_rank = plan.first_rank(node_id)
+        self.work_dir = work_dir
         self.log_dir = os.path.join(work_dir, "logs", spec.name, f"g{plan.generation:06d}")
         #: The planned stop's step, for the ranks: beside the log folder, in elasticd's own folder
         #: (the worker user owns the log folder; elasticd has no right to write there under the unit).
@@ -102,7 +103,8 @@ class Generation:
         #: (monotonic time, highest step) when the highest step changed, the last few: the step rate.
         self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
         self._asked: set[int] = set()  # ranks that asked for a stop step (logged once each)
-        self.run_id = f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
+        #: (An adopted generation keeps the one it was started with: agent.adopt.)
+        self.run_id = run_id or f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
         #: Where its ranks send their beats (see mselastic.agent.beats).
         self.heartbeat = heartbeat_socket(self.run_id, heartbeat_dir)
         self.state = GenerationState.STARTING
@@ -259,7 +261,8 @@ class Generation:
                 self.spec.name, p.generation, self.node_id, sorted(self.launch.markers()), self._lease_ttl_s,
                 dataclasses.asdict(self.launch.group.layout) if self.launch.group else None,
                 self.launch.group.rel if self.launch.group else "",
-                self.user.uid if self.user and self.user.switch else -1), self._fence_deadline())
+                self.user.uid if self.user and self.user.switch else -1, run_id=self.run_id,
+                work_dir=self.work_dir), self._fence_deadline())
             self.launch.shim = self.shim
             if self.launch.path is Path.WARM:
                 await self.shim.guard()
@@ -277,6 +280,42 @@ class Generation:
         # The handover waits for the scheduler to listen: in the watcher's task, not in the Launch
         # call (whose deadline would cancel it halfway).
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.run_id}")
+
+    def adopt(self, child: shim.Child, report: GenerationReport | None) -> None:
+        """Take over this generation from the elasticd that started it (see agent.adopt): msrun
+        under its shim, ``child``, still runs, and so do its ranks (found among msrun's children
+        at the first look); what they did meanwhile is in their beats to come, what the earlier
+        elasticd knew in its ``report``. Raises OSError when a handle cannot be had (the shim gone
+        meanwhile, the heartbeat socket): the caller stops the generation then."""
+        group = None
+        if self.cgroups is not None:
+            try:
+                self.job_group = self.cgroups.job(self.spec.name, self.limits)
+            except CgroupError as e:
+                raise OSError(f"the job's cgroup: {e}") from None
+            group = self.job_group.child(f"gen-{self.run_id}")
+        self.launch.group, self.launch.shim = group, self.shim
+        self.launch.msrun = UnderShim(self.shim.adopt(child), child.pid)
+        self.launch.log = open_own(os.path.join(self.log_dir, "msrun.log"))
+        senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
+                          lambda pid: any(rs.pid == pid for rs in self.ranks.values()),
+                          uid=self.user.uid if self.user is not None else os.geteuid(),
+                          cgroup="/" + group.rel if group is not None else "")
+        self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
+                                 owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
+        now = time.monotonic()
+        for rs in self.ranks.values():  # (they got through init(); the hang timeout counts from now)
+            rank_rules.reach(rs, len(Beat.PHASES), now)
+            rs.last_beat = now
+            rs.step = report.step if report is not None else rs.step
+        if report is not None:
+            self.first_step_at, self.resumed_step = report.first_step_at, report.resumed_step
+        self.started_mono, self.phase = now, Phase.WATCHING
+        if self.first_step_at:
+            self.state = GenerationState.RUNNING
+        log.info("generation adopted: msrun pid %d under its shim (pid %d), started by an earlier elasticd",
+                 child.pid, child.shim, extra=self._ctx)
+        self._task = asyncio.create_task(self.watch(), name=f"watch-{self.run_id}")
 
     async def _run(self) -> None:
         if self.launch.path is Path.WARM and not await self._warm_launch():

@@ -3,6 +3,13 @@
 Each record is a frozen dataclass with a JSON codec. Decoding checks types and
 raises :class:`MalformedRecord` (naming the key's kind and field) so a corrupt or
 hand-edited etcd value is reported, never half-used.
+
+Every record says the schema it was written in (``"schema"``: :data:`SCHEMA`). Fields added
+later are ignored by an older reader and take their defaults in a newer one, so a change of that
+kind keeps the schema; a change an older reader would misread (a field that changes meaning, a
+record whose key moves) raises it, and a reader refuses a record of a schema above its own with
+one line that says to upgrade (docs/DESIGN.md, "Records and upgrades"). A record without one was
+written before schemas: 1.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ T = TypeVar("T")
 AGENT_RESTARTED = "elasticd restarted here; its workers ended with the previous one"
 
 
+#: The schema of the records this release writes, and the highest it reads.
+SCHEMA = 1
+
+
 class MalformedRecord(ValueError):
     """An etcd value that does not decode to the record it should hold."""
 
@@ -32,6 +43,12 @@ def _decode(cls: type[T], text: str | bytes) -> T:
         raise MalformedRecord(f"{cls.__name__}: not JSON ({e})") from None
     if not isinstance(data, dict):
         raise MalformedRecord(f"{cls.__name__}: expected an object")
+    schema = data.pop("schema", 1)
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
+        raise MalformedRecord(f"{cls.__name__}: field 'schema' must be a positive int (got {schema!r:.80})")
+    if schema > SCHEMA:
+        raise MalformedRecord(f"{cls.__name__}: written in record schema {schema} by a newer mselastic; this one "
+                              f"reads up to schema {SCHEMA}: upgrade mselastic on this node")
     return _from_dict(cls, data)
 
 
@@ -96,7 +113,7 @@ def _encode(record: Any) -> str:
             return o.value
         raise TypeError(type(o).__name__)
 
-    return json.dumps(dataclasses.asdict(record), default=default, sort_keys=True)
+    return json.dumps({"schema": SCHEMA, **dataclasses.asdict(record)}, default=default, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)

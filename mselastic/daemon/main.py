@@ -327,6 +327,7 @@ async def serve(s: Settings) -> None:
         address = local  # (the peers are on this machine; see Settings.one_machine)
     agent = _agent(s, store, address, worker, tree, device_kind, device_ids)
     coordinator = _coordinator(s, store, address, local)
+    agent.find_left()  # (before anyone may ask what runs here: see agent.adopt)
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is
     # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.

@@ -57,6 +57,26 @@ class KeptLease:
         self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.id:x}")
         return self.id
 
+    async def adopt(self, lease_id: int) -> bool:
+        """Keep alive a lease an earlier owner left (an elasticd that crashed, #45), if etcd still
+        holds it with this TTL: renewed once, then kept like a granted one. False otherwise (the
+        owner then grants its own)."""
+        sent = fencing.clock()
+        try:
+            ttl = await asyncio.wait_for(self.store.refresh(lease_id), timeout=self.ttl_s / 3)
+        except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
+            log.info("lease %x not taken over (%s)", lease_id, e or "timeout")
+            return False
+        if ttl <= 0 or ttl != self.ttl_s:
+            log.info("lease %x not taken over (%s)", lease_id, "expired" if ttl <= 0 else f"its TTL is {ttl}s")
+            return False
+        self.id = lease_id
+        self._held_from(sent)
+        self.lost.clear()
+        self._last_ok = time.monotonic()
+        self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.id:x}")
+        return True
+
     async def _keep_alive(self) -> None:
         interval = self.ttl_s / 3
         while not self.lost.is_set():

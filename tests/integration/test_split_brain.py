@@ -73,13 +73,13 @@ def submit(cluster: Cluster, pace: Pace, deaf_to_term: bool = False, total: int 
 
 
 def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule,  # type: ignore[no-untyped-def]
-                deaf_to_term: bool = False, ttl_s: float = 0, total: int = 60, step_sleep_s: float = 0.3) -> None:
+                deaf_to_term: bool = False, ttl_s: float = 0, total: int = 60, step_sleep_s: float = 0.3) -> float:
     """The job on ``job_node``, ``cut()`` made after step 10: never two generations with live
     workers; the job's workers gone and a new generation's first step elsewhere within the
     documented bound (for the longest lease TTL in play, ``ttl_s``: the cluster's by default),
     its event naming the ``rule`` that let the leader replace ``job_node``; then ``heal()``, and
     the job ends SUCCEEDED with an intact history (``total`` steps, each paced at
-    ``step_sleep_s`` until then)."""
+    ``step_sleep_s`` until then). Returns when generation 1's workers were gone, counted from the cut."""
     etcd = cluster.etcd
     assert etcd is not None
     ttl_s = ttl_s or cluster.lease_ttl_s
@@ -119,6 +119,7 @@ def partitioned(cluster: Cluster, job_node: str, cut, heal, rule: fencing.Rule, 
     events = [Event.from_json(v) for v in etcd.prefix(etcd.keys.events(JOB)).values()]
     relaunch = next(e.message for e in events if e.kind == "generation" and e.generation == p2.generation)
     assert f"{job_node}: {rule.value}" in relaunch, relaunch
+    return fenced
 
 
 def test_the_leaders_rack_cut_from_etcd_and_the_third_node_trains_on_one_side_only(cluster: Cluster) -> None:
@@ -260,3 +261,24 @@ def test_a_job_nodes_elasticd_frozen_outside_systemd_never_leaves_its_job_live_b
     assert "(its shim fenced the generation)" in log, log[-2000:]
     report = etcd.report(JOB, 1, "n1")
     assert report is not None and "its shim fenced the generation" in report.reason, report
+
+
+def test_a_job_nodes_elasticd_killed_and_not_started_again_leaves_nothing_running_beside_the_relaunch(
+        cluster: Cluster) -> None:
+    """#45: n1's elasticd SIGKILLed and not started again (no systemd to restart it): its
+    generation trains on under its shim (msrun's parent, which outlives elasticd) until the fence
+    deadline the dead elasticd last wrote, then the shim kills it: within fenced_within of the
+    lease's end (a TTL past the last renewal at most), and the leader n0 relaunches on n2 only
+    after that, never beside it."""
+    cluster.up(3)
+    cluster.start_node(0, slots=0)
+    cluster.wait_registered(0)
+    cluster.start_nodes(1, slots=2)
+
+    def cut() -> None:
+        cluster.kill_node(1)
+        cluster.start_node(2, slots=2)
+
+    gone = partitioned(cluster, "n1", cut, lambda: None, fencing.Rule.FENCE_DEADLINE)
+    ttl = cluster.lease_ttl_s
+    assert fencing.outage_grace_s(ttl) <= gone <= ttl + fencing.fenced_within(ttl), gone  # (the shim, not elasticd)

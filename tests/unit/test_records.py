@@ -80,3 +80,27 @@ def test_ranks_are_contiguous_per_member() -> None:
     owners = [m.node_id if (m := plan.member_of_rank(r)) else None for r in range(-1, 6)]
     assert owners == [None, "a", "a", "b", "b", "b", None]
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_every_record_says_its_schema_and_a_newer_one_is_refused_in_one_line() -> None:
+    """Records carry the schema they were written in (#45, #49: mixed versions during an upgrade):
+    one written before schemas, or in this one, is read; a newer one is refused, saying to
+    upgrade; a field an older release does not know is ignored (additions keep the schema)."""
+    import json
+
+    from mselastic.core import model
+    rec = NodeRecord(node_id="n0", agent_address="10.0.0.1:7070", host="10.0.0.1", slots=2, version="1.0",
+                     lease_ttl_s=5)
+    raw = json.loads(rec.to_json())
+    assert raw["schema"] == model.SCHEMA == 1
+    assert NodeRecord.from_json(rec.to_json()) == rec
+    del raw["schema"]
+    assert NodeRecord.from_json(json.dumps(raw)) == rec  # (written before schemas)
+    assert NodeRecord.from_json(json.dumps({**raw, "added_later": [1, 2]})) == rec
+    with pytest.raises(MalformedRecord) as e:
+        NodeRecord.from_json(json.dumps({**raw, "schema": model.SCHEMA + 1}))
+    assert str(e.value) == ("NodeRecord: written in record schema 2 by a newer mselastic; this one reads up to "
+                            "schema 1: upgrade mselastic on this node")
+    for bad in ("1", 0, True, None):
+        with pytest.raises(MalformedRecord, match="field 'schema' must be a positive int"):
+            NodeRecord.from_json(json.dumps({**raw, "schema": bad}))

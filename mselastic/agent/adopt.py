@@ -1,0 +1,89 @@
+"""What an elasticd finds at its start that an earlier elasticd of this node left running (#45).
+
+Every generation started cold has a shim (:mod:`mselastic.agent.shim`), msrun's parent, which does
+not die with elasticd: after a crash its generation trains on, fenced by the shim on the deadline
+the dead elasticd last wrote. A successor with the same ``work_dir`` and node id finds the
+generation's record in its shim folder and adopts it (``NodeAgent._adopt``) when the shim and msrun
+still run, the deadline has not passed, and etcd still has the generation as the job's committed
+plan with this node a member; anything else it finds there is killed and its files removed, as
+the generations of an earlier elasticd were before shims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import logging
+import os
+import signal
+
+from mselastic.agent import shim
+from mselastic.core import fencing
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """One generation an earlier elasticd of this node started."""
+
+    record: shim.Record
+    paths: shim.Paths
+    #: msrun and its shim, both still running, the deadline not passed (None: not adoptable).
+    child: shim.Child | None
+    why_not: str = ""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.record.job, self.record.generation
+
+
+def find(shim_dir: str, work_dir: str, node_id: str) -> list[Found]:
+    """The generations an earlier elasticd with this ``work_dir`` and node id left, in its shim
+    folder (``shim_dir``; "": beside the logs), each said adoptable or not, and why."""
+    pattern = os.path.join(shim_dir, "*.shim.json") if shim_dir else os.path.join(work_dir, "logs", "*", "*.shim.json")
+    found = []
+    for path in sorted(glob.glob(pattern)):
+        try:
+            record = shim.Record.from_json(open(path).read())
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("a shim's record %s cannot be read (%s): left alone", path, e)
+            continue
+        paths = shim.Paths(path.removesuffix(".shim.json"))
+        child, why = shim.Child.read(paths), ""
+        if record.work_dir != work_dir or record.node != node_id:
+            # Another elasticd's on this machine; left by one whose work_dir is gone and whose
+            # generation is over (a test's, an instance removed): its files go.
+            if record.work_dir and not os.path.isdir(record.work_dir) and not (child and child.alive()):
+                for leftover in paths.all():
+                    with contextlib.suppress(OSError):
+                        os.unlink(leftover)
+            continue
+        if child is None:
+            why = "it has no msrun under its shim (started warm, or by an earlier release)"
+        elif not child.alive():
+            why = "its shim or msrun is gone"
+        else:
+            try:
+                over = fencing.clock() - shim.read_deadline(paths)
+            except (OSError, ValueError) as e:
+                over, why = 0.0, f"its deadline cannot be read ({e})"
+            if not why and over >= 0:
+                why = f"its fence deadline passed {over:.1f}s ago"
+        found.append(Found(record, paths, None if why else child, why))
+    return found
+
+
+def discard(found: Found) -> list[int]:
+    """Kill what is left of a generation not adopted (its shim first: it might fence or exit as
+    msrun did meanwhile) and remove its files; the pids left."""
+    child = found.child or shim.Child.read(found.paths)
+    if child is not None and shim.same(child.shim, child.shim_start):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child.shim, signal.SIGKILL)
+    left = shim.kill(found.record)
+    for path in found.paths.all():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return left
