@@ -50,16 +50,10 @@ def find(shim_dir: str, work_dir: str, node_id: str) -> list[Found]:
         except (OSError, ValueError, TypeError) as e:
             log.warning("a shim's record %s cannot be read (%s): left alone", path, e)
             continue
+        if record.work_dir != work_dir or record.node != node_id:
+            continue  # (another elasticd's on this machine)
         paths = shim.Paths(path.removesuffix(".shim.json"))
         child, why = shim.Child.read(paths), ""
-        if record.work_dir != work_dir or record.node != node_id:
-            # Another elasticd's on this machine; left by one whose work_dir is gone and whose
-            # generation is over (a test's, an instance removed): its files go.
-            if record.work_dir and not os.path.isdir(record.work_dir) and not (child and child.alive()):
-                for leftover in paths.all():
-                    with contextlib.suppress(OSError):
-                        os.unlink(leftover)
-            continue
         if child is None:
             why = "it has no msrun under its shim (started warm, or by an earlier release)"
         elif not child.alive():
@@ -79,9 +73,8 @@ def discard(found: Found) -> list[int]:
     """Kill what is left of a generation not adopted (its shim first: it might fence or exit as
     msrun did meanwhile) and remove its files; the pids left."""
     child = found.child or shim.Child.read(found.paths)
-    if child is not None and shim.same(child.shim, child.shim_start):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child.shim, signal.SIGKILL)
+    if child is not None:
+        shim.signal_pinned(child.shim, child.shim_start, signal.SIGKILL)
     left = shim.kill(found.record)
     for path in found.paths.all():
         with contextlib.suppress(FileNotFoundError):

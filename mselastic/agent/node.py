@@ -138,8 +138,11 @@ class NodeAgent:
         #: The lease expired with generations running: once registered again, keep only those that
         #: are still the committed plan of a live job.
         self._recheck = False
-        #: What an earlier elasticd of this node left running (see find_left).
+        #: What an earlier elasticd of this node left running (see find_left), and set once what
+        #: could be adopted is (Launch and Stop wait for it: they must meet the adopted generation).
         self._found: list[adopt.Found] = []
+        self._adopted = asyncio.Event()
+        self._adopted.set()
         #: The rule the latest round without etcd went by (logged when it changes).
         self._rule: fencing.Rule | None = None
         #: Set once the cgroups an earlier elasticd of this node left are swept (after this one
@@ -161,7 +164,10 @@ class NodeAgent:
                                                                self.cfg.device_detect_interval_s, stop),
                                       name="devices")
         try:
-            adopted = await self._adopt()
+            adopted = await self._adopt(stop)
+            # (Kept on a lease taken over, or registered anew: either way, once registered, only
+            # what etcd still has committed goes on, as after an etcd outage.)
+            self._recheck = bool(adopted)
             await committed.close_stale_reports(self.store, self.cfg.node_id, stop, keep=adopted)
             while not stop.is_set():
                 previous, self._lease = self._lease, KeptLease(self.store, self.cfg.lease_ttl_s)
@@ -428,8 +434,9 @@ class NodeAgent:
 
         Taken by a running elasticd that answers as this node: :class:`NodeIdTaken` (two daemons
         with one id would evict each other). Taken by our predecessor at this same address (it
-        died less than a TTL ago): its lease is revoked and the id registered anew. Taken by one
-        that does not answer: wait for its lease to expire."""
+        died less than a TTL ago; the work_dir's lock says it is gone): its lease is taken over
+        (agent.adopt), or where that fails revoked and the id registered anew. Taken by one that
+        does not answer: wait for its lease to expire."""
         key = self.store.keys.node(self.cfg.node_id)
         rounds = asyncio.create_task(self._fence_rounds(fencing_by, stop), name="fence-rounds") \
             if fencing_by is not None else None
@@ -494,6 +501,7 @@ class NodeAgent:
         key = (plan.job, plan.generation)
         self.launching[key] += 1
         try:
+            await self._adopted.wait()
             await self._cgroups_swept.wait()
             return await self._launch(plan, self._fences)
         finally:
@@ -567,61 +575,73 @@ class NodeAgent:
     # -- adoption (agent.adopt) --------------------------------------------
 
     def find_left(self) -> None:
-        """Before elasticd answers anyone: the generations an earlier elasticd of this node left
-        running (agent.adopt). Those that may be adopted count as launches under way, so that a
-        leader asking what runs here does not take them for stopped meanwhile."""
-        self._found = adopt.find(self.cfg.shim_dir, self.cfg.work_dir, self.cfg.node_id)
+        """Before elasticd answers anyone (and with the work_dir's lock held: no other elasticd of
+        this work_dir runs): the generations an earlier one left (agent.adopt). Those that cannot
+        be adopted are killed now; the others count as launches under way until adopted or
+        killed, so that a leader asking what runs here does not take them for stopped meanwhile."""
+        found = adopt.find(self.cfg.shim_dir, self.cfg.work_dir, self.cfg.node_id)
+        for f in found:
+            if f.child is None:
+                self._discard(f, f.why_not)
+        self._found = [f for f in found if f.child is not None]
         for f in self._found:
-            if f.child is not None:
-                self.launching[f.key] += 1
+            self.launching[f.key] += 1
+        if self._found:
+            self._adopted.clear()
 
-    async def _adopt(self) -> set[tuple[str, int]]:
+    def _discard(self, f: adopt.Found, why: str) -> None:
+        left = adopt.discard(f)
+        log.warning("a generation the previous elasticd left is not adopted (%s): %s", why,
+                    f"processes left: {left}" if left else "stopped",
+                    extra=dict(self._ctx, job=f.record.job, generation=f.record.generation))
+
+    async def _adopt(self, stop: asyncio.Event) -> set[tuple[str, int]]:
         """Adopt each generation :meth:`find_left` found that etcd still has committed here; kill
         the others. Returns the (job, generation) adopted."""
         adopted: set[tuple[str, int]] = set()
-        for f in self._found:
-            ctx = dict(self._ctx, job=f.record.job, generation=f.record.generation)
-            why = f.why_not
-            try:
-                if f.child is not None:
-                    why = await self._take_over(f)
-                    if not why:
-                        adopted.add(f.key)
-            except Exception as e:  # (etcd away, a record gone bad, a handle refused: not adopted)
-                why = f"{type(e).__name__}: {e}"
-            finally:
-                if f.child is not None:
-                    self.launching[f.key] -= 1
-                    if self.launching[f.key] <= 0:
-                        del self.launching[f.key]
-            if why:
-                left = await asyncio.to_thread(adopt.discard, f)
-                log.warning("a generation the previous elasticd left is not adopted (%s): %s", why,
-                            f"processes left: {left}" if left else "stopped", extra=ctx)
-        self._found = []
+        try:
+            for f in self._found:
+                try:
+                    why = "elasticd is stopping" if stop.is_set() else await self._take_over(f)
+                except Exception as e:  # (etcd away, a record gone bad, a handle refused: not adopted)
+                    why = f"{type(e).__name__}: {e}"
+                if why:
+                    await asyncio.to_thread(self._discard, f, why)
+                else:
+                    adopted.add(f.key)
+                self.launching[f.key] -= 1  # (only now: killed, or in self.generations)
+                if self.launching[f.key] <= 0:
+                    del self.launching[f.key]
+        finally:
+            self._found = []
+            self._adopted.set()
         return adopted
 
     async def _take_over(self, f: adopt.Found) -> str:
         """Adopt ``f`` if etcd still has it committed here; "" once adopted, else why not."""
         job, generation = f.key
         k = self.store.keys
-        plan_kv, spec_kv, status_kv = (await self.store.get(k.plan(job)), await self.store.get(k.spec(job)),
-                                       await self.store.get(k.status(job)))
-        plan = Plan.from_json(plan_kv.value) if plan_kv is not None else None
-        if plan is None or plan.generation != generation or plan.member(self.cfg.node_id) is None:
-            return "it is no longer the committed plan of its job here"
-        if spec_kv is None or (status_kv is not None and JobStatus.from_json(status_kv.value).state.terminal):
-            return "its job has ended"
-        report_kv = await self.store.get(k.report(job, generation, self.cfg.node_id))
-        report = GenerationReport.from_json(report_kv.value) if report_kv is not None else None
-        if report is not None and report.state.terminal:
-            return f"its report says it ended ({report.state.value})"
-        gen = self._generation(plan, JobSpec.from_json(spec_kv.value), await self._job_user(job), f.record.run_id)
-        assert f.child is not None
-        gen.adopt(f.child, report)
-        self.generations[job] = gen
-        self._changed(gen)
-        return ""
+        async with self._lock(job):
+            plan_kv, spec_kv, status_kv = (await self.store.get(k.plan(job)), await self.store.get(k.spec(job)),
+                                           await self.store.get(k.status(job)))
+            plan = Plan.from_json(plan_kv.value) if plan_kv is not None else None
+            if plan is None or plan.generation != generation or plan.member(self.cfg.node_id) is None:
+                return "it is no longer the committed plan of its job here"
+            if spec_kv is None or (status_kv is not None and JobStatus.from_json(status_kv.value).state.terminal):
+                return "its job has ended"
+            report_kv = await self.store.get(k.report(job, generation, self.cfg.node_id))
+            report = GenerationReport.from_json(report_kv.value) if report_kv is not None else None
+            if report is not None and report.state.terminal:
+                return f"its report says it ended ({report.state.value})"
+            if job in self.generations:
+                return f"generation {self.generations[job].plan.generation} of its job runs here already"
+            gen = self._generation(plan, JobSpec.from_json(spec_kv.value), await self._job_user(job), f.record.run_id)
+            gen.prepare_snapshots()
+            assert f.child is not None
+            gen.adopt(f.record, f.child, report)
+            self.generations[job] = gen
+            self._changed(gen)
+            return ""
 
     async def _job_user(self, job: str) -> WorkerUser | None:
         """Who ``job``'s processes run as here: the uid of job_uids it got at submit (the same on
@@ -640,6 +660,7 @@ class NodeAgent:
                    final: bool = False) -> list[int]:
         """Stop ``job``'s ``generation`` (0: whatever runs). ``final``: the job ends here, no relaunch
         follows: its standbys and snapshot folder go once nothing of it runs."""
+        await self._adopted.wait()  # (a generation being adopted is stopped once it is)
         async with self._lock(job):
             gen = self.generations.get(job)
             newer = gen is not None and generation and gen.plan.generation > generation  # (resubmitted meanwhile)

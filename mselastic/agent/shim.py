@@ -193,6 +193,31 @@ class Child:
         return all(same(pid, start) for pid, start in ((self.shim, self.shim_start), (self.pid, self.start)))
 
 
+def exited(pidfd: int) -> bool:
+    """The process of ``pidfd`` has ended (poll, not select: a busy daemon's descriptors pass 1024)."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
+def signal_pinned(pid: int, start: float, signum: int) -> bool:
+    """``signum`` to ``pid`` if it is still the process started at ``start`` (pinned by a pidfd
+    before the check: a number reused meanwhile is never signalled); whether it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if not same(pid, start):
+            return False
+        signal.pidfd_send_signal(fd, signum)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def same(pid: int, start: float) -> bool:
     try:
         p = psutil.Process(pid)
@@ -210,10 +235,13 @@ class AdoptedShim:
         self.pid, self.paths = child.shim, paths
         self._fd = os.pidfd_open(child.shim)
         self._code: int | None = None
+        if not same(child.shim, child.shim_start):  # (pinned first: the number may be another's by now)
+            os.close(self._fd)
+            raise ProcessLookupError(f"the shim (pid {child.shim}) is gone")
 
     @property
     def returncode(self) -> int | None:
-        if self._code is None and self._fd >= 0 and select.select([self._fd], [], [], 0)[0]:
+        if self._code is None and self._fd >= 0 and exited(self._fd):
             try:
                 self._code = int(json.loads(open(self.paths.exit).read())["code"])
             except (OSError, ValueError, KeyError, TypeError):
@@ -234,6 +262,11 @@ class AdoptedShim:
 
     def terminate(self) -> None:
         self._send(signal.SIGTERM)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def kill(self) -> None:
         self._send(signal.SIGKILL)
@@ -268,7 +301,8 @@ class Handle:
             self._until = read_deadline(self.paths)
         return self.proc
 
-    def command(self, stdout_fd: int = -1, pass_fds: tuple[int, ...] = (), cwd: str = "", env_fd: int = -1) -> list[str]:
+    def command(self, stdout_fd: int = -1, pass_fds: tuple[int, ...] = (), cwd: str = "",
+                env_fd: int = -1) -> list[str]:
         """The shim's command line; followed by ``--`` and a command, it starts that as its child."""
         cmd = [sys.executable, "-I", "-m", "mselastic.agent.shim", self.paths.record]
         cmd += ["--stdout-fd", str(stdout_fd)] if stdout_fd >= 0 else []
@@ -294,7 +328,10 @@ class Handle:
         return int(line)
 
     def extend(self, until: float) -> None:
-        """Move the deadline on (written when it changed; nothing before the shim is started)."""
+        """Move the deadline on (written when it changed; nothing before the shim is started, and
+        never once the last one written has passed: the shim may be fencing now)."""
+        if self._until and fencing.clock() >= self._until:
+            return
         if self.proc is not None and until != self._until:
             write_deadline(self.paths, until)
             self._until = until
@@ -385,7 +422,7 @@ def watch(record: Record, paths: Paths, ctx: dict[str, Any], child: subprocess.P
             return 0 if child is None else exit_like(child.wait())
         if child is None:
             time.sleep(POLL_S)
-        elif select.select([pidfd], [], [], POLL_S)[0]:
+        elif select.select([pidfd], [], [], POLL_S)[0]:  # (the shim's own few descriptors: select will do)
             code = child.wait()
             try:
                 write_atomically(paths.exit, json.dumps({"version": RECORD_VERSION, "pid": child.pid, "code": code}))

@@ -2,8 +2,8 @@
 processes, has :func:`mselastic.agent.verdict.judge` say what a look means, and acts on it.
 
 The generation starts cold (msrun, in a new session, its parent the generation's shim, which
-dies with elasticd for now: :mod:`mselastic.agent.shim`) or warm (standbys handed over:
-:mod:`mselastic.agent.launch`; the shim only guards them), with the environment of the trainer contract
+outlives elasticd: :mod:`mselastic.agent.shim`, and a successor adopts it: :meth:`Generation.adopt`)
+or warm (standbys handed over: :mod:`mselastic.agent.launch`; the shim only guards them), with the environment of the trainer contract
 (:mod:`mselastic.agent.launch_env`). It then watches the workers themselves, not only msrun: msrun
 notices a dead rank only after its scheduler times out (~35 s). A worker that is gone (or a zombie)
 without having said ``finished``, or silent for longer than the hang timeout, fails the generation
@@ -158,6 +158,8 @@ class Generation:
         self.limits = Limits(effective(spec.memory_limit_mb * 2**20, node_limits.memory_bytes),
                              effective(spec.max_processes, node_limits.max_tasks))
         self.job_group: Group | None = None
+        #: Taken over from an earlier elasticd (agent.adopt): the ranks' beats of the gap are lost.
+        self.adopted = False
         #: The generation's shim (see agent.shim): the fence where the workers are, on the deadline
         #: ``fence_deadline()`` says (the node's lease plus the outage grace; 0: none yet). Its files
         #: in ``shim_dir`` (elasticd's own folder on /run; "": beside the log folder).
@@ -281,20 +283,31 @@ class Generation:
         # call (whose deadline would cancel it halfway).
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.run_id}")
 
-    def adopt(self, child: shim.Child, report: GenerationReport | None) -> None:
+    def adopt(self, record: shim.Record, child: shim.Child, report: GenerationReport | None) -> None:
         """Take over this generation from the elasticd that started it (see agent.adopt): msrun
         under its shim, ``child``, still runs, and so do its ranks (found among msrun's children
         at the first look); what they did meanwhile is in their beats to come, what the earlier
-        elasticd knew in its ``report``. Raises OSError when a handle cannot be had (the shim gone
-        meanwhile, the heartbeat socket): the caller stops the generation then."""
-        group = None
-        if self.cgroups is not None:
-            try:
+        elasticd knew in its ``report``, the step they were told to stop at in the stop file.
+        Raises OSError (or RuntimeError) when a handle cannot be had (the shim gone meanwhile, the
+        log, the heartbeat socket), with nothing of this object left open: the caller kills it."""
+        try:
+            self._adopt(record, child, report)
+        except BaseException:
+            self.launch.close()
+            if isinstance(self.shim.proc, shim.AdoptedShim):
+                self.shim.proc.close()
+            if self._beats is not None:
+                self._beats.close()
+                self._beats = None
+            self.done.set()
+            raise
+
+    def _adopt(self, record: shim.Record, child: shim.Child, report: GenerationReport | None) -> None:
+        group = record.group()  # (the one it runs in, whatever this elasticd's cgroups setting)
+        if group is not None and self.cgroups is not None:
+            with contextlib.suppress(CgroupError):
                 self.job_group = self.cgroups.job(self.spec.name, self.limits)
-            except CgroupError as e:
-                raise OSError(f"the job's cgroup: {e}") from None
-            group = self.job_group.child(f"gen-{self.run_id}")
-        self.launch.group, self.launch.shim = group, self.shim
+        self.launch.group, self.launch.shim, self.adopted = group, self.shim, True
         self.launch.msrun = UnderShim(self.shim.adopt(child), child.pid)
         self.launch.log = open_own(os.path.join(self.log_dir, "msrun.log"))
         senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
@@ -303,11 +316,15 @@ class Generation:
                           cgroup="/" + group.rel if group is not None else "")
         self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
                                  owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
+        with contextlib.suppress(OSError):  # (a step the ranks may have read is never moved)
+            with open(self.stop_file, "rb") as f:
+                self.stop_at = contract.decode_stop_step(f.read(64)) or 0
         now = time.monotonic()
         for rs in self.ranks.values():  # (they got through init(); the hang timeout counts from now)
             rank_rules.reach(rs, len(Beat.PHASES), now)
             rs.last_beat = now
-            rs.step = report.step if report is not None else rs.step
+            if report is not None:
+                rs.step, rs.resumed_step = report.step, report.resumed_steps.get(str(rs.rank), -1)
         if report is not None:
             self.first_step_at, self.resumed_step = report.first_step_at, report.resumed_step
         self.started_mono, self.phase = now, Phase.WATCHING
@@ -725,6 +742,11 @@ class Generation:
         """msrun exited (cold), or every rank did (warm: the scheduler leaves once they are gone)."""
         if await self._fenced_by_shim():
             return
+        if code == 0 and self.adopted and not all(r.finished for r in self.ranks.values()):
+            # (msrun exits 0 only once every worker did; their last beats may have gone to no one.)
+            log.info("msrun exited 0: every rank finished (some while no elasticd ran)", extra=self._ctx)
+            for rs in self.ranks.values():
+                rs.finished = True
         if code == 0 and all(r.finished for r in self.ranks.values()):
             self._set(GenerationState.SUCCEEDED)
             left = await self.launch.teardown(grace_s=1)

@@ -25,7 +25,7 @@ from mselastic.core.states import FailureCause, GenerationState, JobState
 T = TypeVar("T")
 
 #: Reason on the reports a restarted elasticd closes: the generations its predecessor ran.
-AGENT_RESTARTED = "elasticd restarted here; its workers ended with the previous one"
+AGENT_RESTARTED = "elasticd restarted here; its workers ended with the previous one"  # (or were not adoptable)
 
 
 #: The schema of the records this release writes, and the highest it reads.

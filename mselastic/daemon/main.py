@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import grp
 import logging
 import os
@@ -300,9 +301,25 @@ async def _devices(s: Settings) -> tuple[str, tuple[int, ...]]:
     return kind, ids
 
 
+def lock_work_dir(work_dir: str) -> int:
+    """An exclusive lock on ``work_dir`` for elasticd's lifetime (the descriptor, kept open, not
+    inherited): two elasticds with one work_dir would take each other's generations and lease for
+    their own (agent.adopt). Raises SettingsError when another holds it."""
+    os.makedirs(work_dir, exist_ok=True)
+    fd = os.open(os.path.join(work_dir, ".elasticd.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise SettingsError(f"work_dir: {work_dir} is in use by another elasticd on this machine; give this one "
+                            f"another work_dir (or stop that one first)") from None
+    return fd
+
+
 async def serve(s: Settings) -> None:
     """Run elasticd until SIGTERM or SIGINT (see the module's doc for the shutdown)."""
     worker = await _check_node(s)
+    lock = lock_work_dir(s.work_dir)  # (held until the process exits)
     device_kind, device_ids = await _devices(s)
     try:  # (before the embedded etcd starts: on cgroup v2, elasticd may move itself into a leaf)
         tree = cgroups.setup(f"{s.node_id}-{namespace_tag(s)}", s.cgroups)
@@ -346,6 +363,7 @@ async def serve(s: Settings) -> None:
         await control_store.close()
         if etcd is not None:
             etcd.stop()
+    os.close(lock)
     if refusal:
         raise SettingsError(refusal[0])
 

@@ -120,8 +120,9 @@ class Presence:
         that expires every lease at once with every node healthy) or whose connection dropped (a
         suspect, see :meth:`suspected`: it comes here as if unregistered; ``registered`` is what
         etcd says) is asked (``Agent.Status``) what it runs. It is replaced at once when its agent
-        says it runs none of the generation (it fenced itself) or nothing listens at its address
-        (elasticd died: its workers died with it). While its agent says it runs the generation,
+        says it runs none of the generation (it fenced itself, or an elasticd started again found
+        nothing of it to adopt: agent.adopt). While its agent says it runs the generation (or is
+        adopting it),
         its jobs wait for it to register again (it is adopted then) or to fence itself. One that
         does not answer is replaced only once its registration has been gone for
         :func:`~mselastic.core.fencing.fenced_within` on this leader's clock; while it still

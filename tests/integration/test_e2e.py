@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -15,8 +16,8 @@ import pytest
 from mselastic.core.kinds import RelaunchReason
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.store.embedded import free_port
-from tests.harness import DATA_DIR, Etcd, Pace, Processes, elasticctl, elasticd_cmd, generation_processes, holds_for, \
-    lenet_spec, local_socket, start_node, still_running, wait_for, worker_pids
+from tests.harness import DATA_DIR, Etcd, Pace, Processes, Sampler, elasticctl, elasticd_cmd, generation_processes, \
+    holds_for, lenet_spec, local_socket, start_node, still_running, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"  # the harness helpers assume this job name
@@ -149,8 +150,9 @@ def test_sigkilled_elasticd_started_again_adopts_its_generation(
     """#45: elasticd is not the parent of the workload any more. SIGKILLed, it leaves the generation
     training under its shim (msrun's parent); started again within the fence deadline (as systemd
     would, or by hand), it takes over the registration's lease and adopts the generation: the same
-    worker pids, generation 1 all along, no restart counted, the progress reported again, and the
-    job ends as it would have. Twice in a row."""
+    worker pids, generation 1 all along, no restart counted, the progress reported again, no gap
+    between two steps of rank 0 longer than 2 x the step time + 1 s (its own per-step record,
+    sampled every 0.1 s), and the job ends as it would have. Twice in a row."""
     tmp = str(tmp_path)
     work, port = os.path.join(tmp, "work"), free_port()
     cmd = elasticd_cmd("n0", etcd.endpoint, port, work, namespace)
@@ -158,27 +160,40 @@ def test_sigkilled_elasticd_started_again_adopts_its_generation(
     wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
     endpoint = "unix:" + local_socket(work)
     pace = Pace(tmp, 0.3)
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, os.path.join(tmp, "out"), os.path.join(tmp, "ckpt"),
-                      total_steps=80, args=["--data", DATA_DIR, "--out", os.path.join(tmp, "out"), "--lr", "0.05",
-                                            *pace.args])
+    out = os.path.join(tmp, "out")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=80,
+                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", *pace.args])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 3, 120, poll_s=0.2)
     pids = worker_pids(procs, 1)
     lease = etcd.lease_of(etcd.keys.node("n0"))
-    for restart in range(2):
-        still_running(etcd, JOB, f"kill {restart + 1}")
-        daemon = procs.started[-1]
-        os.kill(daemon.pid, signal.SIGKILL)
-        daemon.wait(timeout=10)
-        holds_for("the generation training without elasticd", lambda: worker_pids(procs, 1) == pids, 1.0)
-        step = etcd.report(JOB, 1, "n0").step  # type: ignore[union-attr]
-        procs.start("elasticd-n0", cmd)
-        wait_for("progress reported by the successor", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step + 3,
-                 60, 0.2)
-        assert worker_pids(procs, 1) == pids
-        assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (kept by id, not revoked)
-        assert (p := etcd.plan(JOB)) is not None and p.generation == 1
+
+    def rank0_step() -> int:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(out, "samples_g1_r0.jsonl"), "rb") as f:
+                return f.read().count(b"\n")
+        return 0
+
+    with Sampler(rank0_step, every_s=0.1) as sampler:
+        for restart in range(2):
+            still_running(etcd, JOB, f"kill {restart + 1}")
+            daemon = procs.started[-1]
+            os.kill(daemon.pid, signal.SIGKILL)
+            daemon.wait(timeout=10)
+            holds_for("the generation training without elasticd", lambda: worker_pids(procs, 1) == pids, 1.0)
+            step = etcd.report(JOB, 1, "n0").step  # type: ignore[union-attr]
+            procs.start("elasticd-n0", cmd)
+            wait_for("progress reported by the successor",
+                     lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step + 3, 60, 0.2)
+            assert worker_pids(procs, 1) == pids
+            assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (kept by id, not revoked)
+            assert (p := etcd.plan(JOB)) is not None and p.generation == 1
     pace.release()
+    moved = [t for (t, step), (_, before) in zip(sampler.samples[1:], sampler.samples) if step > before]
+    gap = max(b - a for a, b in zip(moved, moved[1:]))
+    print(f"adoption: rank 0's longest gap between two steps through two SIGKILLs of elasticd: {gap:.2f}s "
+          f"(steps paced at 0.3 s; {len(moved)} steps sampled)")
+    assert gap <= 2 * 0.3 + 1.0, gap
     status = wait_for("the job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 120, 0.5)
     assert status.state is JobState.SUCCEEDED and status.generation == 1 and status.restart_count == 0, status
     with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:

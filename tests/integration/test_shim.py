@@ -19,14 +19,17 @@ from mselastic.core import fencing
 from mselastic.core.contract import ENV_RUN_ID
 from tests.harness import Processes, holds_for, wait_for
 
-MARKER = "lenet.1.n0.shimtest"
+def marker(procs: Processes) -> str:
+    """The generation's marker, the test's own (a fence kills every process carrying it: tests
+    side by side must not share one)."""
+    return f"lenet.1.n0.{procs.mark[:8]}"
 
 
 def generation(procs: Processes, tmp: str) -> tuple[shim.Paths, psutil.Process]:
     """A rank of a generation (a sleeping process with the generation's marker) and the shim's files."""
-    rank = procs.start("rank", [sys.executable, "-c", "import time; time.sleep(600)"], env={ENV_RUN_ID: MARKER})
+    rank = procs.start("rank", [sys.executable, "-c", "import time; time.sleep(600)"], env={ENV_RUN_ID: marker(procs)})
     paths = shim.Paths(os.path.join(tmp, "g000001"))
-    record = shim.Record("lenet", 1, "n0", [MARKER], ttl_s=3.0)
+    record = shim.Record("lenet", 1, "n0", [marker(procs)], ttl_s=3.0)
     shim.write_atomically(paths.record, record.to_json())
     return paths, psutil.Process(rank.pid)
 
@@ -115,7 +118,7 @@ def parent_of(procs: Processes, paths: shim.Paths, tmp: str, script: str) -> tup
         os.close(log_fd)
         os.close(env_r)
     with os.fdopen(env_w, "w") as f:
-        json.dump(dict(os.environ, **{ENV_RUN_ID: MARKER, "CHILD_SAYS": "child"}), f)
+        json.dump(dict(os.environ, **{ENV_RUN_ID: marker(procs), "CHILD_SAYS": "child"}), f)
     procs.started.append(sh)
     assert sh.stdout is not None
     pid = int(sh.stdout.readline())
@@ -133,7 +136,8 @@ def test_the_shim_as_msruns_parent_exits_as_msrun_did_and_records_it(procs: Proc
     sh, pid, log_path = parent_of(procs, paths, tmp, "pwd; echo $CHILD_SAYS $$; sleep 0.5; exit 3")
     assert psutil.Process(pid).ppid() == sh.pid
     # (The shim runs as root: the generation's marker is its child's, not its own.)
-    assert ENV_RUN_ID not in psutil.Process(sh.pid).environ() and psutil.Process(pid).environ()[ENV_RUN_ID] == MARKER
+    assert ENV_RUN_ID not in psutil.Process(sh.pid).environ()
+    assert psutil.Process(pid).environ()[ENV_RUN_ID] == marker(procs)
     sh.send_signal(signal.SIGTERM)  # (the generation's process groups get one in a stop with a grace)
     assert sh.wait(timeout=10) == 3
     with open(paths.exit) as f:
@@ -156,3 +160,47 @@ def test_the_shim_as_msruns_parent_fences_it_and_its_children(procs: Processes, 
     assert sh.wait(timeout=10) == -signal.SIGKILL
     wait_for("the rank killed", lambda: not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE, 2)
     assert shim.fence_reason(paths) is not None
+
+
+def test_a_successor_finds_what_it_may_adopt_and_kills_the_rest(procs: Processes, tmp_path: str) -> None:
+    """agent.adopt: of the records in its shim folder, a successor elasticd takes only those of its
+    own work_dir and node id; of those it may adopt only a generation whose shim and msrun both
+    still run (each the process of its start time) and whose deadline has not passed. What it may
+    not adopt is killed (the shim by a pinned signal, then by the generation's markers) and its
+    files go; another elasticd's record is left alone."""
+    from mselastic.agent import adopt
+    tmp = str(tmp_path)
+    work = os.path.join(tmp, "work")
+
+    def left(name: str, until: float, alive: bool = True, work_dir: str = work, node: str = "n0") -> psutil.Process:
+        mark = f"lenet.1.n0.{name}{procs.mark[:8]}"
+        rank = procs.start(f"{name}-rank", [sys.executable, "-c", "import time; time.sleep(600)"],
+                           env={ENV_RUN_ID: mark})
+        sh = procs.start(f"{name}-shim", [sys.executable, "-c", "import time; time.sleep(600)"])
+        paths = shim.Paths(os.path.join(tmp, mark))
+        shim.write_atomically(paths.record, shim.Record("lenet", 1, node, [mark], 3.0, run_id=mark,
+                                                        work_dir=work_dir).to_json())
+        shim.write_deadline(paths, until)
+        pid = rank.pid if alive else 999999
+        shim.write_atomically(paths.child, json.dumps({"version": 1, "shim": sh.pid,
+                                                       "shim_start": psutil.Process(sh.pid).create_time(),
+                                                       "pid": pid, "start": psutil.Process(rank.pid).create_time()}))
+        return psutil.Process(rank.pid)
+
+    now = fencing.clock()
+    good = left("good", now + 60)
+    late = left("late", now - 0.1)  # (its shim is about to fence)
+    gone = left("gone", now + 60, alive=False)  # (msrun ended)
+    other = left("other", now + 60, work_dir=os.path.join(tmp, "elsewhere"))
+    found = {f.record.run_id.rsplit(".", 1)[1].removesuffix(procs.mark[:8]): f for f in adopt.find(tmp, work, "n0")}
+    assert set(found) == {"good", "late", "gone"}
+    assert found["good"].child is not None and found["good"].why_not == ""
+    assert found["late"].child is None and "deadline passed" in found["late"].why_not
+    assert found["gone"].child is None and found["gone"].why_not == "its shim or msrun is gone"
+    for name in ("late", "gone"):
+        assert adopt.discard(found[name]) == []
+        assert not any(os.path.exists(p) for p in found[name].paths.all())
+    for p in (late, gone):
+        wait_for("the ranks not adopted killed", lambda: not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, 5)
+    assert good.is_running() and other.is_running()
+    assert os.path.exists(found["good"].paths.record)

@@ -189,6 +189,23 @@ def test_a_second_elasticd_with_a_taken_node_id_refuses_and_leaves_the_first_alo
     assert procs.started[0].poll() is None
 
 
+def test_a_second_elasticd_on_the_same_work_dir_refuses_in_one_line(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """#45: a successor adopts what an earlier elasticd of its work_dir left (its generations, its
+    lease), so two at once on one work_dir must not be: the second refuses, exit 2, and the first
+    keeps its registration."""
+    work = os.path.join(str(tmp_path), "a")
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, free_port(), work, namespace, lease_ttl_s=TTL))
+    wait_for("n0 registered", lambda: etcd.get(etcd.keys.node("n0")), 20)
+    dup = procs.start("elasticd-dup", elasticd_cmd("n1", etcd.endpoint, free_port(), work, namespace, lease_ttl_s=TTL))
+    assert dup.wait(timeout=30) == 2
+    with open(os.path.join(procs.log_dir, "elasticd-dup.log")) as f:
+        lines = [line for line in f.read().splitlines() if line.startswith("elasticd: ")]
+    assert lines == [f"elasticd: work_dir: {work} is in use by another elasticd on this machine; give this one another "
+                     f"work_dir (or stop that one first)"], lines
+    assert procs.started[0].poll() is None and etcd.get(etcd.keys.node("n1")) is None
+
+
 def test_a_node_whose_registration_vanished_registers_again(procs: Processes, etcd: Etcd, namespace: str,
                                                             tmp_path: os.PathLike[str]) -> None:
     procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, free_port(), str(tmp_path), namespace,
