@@ -26,7 +26,7 @@ from typing import Any, Callable, Coroutine
 import grpc
 
 from mselastic import __version__
-from mselastic.agent import adopt, committed, device_health, logcap
+from mselastic.agent import adopt, committed, device_health, logcap, shim
 from mselastic.agent.config import AgentConfig
 from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.pools import WarmPools
@@ -141,6 +141,7 @@ class NodeAgent:
         #: What an earlier elasticd of this node left running (see find_left), and set once what
         #: could be adopted is (Launch and Stop wait for it: they must meet the adopted generation).
         self._found: list[adopt.Found] = []
+        self._adopting: set[str] = set()
         self._adopted = asyncio.Event()
         self._adopted.set()
         #: The rule the latest round without etcd went by (logged when it changes).
@@ -501,7 +502,8 @@ class NodeAgent:
         key = (plan.job, plan.generation)
         self.launching[key] += 1
         try:
-            await self._adopted.wait()
+            if plan.job in self._adopting:  # (it must meet the generation being adopted)
+                await self._adopted.wait()
             await self._cgroups_swept.wait()
             return await self._launch(plan, self._fences)
         finally:
@@ -584,6 +586,7 @@ class NodeAgent:
             if f.child is None:
                 self._discard(f, f.why_not)
         self._found = [f for f in found if f.child is not None]
+        self._adopting = {f.record.job for f in self._found}
         for f in self._found:
             self.launching[f.key] += 1
         if self._found:
@@ -601,8 +604,8 @@ class NodeAgent:
         adopted: set[tuple[str, int]] = set()
         try:
             for f in self._found:
-                try:
-                    why = "elasticd is stopping" if stop.is_set() else await self._take_over(f)
+                try:  # (also while stopping: shut_down stops what is adopted with its grace)
+                    why = await self._take_over(f)
                 except Exception as e:  # (etcd away, a record gone bad, a handle refused: not adopted)
                     why = f"{type(e).__name__}: {e}"
                 if why:
@@ -613,7 +616,7 @@ class NodeAgent:
                 if self.launching[f.key] <= 0:
                     del self.launching[f.key]
         finally:
-            self._found = []
+            self._found, self._adopting = [], set()
             self._adopted.set()
         return adopted
 
@@ -635,6 +638,10 @@ class NodeAgent:
                 return f"its report says it ended ({report.state.value})"
             if job in self.generations:
                 return f"generation {self.generations[job].plan.generation} of its job runs here already"
+            # Time to register and move the deadline on before its shim fences (else the node would
+            # fence on its account): a TTL at least.
+            if (left := shim.read_deadline(f.paths) - fencing.clock()) < self.cfg.lease_ttl_s:
+                return f"its fence deadline is {left:.1f}s away, too close to take it over"
             gen = self._generation(plan, JobSpec.from_json(spec_kv.value), await self._job_user(job), f.record.run_id)
             gen.prepare_snapshots()
             assert f.child is not None
@@ -660,7 +667,8 @@ class NodeAgent:
                    final: bool = False) -> list[int]:
         """Stop ``job``'s ``generation`` (0: whatever runs). ``final``: the job ends here, no relaunch
         follows: its standbys and snapshot folder go once nothing of it runs."""
-        await self._adopted.wait()  # (a generation being adopted is stopped once it is)
+        if job in self._adopting:  # (a generation being adopted is stopped once it is)
+            await self._adopted.wait()
         async with self._lock(job):
             gen = self.generations.get(job)
             newer = gen is not None and generation and gen.plan.generation > generation  # (resubmitted meanwhile)
@@ -694,6 +702,7 @@ class NodeAgent:
         the whole grace (the ranks checkpoint at a step first), reported as a planned stop
         (AGENT_SHUTDOWN: no fault of the job or the node). Returns the pids left."""
         self._shutting_down = True
+        await self._adopted.wait()  # (what is being adopted is stopped too, with its grace)
         lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)))
         if self._background:  # (folders being removed; bounded: elasticd must stop)
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_REPORT_S)

@@ -264,6 +264,9 @@ class AdoptedShim:
         self._send(signal.SIGTERM)
 
     def close(self) -> None:
+        """Its pidfd closed (the generation is over): a wait still to come returns at once."""
+        if self._fd >= 0 and self.returncode is None:  # (what .exit says, if it has ended)
+            self._code = -signal.SIGKILL  # (else as it will be: the generation was torn down)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -358,6 +361,8 @@ class Handle:
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
+        if isinstance(self.proc, AdoptedShim):
+            self.proc.close()
         for path in self.paths.all():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

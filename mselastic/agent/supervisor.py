@@ -743,10 +743,11 @@ class Generation:
         if await self._fenced_by_shim():
             return
         if code == 0 and self.adopted and not all(r.finished for r in self.ranks.values()):
-            # (msrun exits 0 only once every worker did; their last beats may have gone to no one.)
-            log.info("msrun exited 0: every rank finished (some while no elasticd ran)", extra=self._ctx)
+            # (msrun exits 0 only once every worker did; the last beats of those that ended while
+            # no elasticd ran went to no one: they finished. One seen to exit is judged as ever.)
+            log.info("msrun exited 0: the ranks not seen to end finished while no elasticd ran", extra=self._ctx)
             for rs in self.ranks.values():
-                rs.finished = True
+                rs.finished = rs.finished or rs.exit_code is None
         if code == 0 and all(r.finished for r in self.ranks.values()):
             self._set(GenerationState.SUCCEEDED)
             left = await self.launch.teardown(grace_s=1)

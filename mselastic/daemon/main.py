@@ -198,7 +198,10 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
     # Requests are small (a spec is bounded far below this); answers may be larger (events).
     server = grpc.aio.server(interceptors=[Authorizer(s.insecure, leader)],
                              options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                                      *liveness.SERVER_OPTIONS])
+                                      # (gRPC's default would let a second elasticd bind the same
+                                      # address: it would take the first one's registration for its
+                                      # dead predecessor's, agent.adopt)
+                                      ("grpc.so_reuseport", 0), *liveness.SERVER_OPTIONS])
     local = _bind_socket(server, s)
     try:
         port = (server.add_secure_port(s.listen, s.tls.server_credentials()) if s.tls_cert
@@ -358,12 +361,12 @@ async def serve(s: Settings) -> None:
     try:
         refusal = await _run(s, agent, coordinator, etcd_versions, address)
     finally:
+        os.close(lock)
         await server.stop(1)
         await store.close()
         await control_store.close()
         if etcd is not None:
             etcd.stop()
-    os.close(lock)
     if refusal:
         raise SettingsError(refusal[0])
 

@@ -496,3 +496,37 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
     check_history(etcd, JOB, 40)
     resumed = {n: r.resumed_step for n in ("n0", "n1") if (r := etcd.report(JOB, 2, n)) and r.step == 40}
     assert len(resumed) == 2 and len(set(resumed.values())) == 1 and min(resumed.values()) >= 10
+
+
+def test_the_leaders_and_a_members_elasticd_sigkilled_and_started_again_leave_a_two_node_job_untouched(
+        cluster: Cluster) -> None:
+    """#45 across nodes: the job spans n0 and n1 (a rank each). n1's elasticd, then the leader's own
+    (n0's), SIGKILLed and started again at once with the same command: each adopts its rank's
+    generation (the leadership may move); the same worker pids on both nodes, generation 1 to the
+    end, no restart counted."""
+    cluster.up(2)
+    cluster.start_nodes(0, 1)
+    pace = Pace(cluster.tmp, 0.3)
+    submit(cluster, total_steps=120, pace=pace, min_nodes=2)
+    etcd = cluster.etcd
+    assert etcd is not None
+    wait_for("step 5 on both", lambda: all((r := etcd.report(JOB, 1, n)) and r.step >= 5 for n in ("n0", "n1")),
+             180, 0.2)
+    pids = worker_pids(cluster.procs, 1)
+    assert len(pids) == 2
+    for i in (1, 0):
+        still_running(etcd, JOB, f"n{i}'s kill")
+        step = etcd.report(JOB, 1, f"n{i}").step  # type: ignore[union-attr]
+        cluster.kill_node(i)
+        cluster.start_node(i)
+        node = f"n{i}"
+        wait_for(f"{node}'s progress reported again",
+                 lambda: (r := etcd.report(JOB, 1, node)) and r.step > step + 5, 60, 0.2)
+        assert worker_pids(cluster.procs, 1) == pids
+        assert (p := etcd.plan(JOB)) is not None and p.generation == 1
+    pace.release()
+    status = finished(cluster)
+    assert status.state is JobState.SUCCEEDED and status.generation == 1 and status.restart_count == 0, status
+    for i in (0, 1):
+        with open(os.path.join(cluster.procs.log_dir, f"elasticd-n{i}.log")) as f:
+            assert "generation adopted: msrun pid" in f.read(), f"n{i} did not adopt"
