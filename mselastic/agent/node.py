@@ -59,8 +59,8 @@ SHUTDOWN_REPORT_S = 5.0
 class _StallGuard:
     """While elasticd shuts down with workers still running: a thread that kills elasticd once the
     event loop has not run the deadline check for ``limit_s`` (a hung loop cannot fence): its warm
-    workers die with it (their parent-death signals), its cold ones by their shims' deadline (no
-    later than elasticd's own check would have killed them). A context manager."""
+    workers die with it (their parent-death signals), its cold ones by their shims at the fence
+    deadline (within fenced_within, as the proof counts). A context manager."""
 
     def __init__(self, agent: "NodeAgent", limit_s: float) -> None:
         self.agent, self.limit_s = agent, limit_s

@@ -46,13 +46,12 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import psutil
 
-from mselastic.agent import procs
+from mselastic.agent import procs, stop
 from mselastic.agent.cgroups import Group, Layout
 from mselastic.core import fencing
 from mselastic.core.pdeathsig import with_parent_death
@@ -135,15 +134,7 @@ class Paths:
 
 
 def write_atomically(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    stop.write_atomically(path, text.encode())  # (elasticd's alone: 0600)
 
 
 def write_deadline(paths: Paths, until: float) -> None:

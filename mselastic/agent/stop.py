@@ -15,22 +15,28 @@ from mselastic.agent.ranks import RankState
 from mselastic.core import contract
 
 
-def write_stop_step(path: str, step: int) -> None:
-    """Write ``step`` to ``path`` atomically: a temporary file of elasticd's own folder renamed over
-    it, readable by the worker user whatever the umask. Raises OSError (nothing left behind)."""
+def write_atomically(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file beside it (never through a link),
+    ``mode`` whatever the umask, renamed over it. Raises OSError (nothing left behind)."""
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
-            os.fchmod(fd, 0o644)  # the worker user reads it, whatever the umask
-            os.write(fd, contract.encode_stop_step(step))
+            os.fchmod(fd, mode)
+            os.write(fd, data)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_stop_step(path: str, step: int) -> None:
+    """Write ``step`` to ``path`` atomically, in elasticd's own folder, readable by the worker user
+    whatever the umask. Raises OSError (nothing left behind)."""
+    write_atomically(path, contract.encode_stop_step(step), 0o644)
 
 
 def signal_ranks(ranks: Iterable[RankState]) -> list[RankState]:

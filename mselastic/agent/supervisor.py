@@ -3,11 +3,12 @@ processes, has :func:`mselastic.agent.verdict.judge` say what a look means, and 
 
 The generation starts cold (msrun, in a new session, its parent the generation's shim, which
 outlives elasticd: :mod:`mselastic.agent.shim`, and a successor adopts it: :meth:`Generation.adopt`)
-or warm (standbys handed over: :mod:`mselastic.agent.launch`; the shim only guards them), with the environment of the trainer contract
-(:mod:`mselastic.agent.launch_env`). It then watches the workers themselves, not only msrun: msrun
-notices a dead rank only after its scheduler times out (~35 s). A worker that is gone (or a zombie)
-without having said ``finished``, or silent for longer than the hang timeout, fails the generation
-at once; every process of the generation is then torn down and the generation reported.
+or warm (standbys handed over: :mod:`mselastic.agent.launch`; the shim only guards them), with the
+environment of the trainer contract (:mod:`mselastic.agent.launch_env`). It then watches the
+workers themselves, not only msrun: msrun notices a dead rank only after its scheduler times out
+(~35 s). A worker that is gone (or a zombie) without having said ``finished``, or silent for longer
+than the hang timeout, fails the generation at once; every process of the generation is then torn
+down and the generation reported.
 """
 
 from __future__ import annotations
