@@ -242,13 +242,8 @@ class Generation:
                              FailureCause.LAUNCH_NODE)
             return
         self.phase = Phase.LAUNCHING
-        senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
-                          lambda pid: any(rs.pid == pid for rs in self.ranks.values()),
-                          uid=self.user.uid if self.user is not None else os.geteuid(),
-                          cgroup="/" + self.launch.group.rel if self.launch.group is not None else "")
         try:
-            self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
-                                     owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
+            self._open_beats()
         except OSError as e:
             await self._fail(-1, f"the heartbeat socket {self.heartbeat} could not be made: {e}",
                              FailureCause.LAUNCH_NODE)
@@ -284,6 +279,15 @@ class Generation:
         # call (whose deadline would cancel it halfway).
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.run_id}")
 
+    def _open_beats(self) -> None:
+        """The heartbeat socket, taking beats from the generation's processes alone (raises OSError)."""
+        senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
+                          lambda pid: any(rs.pid == pid for rs in self.ranks.values()),
+                          uid=self.user.uid if self.user is not None else os.geteuid(),
+                          cgroup="/" + self.launch.group.rel if self.launch.group is not None else "")
+        self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
+                                 owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
+
     def adopt(self, record: shim.Record, child: shim.Child, report: GenerationReport | None) -> None:
         """Take over this generation from the elasticd that started it (see agent.adopt): msrun
         under its shim, ``child``, still runs, and so do its ranks (found among msrun's children
@@ -311,12 +315,7 @@ class Generation:
         self.launch.group, self.launch.shim, self.adopted = group, self.shim, True
         self.launch.msrun = UnderShim(self.shim.adopt(child), child.pid)
         self.launch.log = open_own(os.path.join(self.log_dir, "msrun.log"))
-        senders = Senders(lambda: {proc.pid for proc in self.launch.launched()},
-                          lambda pid: any(rs.pid == pid for rs in self.ranks.values()),
-                          uid=self.user.uid if self.user is not None else os.geteuid(),
-                          cgroup="/" + group.rel if group is not None else "")
-        self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
-                                 owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
+        self._open_beats()
         with contextlib.suppress(OSError):  # (a step the ranks may have read is never moved)
             with open(self.stop_file, "rb") as f:
                 self.stop_at = contract.decode_stop_step(f.read(64)) or 0
@@ -570,8 +569,6 @@ class Generation:
         ``poll_interval_s``."""
         try:
             while not self.state.terminal and not self.stopping:
-                if await self._fenced_by_shim():
-                    return
                 self.exits.wake.clear()
                 self._discover()
                 if not self.done.is_set():

@@ -50,12 +50,16 @@ class KeptLease:
 
     async def grant(self) -> int:
         sent = fencing.clock()
-        self.id = await self.store.grant(self.ttl_s)
+        self._keep(await self.store.grant(self.ttl_s), sent)
+        return self.id
+
+    def _keep(self, lease_id: int, sent: float) -> None:
+        """``lease_id`` held since a request sent at ``sent``: kept alive from now on."""
+        self.id = lease_id
         self._held_from(sent)
         self.lost.clear()
         self._last_ok = time.monotonic()
         self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.id:x}")
-        return self.id
 
     async def adopt(self, lease_id: int) -> bool:
         """Keep alive a lease an earlier owner left (an elasticd that crashed, #45), if etcd still
@@ -70,11 +74,7 @@ class KeptLease:
         if ttl <= 0 or ttl != self.ttl_s:
             log.info("lease %x not taken over (%s)", lease_id, "expired" if ttl <= 0 else f"its TTL is {ttl}s")
             return False
-        self.id = lease_id
-        self._held_from(sent)
-        self.lost.clear()
-        self._last_ok = time.monotonic()
-        self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.id:x}")
+        self._keep(lease_id, sent)
         return True
 
     async def _keep_alive(self) -> None:
