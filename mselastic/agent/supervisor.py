@@ -254,7 +254,7 @@ class Generation:
             await self.launch.go_cold()
         if self.stopping:  # (stopped or fenced during the checks: nothing is started)
             return
-        try:  # (cold: the shim starts with msrun, as its parent; warm: it guards alone)
+        try:  # (cold: the shim starts with msrun, as its parent; warm: it guards alone, once handed over)
             self.shim.prepare(shim.Record(
                 self.spec.name, p.generation, self.node_id, sorted(self.launch.markers()), self._lease_ttl_s,
                 dataclasses.asdict(self.launch.group.layout) if self.launch.group else None,
@@ -262,8 +262,6 @@ class Generation:
                 self.user.uid if self.user and self.user.switch else -1, run_id=self.run_id,
                 work_dir=self.work_dir), self._fence_deadline())
             self.launch.shim = self.shim
-            if self.launch.path is Path.WARM:
-                await self.shim.guard()
         except (OSError, RuntimeError) as e:
             await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
             return
@@ -337,6 +335,15 @@ class Generation:
     async def _run(self) -> None:
         if self.launch.path is Path.WARM and not await self._warm_launch():
             return
+        if self.shim.proc is None and not self.stopping:
+            # Warm: the guard starts once the ranks are handed over (its Python start-up, under the
+            # default policy, would preempt their registration with the scheduler, the race
+            # MindSpore loses: journal, "A race MindSpore loses"; elasticd's own check fences meanwhile).
+            try:
+                await self.shim.guard()
+            except (OSError, RuntimeError) as e:
+                await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
+                return
         if not self.stopping:
             self.phase = Phase.WATCHING
             await self.watch()
