@@ -216,9 +216,10 @@ class LocalNode:
             print(f"warning: killed leftover processes {left}", file=sys.stderr)
 
     def stop(self) -> list[int]:
-        """Stop elasticd (it stops its workers and etcd); kill and return any marked leftovers."""
+        """Stop elasticd (SIGINT: it stops its workers and etcd; its SIGTERM would leave them to
+        their shims); kill and return any marked leftovers."""
         if self.daemon is not None and self.daemon.poll() is None:
-            os.killpg(self.daemon.pid, signal.SIGTERM)
+            os.killpg(self.daemon.pid, signal.SIGINT)
             try:
                 self.daemon.wait(timeout=30)
             except subprocess.TimeoutExpired:

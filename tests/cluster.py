@@ -241,10 +241,11 @@ class Cluster:
                 os.killpg(member.proc.pid, signal.SIGCONT)
         self.frozen = []
 
-    def kill_node(self, i: int) -> None:
-        """SIGKILL the node's elasticd; its msrun and workers die with it (parent-death signal)."""
-        os.kill(self.daemons[i].pid, signal.SIGKILL)
-        self.daemons[i].wait(timeout=10)
+    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> int:
+        """Signal the node's elasticd (SIGKILL: a crash, SIGTERM: a restart) and wait for its exit;
+        its generations started cold train on under their shims (see agent.adopt). Its exit status."""
+        os.kill(self.daemons[i].pid, sig)
+        return self.daemons[i].wait(timeout=20)
 
     def down(self) -> None:
         """Stop everything; safe to call more than once and after a partial ``up``."""

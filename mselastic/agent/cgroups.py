@@ -529,10 +529,13 @@ class Tree:
                         len(left), self.layout.members)
         await asyncio.gather(*(g.stop() for g in groups))
 
-    async def close(self) -> None:
-        """At elasticd's exit: kill anything left and remove the subtree."""
-        await self.sweep()
-        self.root.remove()
+    async def close(self, keep: Iterable[str] = ()) -> None:
+        """At elasticd's exit: kill anything left and remove the subtree, but the generations left to
+        their shims (``keep``, as :meth:`sweep` takes it), and the folders above them."""
+        keep = set(keep)
+        await self.sweep(keep)
+        if not keep:
+            self.root.remove()
 
 
 def join_prefix(groups: Iterable[Group], oom_score_adj: int = JOB_OOM_SCORE_ADJ) -> list[str]:

@@ -34,7 +34,7 @@ from mselastic.agent.reports import Reports
 from mselastic.agent.device_health import DeviceHealth
 from mselastic.agent.launch import release_standby_group, spawn_standby
 from mselastic.agent.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.supervisor import Generation, Phase
 from mselastic.agent.users import WorkerUser
 from mselastic.core import fencing
 from mselastic.core.waits import first
@@ -87,6 +87,11 @@ class NodeIdTaken(Exception):
     """Another running elasticd is registered under this node id: this one must not start."""
 
 
+class Restarting(Exception):
+    """elasticd is going away (a Launch once it is, a Stop of a generation it left to its shim):
+    the caller asks again, and the next elasticd answers."""
+
+
 class LaunchRefused(Exception):
     """The plan is not one this agent may act on (stale, not committed, not a member)."""
 
@@ -110,6 +115,9 @@ class NodeAgent:
         self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
         #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
         self._shutting_down = False
+        #: Jobs whose generation was left to its shim (:meth:`hand_over`): their cgroups stay, and
+        #: the lease is not revoked.
+        self._left: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s, cfg.device_check,
                                           user_of=self._device_user)
@@ -248,7 +256,10 @@ class NodeAgent:
                                        for g in self.generations.values() if not g.done.is_set()))
         if self._shutting_down:
             await self.reports.flush(SHUTDOWN_REPORT_S)
-        await lease.release()
+        if self._left:  # (kept alive by nobody: a successor takes it over, else it expires)
+            lease.abandon()
+        else:
+            await lease.release()
 
     async def _guard_shutdown(self, lease: KeptLease) -> None:
         """While the workers take their grace on shutdown, fencing rounds go on whenever etcd
@@ -499,6 +510,8 @@ class NodeAgent:
         """Run ``plan`` here (idempotent). Raises LaunchRefused for a plan not to act on."""
         if plan.member(self.cfg.node_id) is None:
             raise LaunchRefused(f"node {self.cfg.node_id} is not a member of generation {plan.generation}")
+        if self._shutting_down:  # (nothing new starts under an elasticd going away)
+            raise Restarting(f"elasticd on node {self.cfg.node_id} is shutting down")
         key = (plan.job, plan.generation)
         self.launching[key] += 1
         try:
@@ -678,6 +691,9 @@ class NodeAgent:
                     self._let_go(job)
             if gen is None or newer:
                 return []
+            if gen.phase is Phase.LEFT:  # (the next elasticd stops it, adopted, or kills it)
+                raise Restarting(f"elasticd on node {self.cfg.node_id} is restarting; job {job} generation "
+                                 f"{gen.plan.generation} runs on under its shim")
             if gen.plan.generation != generation:
                 # A Stop of the planned successor reaching a node still running its predecessor
                 # (its Launch not here yet): the step the other members stop at is in that plan.
@@ -697,13 +713,30 @@ class NodeAgent:
             return 0
         return plan.stop_previous_at_step if plan is not None and plan.generation == generation + 1 else 0
 
+    async def hand_over(self, grace_s: float) -> None:
+        """elasticd is restarting (SIGTERM): every generation that can go on without it (msrun
+        under its shim: Generation.can_be_left) is left to its shim, for the next elasticd to
+        adopt (agent.adopt); the others are stopped as :meth:`shut_down` stops them. The
+        registration lease is then let expire, not revoked: the next elasticd takes it over, and
+        without one the shims fence on their deadline before a leader may replace the node."""
+        self._shutting_down = True
+        await self._adopted.wait()  # (what is being adopted is left too, once it is)
+        for job in list(self.generations):
+            async with self._lock(job):
+                gen = self.generations.get(job)
+                if gen is not None and gen.can_be_left():
+                    await gen.leave()
+                    self._left.add(job)
+        await self.shut_down(grace_s)
+
     async def shut_down(self, grace_s: float) -> list[int]:
         """elasticd is stopping on request: stop every job's generation side by side, each with
         the whole grace (the ranks checkpoint at a step first), reported as a planned stop
         (AGENT_SHUTDOWN: no fault of the job or the node). Returns the pids left."""
         self._shutting_down = True
         await self._adopted.wait()  # (what is being adopted is stopped too, with its grace)
-        lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)))
+        lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)
+                                       if job not in self._left))
         if self._background:  # (folders being removed; bounded: elasticd must stop)
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_REPORT_S)
         if self.cfg.snapshot_root:
@@ -772,7 +805,8 @@ class NodeAgent:
         """At elasticd's exit (its workers stopped): kill what is left in this node's cgroups and
         remove them; not when this elasticd never registered the node id (another holds it)."""
         if self.cfg.cgroups is not None and self._cgroups_swept.is_set():
-            await self.cfg.cgroups.close()
+            await self.cfg.cgroups.close(keep={g.launch.group.rel for job, g in self.generations.items()
+                                               if job in self._left and g.launch.group is not None})
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import grpc
 import tenacity
 
-from mselastic.agent.node import LaunchRefused, LaunchUnfit, NodeAgent
+from mselastic.agent.node import LaunchRefused, LaunchUnfit, NodeAgent, Restarting
 from mselastic.wire import abort, generation_state_to_pb, plan_from_pb
 from mselastic.core.model import MalformedRecord
 from mselastic.core.spec import MAX_SECONDS, SpecError, is_job_name
@@ -39,6 +39,8 @@ class AgentService(pb_grpc.AgentServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Launch: the plan is not valid: {e}")
         try:
             message = await self.agent.launch(plan)
+        except Restarting as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"{e}; ask again")
         except LaunchUnfit as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except LaunchRefused as e:
@@ -53,8 +55,11 @@ class AgentService(pb_grpc.AgentServicer):
         if not is_job_name(request.job) or not 0 <= request.grace_period_s <= MAX_SECONDS:  # NaN fails too
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"Stop needs a job's name and a grace_period_s in 0..{MAX_SECONDS:.0f}")
-        left = await self.agent.stop(request.job, request.generation, request.grace_period_s,
-                                     request.stop_at_step, final=request.final)
+        try:
+            left = await self.agent.stop(request.job, request.generation, request.grace_period_s,
+                                         request.stop_at_step, final=request.final)
+        except Restarting as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"{e}; ask again")
         return pb.StopResponse(leftover_pids=left)
 
     async def Status(self, request: pb.AgentStatusRequest, context: grpc.aio.ServicerContext) -> pb.AgentStatusResponse:

@@ -326,7 +326,7 @@ class Handle:
         never once the last one written has passed: the shim may be fencing now)."""
         if self._until and fencing.clock() >= self._until:
             return
-        if self.proc is not None and until != self._until:
+        if self.proc is not None and not self._ended and until != self._until:
             write_deadline(self.paths, until)
             self._until = until
 
@@ -344,6 +344,16 @@ class Handle:
                       proc.pid, proc.returncode, extra=self._ctx)
         return self._why
 
+    def leave(self) -> None:
+        """elasticd leaves the generation to its shim (a planned restart, see agent.adopt): its
+        handle on the shim closes and nothing is signalled; the shim's files stay, for the next
+        elasticd to adopt the generation by, and the deadline stays where the last renewal put it."""
+        self._ended = True
+        if isinstance(self.proc, AdoptedShim):
+            self.proc.close()
+        elif self.proc is not None:
+            disown(self.proc)
+
     def end(self) -> None:
         """The generation is over: the shim is asked to end (SIGTERM; asyncio reaps it), and its
         files go (what it recorded is in the generation's report by now)."""
@@ -357,6 +367,18 @@ class Handle:
         for path in self.paths.all():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def disown(proc: asyncio.subprocess.Process) -> None:
+    """Let ``proc``, a child started through asyncio, run on after elasticd: asyncio's transport
+    kills a child it has not seen exit when it is closed or collected (BaseSubprocessTransport's
+    close, also at interpreter exit), so the transport is told the child is done with first, then
+    closed (its pipes). ``proc.returncode`` then reads -1. (Private to asyncio: a test in
+    tests/integration/test_shim.py fails if a Python changes it.)"""
+    transport = proc._transport  # type: ignore[attr-defined]
+    if transport.get_returncode() is None:
+        transport._returncode = -1
+    transport.close()
 
 
 def kill(record: Record) -> list[int]:

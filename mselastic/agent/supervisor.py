@@ -75,6 +75,7 @@ class Phase(enum.Enum):
     WATCHING = "watching"  # every process started: the watch looks at them
     STOPPING = "stopping"  # a stop (planned or not) or a teardown under way
     CLOSED = "closed"  # nothing of it runs; its socket, log and wake-ups are closed
+    LEFT = "left"  # left to its shim by an elasticd going away (a planned restart); handles closed
 
 
 class Generation:
@@ -174,10 +175,10 @@ class Generation:
     @property
     def stopping(self) -> bool:
         """A stop of this generation was asked for (planned or not)."""
-        return self.phase in (Phase.STOPPING, Phase.CLOSED)
+        return self.phase in (Phase.STOPPING, Phase.CLOSED, Phase.LEFT)
 
     def _begin_stop(self) -> None:
-        if self.phase is not Phase.CLOSED:
+        if self.phase not in (Phase.CLOSED, Phase.LEFT):
             self.phase = Phase.STOPPING
 
     @property
@@ -388,6 +389,8 @@ class Generation:
         (the one named, else the backstop they can next agree at), reached at the measured step
         rate: on a busy node the steps to it may take longer than the grace itself.
         """
+        if self.phase is Phase.LEFT:  # (its shim has it, and the next elasticd)
+            return []
         self._begin_stop()
         if (fenced := self.shim.fenced()) is not None:  # (its shim fenced it: that is why, whoever asks)
             reason, now = fenced, True
@@ -495,6 +498,33 @@ class Generation:
         and no await may have let the socket's reader run since."""
         if self._beats is not None:
             self._beats.read()
+
+    def can_be_left(self) -> bool:
+        """Whether the generation can go on without elasticd: msrun under its shim (started cold, or
+        adopted so), watched, neither stopping nor over, and not fenced."""
+        return (self.phase is Phase.WATCHING and not self.stopping and not self.state.terminal
+                and isinstance(self.launch.msrun, UnderShim) and self.launch.msrun.returncode is None
+                and self.shim.fenced() is None)
+
+    async def leave(self) -> None:
+        """Leave the generation to its shim (elasticd is restarting: see agent.adopt): nothing of it
+        is signalled; the watch ends and elasticd's handles close; its shim's files, its stop file
+        and its report (still RUNNING, with the step) stay for the next elasticd, which adopts it."""
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._drain_beats()
+        self.shim.leave()
+        self.launch.close()
+        if self._beats is not None:
+            self._beats.close()
+            self._beats = None
+        self.exits.close()
+        self.phase = Phase.LEFT
+        self.done.set()
+        log.info("generation left to its shim (pid %d), msrun pid %d: the next elasticd adopts it",
+                 self.shim.proc.pid if self.shim.proc is not None else -1,
+                 self.launch.msrun.pid if self.launch.msrun is not None else -1, extra=self._ctx)
 
     def _close(self) -> None:
         with contextlib.suppress(OSError):

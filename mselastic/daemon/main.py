@@ -20,10 +20,14 @@ watchdog timeout (a WatchdogSec longer than half of fenced_within(lease_ttl_s) i
 shortened to it with WATCHDOG_USEC=), STOPPING=1 on the way out. Metrics for
 Prometheus on --metrics-listen.
 
-SIGTERM or SIGINT: local workers are asked to checkpoint (SIGTERM, grace
-period), then killed; fencing goes on meanwhile (and an event loop that stops for
-the watchdog timeout kills elasticd, its workers with it); once they are gone the
-node's registration is revoked; exit 0.
+SIGTERM (a restart, an upgrade, systemctl stop): every generation running under its shim is
+left to it, untouched, and the node's registration lease is not revoked: the next elasticd
+adopts both (a successor within the lease's TTL); without one, each shim stops its generation on
+the node's fence deadline, before a leader may relaunch it elsewhere. A generation that cannot be
+left (a warm one, one starting) is stopped as on SIGINT.
+SIGINT (Ctrl-C): local workers are asked to checkpoint (SIGTERM, grace period), then killed;
+fencing goes on meanwhile; once they are gone the node's registration is revoked; exit 0.
+To move a node's jobs off it with a checkpoint first: elasticctl drain NODE.
 """
 
 from __future__ import annotations
@@ -377,8 +381,14 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
     then the local workers stopped with their grace. Returns why etcd was refused meanwhile."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    signals: list[signal.Signals] = []
+
+    def stop_on(sig: signal.Signals) -> None:
+        signals.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_on, sig)
     refusal: list[str] = []
     checks: set[asyncio.Task[None]] = set()
 
@@ -405,13 +415,31 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
     finally:
         stop.set()
         notify.stopping()
-        log.info("shutting down: stopping local workers (grace %.0fs)", s.shutdown_grace_s)
-        await agent.shut_down(s.shutdown_grace_s)
+        how = signals[0].name if signals else "an error"
+        why_not = hand_over_refused(agent.cfg.cgroups) if how == "SIGTERM" else how
+        if not why_not:
+            log.info("shutting down (SIGTERM): generations left to their shims for the next elasticd; the others "
+                     "stopped (grace %.0fs)", s.shutdown_grace_s)
+            await agent.hand_over(s.shutdown_grace_s)
+        else:
+            log.info("shutting down (%s): stopping local workers (grace %.0fs)", why_not, s.shutdown_grace_s)
+            await agent.shut_down(s.shutdown_grace_s)
         await agent.standbys.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         await agent.close_cgroups()
         await asyncio.gather(*checks, return_exceptions=True)
     return refusal
+
+
+def hand_over_refused(tree: Tree | None) -> str:
+    """Why this elasticd may not leave its generations to their shims at a SIGTERM ("" it may).
+    Under systemd on cgroup v2 with the limits' controllers, the unit's cgroup distributes them
+    to the jobs below it, and the kernel puts no process in such a cgroup (the no-internal-process
+    rule): systemd could not start the next elasticd there while a job is left in it."""
+    if tree is not None and tree.layout.mode == "v2" and tree.layout.v2_limits() and os.environ.get("INVOCATION_ID"):
+        return ("cgroup v2 under systemd: the unit's cgroup would take no new elasticd while a job is left "
+                "below it")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

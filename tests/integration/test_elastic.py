@@ -302,7 +302,7 @@ def test_stop_checkpoints_at_the_step_the_leader_names(procs: Processes, etcd: E
     assert elasticctl("delete", JOB, endpoint=endpoint).returncode == 0
     wait_for("the deleted job's snapshot folder gone", lambda: not os.path.exists(os.path.join(root, JOB)), 5, 0.1)
     elasticd = procs.started[0]
-    elasticd.send_signal(signal.SIGTERM)
+    elasticd.send_signal(signal.SIGINT)
     assert elasticd.wait(30) == 0
     assert not os.path.exists(root), os.listdir(root)
 

@@ -195,7 +195,7 @@ def test_the_readme_runs_as_written_as_a_user_with_a_venv_of_their_own(procs: Pr
     # Starting over: refused with the way out, then from step 0.
     assert "holds a checkpoint of step 60, at or past total_steps=60: this job is done there" in printed
     assert "final reports" not in printed  # (a shutdown after the jobs ended: nothing counted as a crash)
-    # Everything the blocks started is gone once elasticd is stopped (kill %2 %1 && wait).
+    # Everything the blocks started is gone once elasticd is stopped (kill -INT %2 %1 && wait).
     assert not [p for p in psutil.process_iter() if _marked(p, procs.mark)]
     assert not glob.glob(f"/dev/shm/mselastic-{nobody.pw_uid}/*/*"), "snapshot folders left"
 

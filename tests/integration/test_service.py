@@ -48,12 +48,13 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: os.PathLike[str]) -> None:
         text = f.read()
     r = _verify(text, os.path.join(str(tmp_path), "good"))
     assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stderr
-    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "KillMode=mixed", "After=network-online.target etcd.service"):
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "KillMode=process", "RuntimeDirectoryPreserve=yes",
+                 "After=network-online.target etcd.service"):
         assert line in text
     stop_s = int(text.split("TimeoutStopSec=")[1].split()[0])
     assert stop_s > 3 * Settings().shutdown_grace_s  # the drain grace fits with room to spare
     # The check can fail: a misspelt key and a bad value are reported.
-    bad = _verify(text.replace("KillMode=mixed", "KillMode=sometimes\nRestartt=always"),
+    bad = _verify(text.replace("KillMode=process", "KillMode=sometimes\nRestartt=always"),
                   os.path.join(str(tmp_path), "bad"))
     assert "Restartt" in bad.stderr and "kill mode" in bad.stderr
 

@@ -5,6 +5,7 @@ elasticd (tests/integration/test_split_brain.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import psutil
 from mselastic.agent import shim
 from mselastic.core import fencing
 from mselastic.core.contract import ENV_RUN_ID
-from tests.harness import Processes, holds_for, wait_for
+from tests.harness import TEST_MARK, Processes, holds_for, wait_for
 
 def marker(procs: Processes) -> str:
     """The generation's marker, the test's own (a fence kills every process carrying it: tests
@@ -204,3 +205,33 @@ def test_a_successor_finds_what_it_may_adopt_and_kills_the_rest(procs: Processes
         wait_for("the ranks not adopted killed", lambda: not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, 5)
     assert good.is_running() and other.is_running()
     assert os.path.exists(found["good"].paths.record)
+
+
+def test_a_child_disowned_outlives_its_asyncio_transport_and_the_loop(procs: Processes, tmp_path: str) -> None:
+    """elasticd leaving a generation to its shim (a restart) closes asyncio's handle on the shim:
+    asyncio kills a child it has not seen exit when its transport is closed or collected, so the
+    handle is disowned first (shim.disown, which reaches into asyncio's transport: this fails if a
+    Python changes it). Without it the child is killed: the test can fail."""
+    import asyncio
+    import gc
+
+    async def child(disown: bool) -> int:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(600)",
+                                                    env=dict(os.environ, **{TEST_MARK: procs.mark}),
+                                                    start_new_session=True)
+        if disown:
+            shim.disown(proc)
+        else:
+            proc._transport.close()  # type: ignore[attr-defined]  # (what the loop's end does to it)
+        return proc.pid
+
+    kept, killed = asyncio.run(child(True)), asyncio.run(child(False))
+    gc.collect()
+    try:
+        holds_for("the disowned child alive", lambda: psutil.Process(kept).status() != psutil.STATUS_ZOMBIE, 0.5)
+        wait_for("the other child killed", lambda: not psutil.pid_exists(killed)
+                 or psutil.Process(killed).status() == psutil.STATUS_ZOMBIE, 5)
+    finally:
+        for pid in (kept, killed):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -150,8 +150,8 @@ def test_the_leaders_rack_cut_from_etcd_and_the_third_node_trains_on_one_side_on
 
 def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node_while_it_shuts_down(
         cluster: Cluster) -> None:
-    """The mirror case, while n1's elasticd is being stopped: n1 runs the job, gets a SIGTERM
-    (a minute's shutdown grace, and its rank 0 deaf to SIGTERM), and loses etcd and the leader n0,
+    """The mirror case, while n1's elasticd is being stopped with its jobs: n1 runs the job, gets a
+    SIGINT (a minute's shutdown grace, and its rank 0 deaf to SIGTERM), and loses etcd and the leader n0,
     but reaches n2, which reaches etcd. A shutdown is no reason to stop fencing: n1 is the one cut
     off and kills its workers at once, not at the end of their grace; n0 cannot hear that from
     n1, so it waits for n1's fencing deadline, then relaunches on n2."""
@@ -161,7 +161,7 @@ def test_the_job_node_cut_from_etcd_and_the_leader_but_not_from_a_third_node_whi
     cluster.start_nodes(1, 2, slots=2, extra=("--shutdown-grace-s", "60"))
 
     def cut() -> None:
-        os.kill(cluster.daemons[1].pid, signal.SIGTERM)
+        os.kill(cluster.daemons[1].pid, signal.SIGINT)
         time.sleep(0.5)  # the ranks asked to stop; rank 0 trains on (then waits for rank 1) until killed
         cluster.inject(ClusterFault.CUT_FROM_ETCD, 1)
         cluster.cut(0, 1)
