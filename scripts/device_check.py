@@ -23,8 +23,8 @@ import time
 
 from localnode import LocalNode, say, wait_for
 
-from mselastic.agent.devices import detect
-from mselastic.agent.xid import read_events
+from mselastic.agent.devices.detect import detect
+from mselastic.agent.devices.xid import read_events
 from mselastic.core.devices import VISIBLE, format_ids
 
 #: A rank: what it was launched with, into OUT/<job>-<rank>.json; then it waits to be stopped.

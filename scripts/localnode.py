@@ -142,7 +142,7 @@ class LocalNode:
         """Start elasticd (``extra``: more flags, e.g. ``--warm-standbys false``)."""
         # The workers run as an unprivileged user; where this machine's Python is out of that
         # user's reach (a pyenv in /root), the demo says so and runs them as root, out loud.
-        from mselastic.agent.users import UserError, cannot_run_python, resolve
+        from mselastic.agent.containment.users import UserError, cannot_run_python, resolve
 
         try:
             why = cannot_run_python(resolve(""))

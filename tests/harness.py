@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 import psutil
 import tenacity
 
-from mselastic.agent.procs import exit_status
+from mselastic.agent.containment.procs import exit_status
 from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
 from mselastic.store import versions

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Collection
 
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.generation.supervisor import Generation
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, JobState
@@ -59,9 +59,10 @@ async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event,
 
 async def keep_committed(store: Store, node_id: str, generations: dict[str, Generation], stop_gen: StopGen,
                          stop: asyncio.Event) -> None:
-    """After the lease expired with workers running: stop every generation that is no longer the
-    plan committed for a live job (the coordinator relaunched without this node meanwhile, or
-    the job ended); the others go on, and the coordinator adopts them."""
+    """After the lease expired with workers running, or generations adopted: stop every generation
+    that is no longer the plan committed for a live job (the coordinator relaunched without this
+    node meanwhile: at once, or at the step a planned change names; the job ended: with its grace,
+    the ranks checkpoint first); the others go on, and the coordinator adopts them."""
     k = store.keys
     async for attempt in store.retry.reconnecting(stop):
         with attempt:
@@ -69,19 +70,24 @@ async def keep_committed(store: Store, node_id: str, generations: dict[str, Gene
                 if gen.done.is_set():
                     continue
                 plan_kv, status_kv = await store.get(k.plan(job)), await store.get(k.status(job))
-                why = ""
+                why, grace, at = "", 0.0, 0
                 try:
-                    if plan_kv is None or Plan.from_json(plan_kv.value) != gen.plan:
+                    plan = Plan.from_json(plan_kv.value) if plan_kv is not None else None
+                    if plan is None or plan != gen.plan:
                         why = "a newer generation was committed meanwhile"
+                        if plan is not None and plan.planned and plan.generation == gen.plan.generation + 1:
+                            # (a planned change: the ranks stop at the step the new plan names)
+                            grace, at = gen.spec.stop_grace_period_s, plan.stop_previous_at_step
                     elif status_kv is not None and (st := JobStatus.from_json(status_kv.value).state) is not \
                             JobState.RUNNING:
-                        why = f"the job is {st.value} meanwhile"
+                        # (stopped meanwhile, its Stop lost: the ranks checkpoint first, as it would have)
+                        why, grace = f"the job is {st.value} meanwhile", gen.spec.stop_grace_period_s
                 except MalformedRecord as e:
                     why = f"its record is unreadable ({e})"
                 ctx = dict(node=node_id, job=job, generation=gen.plan.generation)
                 if why:
                     log.warning("stopping generation %d: %s", gen.plan.generation, why, extra=ctx)
-                    await stop_gen(job, gen.plan.generation, 0.0, 0)
+                    await stop_gen(job, gen.plan.generation, grace, at)
                 else:
                     log.info("generation %d is still the committed plan: it goes on", gen.plan.generation,
                              extra=ctx)

@@ -21,26 +21,28 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Collection, Coroutine
 
 import grpc
 
 from mselastic import __version__
-from mselastic.agent import adopt, committed, device_health, logcap, shim
+from mselastic.agent import committed
+from mselastic.agent.containment import logcap
+from mselastic.agent.generation import adopt, shim
 from mselastic.agent.config import AgentConfig
 from mselastic.agent.peers import Peers, reaches_etcd
-from mselastic.agent.pools import WarmPools
+from mselastic.agent.standbys.pools import WarmPools
 from mselastic.agent.reports import Reports
-from mselastic.agent.device_health import DeviceHealth
-from mselastic.agent.launch import release_standby_group, spawn_standby
-from mselastic.agent.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
-from mselastic.agent.supervisor import Generation, Phase
-from mselastic.agent.users import WorkerUser
+from mselastic.agent.devices.health import DeviceHealth, unfit
+from mselastic.agent.generation.launch import release_standby_group, spawn_standby
+from mselastic.agent.containment.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
+from mselastic.agent.generation.supervisor import Generation, Phase
+from mselastic.agent.containment.users import WorkerUser
 from mselastic.core import fencing
 from mselastic.core.waits import first
 from mselastic.core.model import GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
-from mselastic.core.states import FailureCause, GenerationState
+from mselastic.core.states import FailureCause, GenerationState, NodeState, check_node_transition
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
 from mselastic.v1 import elastic_pb2 as pb
@@ -106,15 +108,15 @@ class NodeAgent:
         self.store = store
         self.cfg = cfg
         self.generations: dict[str, Generation] = {}
-        #: Standby workers per job (see mselastic.agent.pools).
+        #: Standby workers per job (see mselastic.agent.standbys.pools).
         self.standbys = WarmPools(cfg.node_id)
         self._background: set[asyncio.Task[None]] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._ended: set[str] = set()  # jobs the leader said end here (a final Stop): nothing relaunches them
         #: This node's reports in etcd, written when a generation changes.
         self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
-        #: elasticd is stopping on request (see shut_down): what is stopped now is a planned restart.
-        self._shutting_down = False
+        #: Where this node's registration stands (core.states.NodeState; moved by :meth:`_to`).
+        self.state = NodeState.STARTING
         #: Jobs whose generation was left to its shim (:meth:`hand_over`): their cgroups stay, and
         #: the lease is not revoked.
         self._left: set[str] = set()
@@ -123,8 +125,6 @@ class NodeAgent:
                                           user_of=self._device_user)
         self._lease: KeptLease | None = None
         self.peers = Peers(store, cfg.node_id, cfg.lease_ttl_s, cfg.tls)
-        #: Fenced without etcd: nothing is launched here until this node is registered again.
-        self._fenced = False
         #: How many times this agent fenced: a launch begun before a fence (it may have read a plan
         #: replaced since) is refused, even once the node is registered again.
         self._fences = 0
@@ -162,6 +162,17 @@ class NodeAgent:
 
     # -- registration ------------------------------------------------------
 
+    def _to(self, new: NodeState) -> None:
+        """Move the node's state (core.states.NODE_TRANSITIONS; an illegal move raises
+        IllegalTransition: a bug). Once DRAINING, only CLOSED: the registration's ups and downs
+        while elasticd goes away change nothing of what it does."""
+        old = self.state
+        if new is old or (old is NodeState.DRAINING and new is not NodeState.CLOSED):
+            return
+        check_node_transition(old, new)
+        self.state = new
+        log.info("node %s -> %s", old.value, new.value, extra=self._ctx)
+
     async def run(self, stop: asyncio.Event, on_registered: Callable[[], None] = lambda: None) -> None:
         reporter = asyncio.create_task(self.reports.run(stop), name="reporter")
         fencer = asyncio.create_task(self._fence_loop(stop), name="fence")
@@ -179,6 +190,8 @@ class NodeAgent:
             self._recheck = bool(adopted)
             await committed.close_stale_reports(self.store, self.cfg.node_id, stop, keep=adopted)
             while not stop.is_set():
+                if self.state not in (NodeState.FENCED, NodeState.REREGISTERING):
+                    self._to(NodeState.REGISTERING)
                 previous, self._lease = self._lease, KeptLease(self.store, self.cfg.lease_ttl_s)
                 self._cover = previous
                 await self._register(self._lease, stop, fencing_by=previous)
@@ -189,7 +202,8 @@ class NodeAgent:
                     await self.cfg.cgroups.sweep({g.launch.group.rel for g in self.generations.values()
                                                   if g.launch.group is not None and not g.done.is_set()})
                     self._cgroups_swept.set()
-                self._cover, self._fenced = self._lease, False
+                self._cover = self._lease
+                self._to(NodeState.HOLDING)
                 on_registered()
                 keeper = None
                 if self._recheck:
@@ -206,7 +220,7 @@ class NodeAgent:
                 if stop.is_set():
                     break
                 running = [g for g in self.generations.values() if not g.done.is_set()]
-                if running:
+                if running and self.state is not NodeState.FENCED:  # (fenced: they are being killed)
                     # Not fenced so far (the rounds go on until this node is registered again), so
                     # the lease expired with etcd, not with this node. The coordinator holds the
                     # jobs of a member whose agent still runs their generation (see
@@ -216,6 +230,7 @@ class NodeAgent:
                                 "the committed generation(s) of %s", ", ".join(sorted(g.plan.job for g in running)),
                                 extra=self._ctx)
                     self._recheck = True
+                    self._to(NodeState.REREGISTERING)
         finally:
             cover = self._cover or self._lease
             guard = asyncio.create_task(self._guard_shutdown(cover), name="fence-shutdown") \
@@ -227,6 +242,8 @@ class NodeAgent:
                 if guard is not None:
                     guard.cancel()
                     await asyncio.gather(guard, return_exceptions=True)
+                self._to(NodeState.DRAINING)
+                self._to(NodeState.CLOSED)
                 self._closed.set()
                 for t in (reporter, fencer, deadline, capper, watcher):
                     t.cancel()
@@ -254,7 +271,7 @@ class NodeAgent:
                 await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True,
                                               cause=FailureCause.AGENT_SHUTDOWN)
                                        for g in self.generations.values() if not g.done.is_set()))
-        if self._shutting_down:
+        if self.state is NodeState.DRAINING:
             await self.reports.flush(SHUTDOWN_REPORT_S)
         if self._left:  # (kept alive by nobody: a successor takes it over, else it expires)
             lease.abandon()
@@ -303,9 +320,13 @@ class NodeAgent:
         try:
             while not stop.is_set() and not lease.lost.is_set():
                 await first(lease.lost, lease.unreachable, stop)
+                if lease.unreachable.is_set() and self.state is NodeState.HOLDING:
+                    self._to(NodeState.UNREACHABLE)
                 while lease.unreachable.is_set() and not stop.is_set() and not lease.lost.is_set():
                     await self._fence_round(lease)
                     await first(lease.lost, stop, timeout_s=fencing.round_s(self.cfg.lease_ttl_s))
+                if self.state is NodeState.UNREACHABLE and not lease.unreachable.is_set() and not lease.lost.is_set():
+                    self._to(NodeState.HOLDING)
         finally:
             peers.cancel()
             await asyncio.gather(peers, return_exceptions=True)
@@ -395,7 +416,7 @@ class NodeAgent:
         held up), so the node fences as its own check would have (the lease abandoned, every
         other generation killed, registered again), unless it has already."""
         cover = self._cover
-        if cover is not None and not self._fenced:
+        if cover is not None and self.state is not NodeState.FENCED:
             self._spawn(self._fence_now(cover, why.removeprefix("self-fenced: ")))
 
     async def _fence_now(self, lease: KeptLease, why: str) -> None:
@@ -405,7 +426,7 @@ class NodeAgent:
         until the node is registered again."""
         log.error("self-fencing: %s (stopping all local workers)", why, extra=self._ctx)
         lease.abandon()
-        self._fenced = True
+        self._to(NodeState.FENCED)
         self._fences += 1
         kill = asyncio.create_task(self._kill_all(f"self-fenced: {why}"), name="fence-kill")
         self._kills.add(kill)
@@ -510,7 +531,7 @@ class NodeAgent:
         """Run ``plan`` here (idempotent). Raises LaunchRefused for a plan not to act on."""
         if plan.member(self.cfg.node_id) is None:
             raise LaunchRefused(f"node {self.cfg.node_id} is not a member of generation {plan.generation}")
-        if self._shutting_down:  # (nothing new starts under an elasticd going away)
+        if self.state in (NodeState.DRAINING, NodeState.CLOSED):  # (nothing new starts under an elasticd going away)
             raise Restarting(f"elasticd on node {self.cfg.node_id} is shutting down")
         key = (plan.job, plan.generation)
         self.launching[key] += 1
@@ -546,7 +567,7 @@ class NodeAgent:
             user = await self._job_user(plan.job)
             member = plan.member(self.cfg.node_id)
             assert member is not None  # (checked by launch)
-            lasting, why = device_health.unfit(
+            lasting, why = unfit(
                 member, self.cfg.device_kind, self.cfg.devices,
                 {g.plan.job: g.member.devices for g in self.generations.values()
                  if g.plan.job != plan.job and not g.done.is_set()})
@@ -556,7 +577,7 @@ class NodeAgent:
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
-            if self._fenced or self._fences != fences:  # fenced meanwhile: the plan may be replaced already
+            if self.state is NodeState.FENCED or self._fences != fences:  # fenced meanwhile: the plan may be replaced already
                 raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd since this launch began; "
                                     f"it launches the plans committed once it is registered again")
             gen = self._generation(plan, spec, user)
@@ -580,7 +601,8 @@ class NodeAgent:
                          snapshot_root=self.cfg.snapshot_root, batch_scheduling=self.cfg.batch_scheduling,
                          cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
                          heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
-                         lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir, run_id=run_id)
+                         lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir, run_id=run_id,
+                         namespace=self.store.keys.namespace)
         gen.on_fenced = self._fenced_by_shim
         gen.on_joined = self._tell_peers_joined
         gen.on_device_fault = functools.partial(self.device_health.blame, plan.job)
@@ -594,7 +616,7 @@ class NodeAgent:
         this work_dir runs): the generations an earlier one left (agent.adopt). Those that cannot
         be adopted are killed now; the others count as launches under way until adopted or
         killed, so that a leader asking what runs here does not take them for stopped meanwhile."""
-        found = adopt.find(self.cfg.shim_dir, self.cfg.work_dir, self.cfg.node_id)
+        found = adopt.find(self.cfg.shim_dir, self.cfg.work_dir, self.cfg.node_id, self.store.keys.namespace)
         for f in found:
             if f.child is None:
                 self._discard(f, f.why_not)
@@ -638,13 +660,14 @@ class NodeAgent:
         job, generation = f.key
         k = self.store.keys
         async with self._lock(job):
-            plan_kv, spec_kv, status_kv = (await self.store.get(k.plan(job)), await self.store.get(k.spec(job)),
-                                           await self.store.get(k.status(job)))
+            plan_kv, spec_kv = await self.store.get(k.plan(job)), await self.store.get(k.spec(job))
             plan = Plan.from_json(plan_kv.value) if plan_kv is not None else None
             if plan is None or plan.generation != generation or plan.member(self.cfg.node_id) is None:
                 return "it is no longer the committed plan of its job here"
-            if spec_kv is None or (status_kv is not None and JobStatus.from_json(status_kv.value).state.terminal):
-                return "its job has ended"
+            if spec_kv is None:
+                return "its job is gone"
+            # (A job that ended meanwhile, its Stop lost in the gap, is adopted all the same: the
+            # check once registered, committed.keep_committed, stops it with its grace.)
             report_kv = await self.store.get(k.report(job, generation, self.cfg.node_id))
             report = GenerationReport.from_json(report_kv.value) if report_kv is not None else None
             if report is not None and report.state.terminal:
@@ -684,6 +707,9 @@ class NodeAgent:
             await self._adopted.wait()
         async with self._lock(job):
             gen = self.generations.get(job)
+            if gen is not None and gen.phase is Phase.LEFT:  # (the next elasticd adopts it, and stops it)
+                raise Restarting(f"elasticd on node {self.cfg.node_id} is restarting; job {job} generation "
+                                 f"{gen.plan.generation} runs on under its shim")
             newer = gen is not None and generation and gen.plan.generation > generation  # (resubmitted meanwhile)
             if final and not newer:
                 self._ended.add(job)
@@ -691,16 +717,14 @@ class NodeAgent:
                     self._let_go(job)
             if gen is None or newer:
                 return []
-            if gen.phase is Phase.LEFT:  # (the next elasticd stops it, adopted, or kills it)
-                raise Restarting(f"elasticd on node {self.cfg.node_id} is restarting; job {job} generation "
-                                 f"{gen.plan.generation} runs on under its shim")
             if gen.plan.generation != generation:
                 # A Stop of the planned successor reaching a node still running its predecessor
                 # (its Launch not here yet): the step the other members stop at is in that plan.
                 stop_at = await self._successor_stop_step(job, gen.plan.generation) if generation and grace_s > 0 \
                     else 0
             left = await gen.stop(grace_s, stop_at, reason,
-                                  cause=FailureCause.AGENT_SHUTDOWN if self._shutting_down else FailureCause.NONE)
+                                  cause=FailureCause.AGENT_SHUTDOWN if self.state is NodeState.DRAINING
+                                  else FailureCause.NONE)
             self._changed(gen)
             return left
 
@@ -718,25 +742,31 @@ class NodeAgent:
         under its shim: Generation.can_be_left) is left to its shim, for the next elasticd to
         adopt (agent.adopt); the others are stopped as :meth:`shut_down` stops them. The
         registration lease is then let expire, not revoked: the next elasticd takes it over, and
-        without one the shims fence on their deadline before a leader may replace the node."""
-        self._shutting_down = True
+        without one the shims fence on their deadline before a leader may replace the node.
+        The others are stopped first: until then the lease is renewed and the deadlines of those
+        to be left move on with it (left first, they would not, and the next elasticd could find
+        them too close to their deadline to adopt)."""
+        self._to(NodeState.DRAINING)
         await self._adopted.wait()  # (what is being adopted is left too, once it is)
-        for job in list(self.generations):
+        kept = {job for job, gen in self.generations.items() if gen.can_be_left()}
+        await self.shut_down(grace_s, spare=kept)
+        for job in kept:
             async with self._lock(job):
                 gen = self.generations.get(job)
                 if gen is not None and gen.can_be_left():
                     await gen.leave()
                     self._left.add(job)
-        await self.shut_down(grace_s)
+        await self.shut_down(grace_s)  # (those that ended or failed meanwhile)
 
-    async def shut_down(self, grace_s: float) -> list[int]:
-        """elasticd is stopping on request: stop every job's generation side by side, each with
-        the whole grace (the ranks checkpoint at a step first), reported as a planned stop
-        (AGENT_SHUTDOWN: no fault of the job or the node). Returns the pids left."""
-        self._shutting_down = True
+    async def shut_down(self, grace_s: float, spare: Collection[str] = ()) -> list[int]:
+        """elasticd is stopping with its jobs: stop every job's generation side by side (but those
+        of ``spare`` and those left to their shims), each with the whole grace (the ranks
+        checkpoint at a step first), reported as a planned stop (AGENT_SHUTDOWN: no fault of the
+        job or the node). Returns the pids left."""
+        self._to(NodeState.DRAINING)
         await self._adopted.wait()  # (what is being adopted is stopped too, with its grace)
         lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)
-                                       if job not in self._left))
+                                       if job not in self._left and job not in spare))
         if self._background:  # (folders being removed; bounded: elasticd must stop)
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_REPORT_S)
         if self.cfg.snapshot_root:

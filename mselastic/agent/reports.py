@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.generation.supervisor import Generation
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)

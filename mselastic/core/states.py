@@ -1,4 +1,5 @@
-"""Lifecycles of a job and of one generation on one node, with their legal transitions.
+"""Lifecycles of a job, of one generation on one node, and of a node's registration, with their
+legal transitions.
 
 The names match the ``JobState`` / ``GenerationState`` enums of the wire contract
 (``proto/mselastic/v1``) so conversion is by name. An illegal transition raises
@@ -64,6 +65,42 @@ GENERATION_TRANSITIONS: dict[GenerationState, frozenset[GenerationState]] = {
 }
 
 
+class NodeState(enum.Enum):
+    """Where a node's registration stands, as its own agent sees it (``NodeAgent.run``; the
+    fencing rules that move it are in :mod:`mselastic.core.fencing`)."""
+
+    STARTING = "starting"  # elasticd started: adopting what an earlier one left, not registered
+    REGISTERING = "registering"  # a lease granted or taken over by id; the node's key being written
+    HOLDING = "holding"  # registered, its lease renewed
+    UNREACHABLE = "unreachable"  # renewals do not get through: a fencing round every TTL/3 decides
+    #: Its workers killed and its lease abandoned on a fencing rule: nothing is launched here until
+    #: it is registered again (then HOLDING).
+    FENCED = "fenced"
+    #: Its lease expired with etcd (every node lost it), not fenced: registering again, keeping the
+    #: generations etcd still has committed here.
+    REREGISTERING = "re-registering"
+    #: elasticd is going away: nothing new starts; generations left to their shims or stopped; the
+    #: fencing rounds go on until the workers are gone.
+    DRAINING = "draining"
+    CLOSED = "closed"  # the registration released (or left to a successor) and every task ended
+
+
+_REGISTERED = frozenset({NodeState.UNREACHABLE, NodeState.REGISTERING, NodeState.REREGISTERING, NodeState.FENCED,
+                         NodeState.DRAINING})
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    NodeState.STARTING: frozenset({NodeState.REGISTERING, NodeState.DRAINING}),
+    NodeState.REGISTERING: frozenset({NodeState.HOLDING, NodeState.FENCED, NodeState.DRAINING}),
+    NodeState.REREGISTERING: frozenset({NodeState.HOLDING, NodeState.FENCED, NodeState.DRAINING}),
+    # (REGISTERING: its lease lost with nothing running here; REREGISTERING: with generations.)
+    NodeState.HOLDING: _REGISTERED,
+    NodeState.UNREACHABLE: _REGISTERED - {NodeState.UNREACHABLE} | {NodeState.HOLDING},
+    # (HOLDING once registered again, the fence's kill over; a fence decided meanwhile stays.)
+    NodeState.FENCED: frozenset({NodeState.HOLDING, NodeState.DRAINING}),
+    NodeState.DRAINING: frozenset({NodeState.CLOSED}),
+    NodeState.CLOSED: frozenset(),
+}
+
+
 class FailureCause(enum.Enum):
     """Why a generation ended badly on a node: set where it is seen, read by the planner and shown
     to operators, never parsed back out of a message text."""
@@ -85,7 +122,8 @@ class FailureCause(enum.Enum):
     #: A rank said it cannot go on (no checkpoint every rank can load, the checkpoint directory full):
     #: relaunching would meet the same, the job fails with the reason.
     TRAINER_FATAL = "TRAINER_FATAL"
-    #: elasticd was stopped on request (SIGTERM, ``systemctl restart``) and stopped its ranks first,
+    #: elasticd was stopped with its jobs (SIGINT, or a SIGTERM with a generation it could not leave
+    #: to its shim) and stopped its ranks first,
     #: at a step they checkpointed at: a planned restart, no fault of the job or the node.
     AGENT_SHUTDOWN = "AGENT_SHUTDOWN"
     #: A rank failed and its log named its device (an uncorrectable ECC error, an Ascend UCE): the
@@ -102,3 +140,8 @@ def check_generation_transition(old: GenerationState, new: GenerationState) -> N
     if new not in GENERATION_TRANSITIONS[old]:
         raise IllegalTransition(f"generation state {old.value} -> {new.value} is not allowed")
 
+
+
+def check_node_transition(old: NodeState, new: NodeState) -> None:
+    if new not in NODE_TRANSITIONS[old]:
+        raise IllegalTransition(f"node state {old.value} -> {new.value} is not allowed")

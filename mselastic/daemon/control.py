@@ -22,7 +22,7 @@ import grpc
 import tenacity
 
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
-from mselastic.agent.jobfiles import READ_S, Unreadable, bounded, read_small
+from mselastic.agent.containment.jobfiles import READ_S, Unreadable, bounded, read_small
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.devices import format_ids
 from mselastic.core.kinds import EventKind

@@ -20,14 +20,15 @@ watchdog timeout (a WatchdogSec longer than half of fenced_within(lease_ttl_s) i
 shortened to it with WATCHDOG_USEC=), STOPPING=1 on the way out. Metrics for
 Prometheus on --metrics-listen.
 
-SIGTERM (a restart, an upgrade, systemctl stop): every generation running under its shim is
+SIGTERM (kill PID, systemctl restart, an upgrade): every generation running under its shim is
 left to it, untouched, and the node's registration lease is not revoked: the next elasticd
 adopts both (a successor within the lease's TTL); without one, each shim stops its generation on
 the node's fence deadline, before a leader may relaunch it elsewhere. A generation that cannot be
-left (a warm one, one starting) is stopped as on SIGINT.
+left (a warm one, one starting) is stopped as on SIGINT. Under systemd a SIGTERM that is not a
+restart of the unit (systemctl stop, a shutdown of the machine) is taken as SIGINT; so is any
+SIGTERM where the cgroup elasticd was started in would take no successor (cgroup v2, a unit).
 SIGINT (Ctrl-C): local workers are asked to checkpoint (SIGTERM, grace period), then killed;
 fencing goes on meanwhile; once they are gone the node's registration is revoked; exit 0.
-To move a node's jobs off it with a checkpoint first: elasticctl drain NODE.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ import sys
 import grpc
 
 from mselastic import metrics
-from mselastic.agent import cgroups, devices, procs
-from mselastic.agent.cgroups import Limits, Tree, default_limits
-from mselastic.agent.device_health import DeviceCheck
+from mselastic.agent.containment import cgroups, procs
+from mselastic.agent.generation import adopt
+from mselastic.agent.devices import detect as devices
+from mselastic.agent.containment.cgroups import Limits, Tree, default_limits
+from mselastic.agent.devices.health import DeviceCheck
 from mselastic.agent.config import AgentConfig
 from mselastic.agent.node import NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
-from mselastic.agent.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
+from mselastic.agent.containment.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
                                    users_in)
 from mselastic.core import fencing
 from mselastic.core.devices import format_ids
@@ -218,7 +221,7 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
 
 
 def heartbeat_dir() -> str:
-    """elasticd's folder for the heartbeat sockets (see mselastic.agent.beats): /run/mselastic/hb
+    """elasticd's folder for the heartbeat sockets (see mselastic.agent.generation.beats): /run/mselastic/hb
     for root, $XDG_RUNTIME_DIR/mselastic/hb for another user; "" (abstract sockets, which any
     local user can reach) where none can be had that is elasticd's alone."""
     base = "/run/mselastic" if os.geteuid() == 0 else os.path.join(os.environ.get("XDG_RUNTIME_DIR", ""), "mselastic")
@@ -247,7 +250,7 @@ def heartbeat_dir() -> str:
 
 
 def shim_dir(hb_dir: str) -> str:
-    """elasticd's folder for its generations' shim files (see mselastic.agent.shim), beside the
+    """elasticd's folder for its generations' shim files (see mselastic.agent.generation.shim), beside the
     heartbeat sockets' (/run/mselastic/gen for root): only elasticd may read or write there (a
     job's user must not move its own fence deadline). "" (the files beside the logs, in elasticd's
     folder of the job) where none can be had."""
@@ -313,7 +316,7 @@ def lock_work_dir(work_dir: str) -> int:
     inherited): two elasticds with one work_dir would take each other's generations and lease for
     their own (agent.adopt). Raises SettingsError when another holds it."""
     os.makedirs(work_dir, exist_ok=True)
-    fd = os.open(os.path.join(work_dir, ".elasticd.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(os.path.join(work_dir, adopt.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -416,7 +419,7 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         stop.set()
         notify.stopping()
         how = signals[0].name if signals else "an error"
-        why_not = hand_over_refused(agent.cfg.cgroups) if how == "SIGTERM" else how
+        why_not = await hand_over_refused(agent.cfg.cgroups) if how == "SIGTERM" else how
         if not why_not:
             log.info("shutting down (SIGTERM): generations left to their shims for the next elasticd; the others "
                      "stopped (grace %.0fs)", s.shutdown_grace_s)
@@ -431,14 +434,20 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
     return refusal
 
 
-def hand_over_refused(tree: Tree | None) -> str:
+async def hand_over_refused(tree: Tree | None) -> str:
     """Why this elasticd may not leave its generations to their shims at a SIGTERM ("" it may).
-    Under systemd on cgroup v2 with the limits' controllers, the unit's cgroup distributes them
-    to the jobs below it, and the kernel puts no process in such a cgroup (the no-internal-process
-    rule): systemd could not start the next elasticd there while a job is left in it."""
-    if tree is not None and tree.layout.mode == "v2" and tree.layout.v2_limits() and os.environ.get("INVOCATION_ID"):
-        return ("cgroup v2 under systemd: the unit's cgroup would take no new elasticd while a job is left "
-                "below it")
+    Under systemd, only a restart of its unit hands them over: ``systemctl stop`` and a shutdown
+    of the machine stop them with their checkpoint, as SIGINT does (notify.job_on_own_unit).
+    On cgroup v2 with the limits' controllers, an elasticd alone in the cgroup it was started in
+    (a systemd unit's) hands them down from there to the jobs, and the kernel puts no process in
+    such a cgroup (the no-internal-process rule): the next elasticd could not be started there
+    while a job is left below it."""
+    if tree is not None and cgroups.started_in_a_distributing_cgroup(tree.layout):
+        return ("cgroup v2: the cgroup elasticd was started in (its unit's) would take no new elasticd while a "
+                "job is left below it")
+    job = await notify.job_on_own_unit()
+    if job and job not in ("restart", "try-restart", "reload-or-restart"):
+        return f"systemd's {job} of its unit, not a restart"
     return ""
 
 

@@ -79,3 +79,51 @@ async def watchdog(stop: asyncio.Event, within_s: float = 0.0) -> None:
             await asyncio.wait_for(stop.wait(), timeout=interval)
         except asyncio.TimeoutError:
             pass
+
+
+#: How long ``systemctl list-jobs`` may take at a SIGTERM (systemd answers at once; a wedged bus
+#: must not hold the shutdown).
+JOBS_S = 3.0
+
+
+def own_unit(cgroup_file: str = "/proc/self/cgroup") -> str:
+    """The systemd unit this process runs in ("" none): the ``.service`` of its cgroup path (v2's
+    line, else v1's ``name=systemd``), whatever leaf elasticd moved itself into below it."""
+    try:
+        with open(cgroup_file) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    paths = [line.split(":", 2)[2] for line in lines if line.startswith("0::") or ":name=systemd:" in line]
+    for path in paths:
+        units = [part for part in path.split("/") if part.endswith(".service")]
+        if units:
+            return units[-1]
+    return ""
+
+
+async def job_on_own_unit() -> str:
+    """Under systemd, what the SIGTERM elasticd got is for: the type of the job systemd runs on its
+    unit now (``restart``, ``stop``; ``systemctl list-jobs``), "stop" too while the system shuts
+    down (``shutdown.target`` queued: a reboot), "" when not under systemd or not known."""
+    unit = own_unit() if os.environ.get("INVOCATION_ID") else ""
+    if not unit:
+        return ""
+    try:
+        proc = await asyncio.create_subprocess_exec("systemctl", "list-jobs", "--plain", "--no-legend", "--no-pager",
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+                                                    stdin=asyncio.subprocess.DEVNULL)
+    except OSError as e:
+        log.warning("systemctl cannot be run (%s): the SIGTERM is taken for a stop", e)
+        return "stop"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=JOBS_S)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        log.warning("systemctl list-jobs did not answer within %.0fs: the SIGTERM is taken for a stop", JOBS_S)
+        return "stop"
+    jobs = [line.split() for line in out.decode(errors="replace").splitlines()]
+    if any(len(j) >= 3 and j[1] == "shutdown.target" for j in jobs):
+        return "stop"
+    return next((j[2] for j in jobs if len(j) >= 3 and j[1] == unit), "")

@@ -163,7 +163,7 @@ class Settings:
     #: hash>/<job>``, removed when the job ends (or is deleted), and when elasticd stops without
     #: it running here. "": no snapshots on this node. Another user's default: ``-<uid>`` added.
     snapshot_dir: str = "/dev/shm/mselastic"
-    #: Every job's processes in cgroups of their own (mselastic.agent.cgroups): "auto" (when this
+    #: Every job's processes in cgroups of their own (mselastic.agent.containment.cgroups): "auto" (when this
     #: node offers them; elasticd says why not otherwise), "required" (refuse to start without),
     #: "off" (a generation's processes found by the marker in their environment; no limits).
     cgroups: str = "auto"

@@ -1,5 +1,5 @@
 """A stand-in for nvidia-ml-py's ``pynvml`` on a machine without NVIDIA's driver: the names
-mselastic.agent.xid uses, with nvidia-ml-py 13's values. The GPUs are those the file ``gpus`` in
+mselastic.agent.devices.xid uses, with nvidia-ml-py 13's values. The GPUs are those the file ``gpus`` in
 ``$FAKE_NVML_DIR`` names; each line "GPU XID" appended to the file ``xids`` there is one critical
 Xid event (what the driver would report), a line "lost" NVML failing (GPU_IS_LOST) once. Tests
 put this folder first on elasticd's PYTHONPATH."""

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from mselastic.agent import cgroups
+from mselastic.agent.containment import cgroups
 from tests.harness import (Etcd, Processes, elasticctl, jobs_answer_s, lenet_spec, standby_processes, start_node,
                            wait_for, worker_pids)
 

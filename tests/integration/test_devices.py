@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from mselastic.agent.device_health import DeviceHealth
+from mselastic.agent.devices.health import DeviceHealth
 from mselastic.core.model import DeviceCordon, NodeRecord
 from mselastic.store.embedded import free_port
 from tests.harness import (LENET, Etcd, Processes, elasticctl, elasticd_cmd, generation_processes, lenet_spec,

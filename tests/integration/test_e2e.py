@@ -187,6 +187,7 @@ def test_elasticd_restarted_under_a_job_adopts_its_generation(
             daemon = procs.started[-1]
             os.kill(daemon.pid, sig)
             assert daemon.wait(timeout=20) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
+            assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (not revoked: its TTL has not run out yet)
             holds_for("the generation training without elasticd", lambda: worker_pids(procs, 1) == pids, 1.0)
             left = etcd.report(JOB, 1, "n0")
             assert left is not None and left.state is GenerationState.RUNNING, left
@@ -194,7 +195,12 @@ def test_elasticd_restarted_under_a_job_adopts_its_generation(
             wait_for("progress reported by the successor",
                      lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > left.step + 3, 60, 0.2)
             assert worker_pids(procs, 1) == pids
-            assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (kept by id, not revoked)
+            # Kept by id; or, when the successor's start took longer than the TTL (a loaded machine),
+            # registered anew, which it says.
+            if (now := etcd.lease_of(etcd.keys.node("n0"))) != lease:
+                with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+                    assert f"lease {lease:x} not taken over (expired)" in f.read(), (lease, now)
+                lease = now
             assert (p := etcd.plan(JOB)) is not None and p.generation == 1
     pace.release()
     moved = [t for (t, step), (_, before) in zip(sampler.samples[1:], sampler.samples) if step > before]
@@ -208,7 +214,6 @@ def test_elasticd_restarted_under_a_job_adopts_its_generation(
         log = f.read()
     assert log.count("generation adopted: msrun pid") == len(RESTARTS), log[-3000:]
     assert log.count("generation left to its shim") == RESTARTS.count(signal.SIGTERM)
-    assert log.count("took over the registration") == len(RESTARTS)
     wait_for("nothing of the generation left", lambda: not generation_processes(procs, 1), 15)
 
 

@@ -222,7 +222,7 @@ def test_a_rank_death_msrun_reports_first_is_still_blamed_on_the_rank(cluster: C
     wait_for("generation 1 training on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 5, 180, 0.05)
     still_running(etcd, JOB, "the kill")
     agent = cluster.daemons[1]
-    # (msrun's parent is the generation's shim, elasticd's child: agent/shim.py.)
+    # (msrun's parent is the generation's shim, elasticd's child: agent/generation/shim.py.)
     msrun = next(p for p in generation_processes(cluster.procs, 1) if psutil.Process(p.ppid()).ppid() == agent.pid)
     os.kill(agent.pid, signal.SIGSTOP)
     try:

@@ -179,7 +179,7 @@ def test_plaintext_elsewhere_than_loopback_needs_insecure_and_a_key_others_read_
 
 
 def test_the_worker_environment_is_built_and_a_job_may_not_set_loader_variables() -> None:
-    from mselastic.agent.users import inherited_env
+    from mselastic.agent.containment.users import inherited_env
     from mselastic.core.spec import forbidden_env
 
     daemon = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "MS_SUBMODULE_LOG_v": "2", "HOME": "/root",

@@ -1,4 +1,4 @@
-"""The generation's shim (mselastic.agent.shim) as elasticd starts it: a real process, a real
+"""The generation's shim (mselastic.agent.generation.shim) as elasticd starts it: a real process, a real
 deadline file on CLOCK_BOOTTIME, real processes of a "generation" (found by their marker, in their
 own session as msrun's workers are) and real signals. The cluster tests show it under a frozen
 elasticd (tests/integration/test_split_brain.py)."""
@@ -6,6 +6,7 @@ elasticd (tests/integration/test_split_brain.py)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import time
 
 import psutil
 
-from mselastic.agent import shim
+from mselastic.agent.generation import shim
 from mselastic.core import fencing
 from mselastic.core.contract import ENV_RUN_ID
 from tests.harness import TEST_MARK, Processes, holds_for, wait_for
@@ -36,7 +37,7 @@ def generation(procs: Processes, tmp: str) -> tuple[shim.Paths, psutil.Process]:
 
 
 def start_shim(procs: Processes, paths: shim.Paths) -> subprocess.Popen[bytes]:
-    return procs.start("shim", [sys.executable, "-m", "mselastic.agent.shim", paths.record])
+    return procs.start("shim", [sys.executable, "-m", "mselastic.agent.generation.shim", paths.record])
 
 
 def test_the_shim_kills_its_generation_once_the_deadline_is_not_moved_on(procs: Processes, tmp_path: str) -> None:
@@ -112,7 +113,7 @@ def parent_of(procs: Processes, paths: shim.Paths, tmp: str, script: str) -> tup
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     env_r, env_w = os.pipe()
     try:
-        sh = subprocess.Popen([sys.executable, "-I", "-m", "mselastic.agent.shim", paths.record, "--stdout-fd",
+        sh = subprocess.Popen([sys.executable, "-I", "-m", "mselastic.agent.generation.shim", paths.record, "--stdout-fd",
                                str(log_fd), "--env-fd", str(env_r), "--cwd", tmp, "--", "sh", "-c", script],
                               pass_fds=(log_fd, env_r), stdout=subprocess.PIPE, start_new_session=True)
     finally:
@@ -168,19 +169,22 @@ def test_a_successor_finds_what_it_may_adopt_and_kills_the_rest(procs: Processes
     own work_dir and node id; of those it may adopt only a generation whose shim and msrun both
     still run (each the process of its start time) and whose deadline has not passed. What it may
     not adopt is killed (the shim by a pinned signal, then by the generation's markers) and its
-    files go; another elasticd's record is left alone."""
-    from mselastic.agent import adopt
+    files go; another elasticd's record is left alone: one of another namespace, or of a work_dir
+    whose lock a live elasticd holds. One of its node and namespace left by an elasticd with
+    another work_dir that no longer runs (this one was started with a new work_dir) is killed."""
+    from mselastic.agent.generation import adopt
     tmp = str(tmp_path)
     work = os.path.join(tmp, "work")
 
-    def left(name: str, until: float, alive: bool = True, work_dir: str = work, node: str = "n0") -> psutil.Process:
+    def left(name: str, until: float, alive: bool = True, work_dir: str = work, node: str = "n0",
+             namespace: str = "/t") -> psutil.Process:
         mark = f"lenet.1.n0.{name}{procs.mark[:8]}"
         rank = procs.start(f"{name}-rank", [sys.executable, "-c", "import time; time.sleep(600)"],
                            env={ENV_RUN_ID: mark})
         sh = procs.start(f"{name}-shim", [sys.executable, "-c", "import time; time.sleep(600)"])
         paths = shim.Paths(os.path.join(tmp, mark))
         shim.write_atomically(paths.record, shim.Record("lenet", 1, node, [mark], 3.0, run_id=mark,
-                                                        work_dir=work_dir).to_json())
+                                                        work_dir=work_dir, namespace=namespace).to_json())
         shim.write_deadline(paths, until)
         pid = rank.pid if alive else 999999
         shim.write_atomically(paths.child, json.dumps({"version": 1, "shim": sh.pid,
@@ -192,18 +196,29 @@ def test_a_successor_finds_what_it_may_adopt_and_kills_the_rest(procs: Processes
     good = left("good", now + 60)
     late = left("late", now - 0.1)  # (its shim is about to fence)
     gone = left("gone", now + 60, alive=False)  # (msrun ended)
-    other = left("other", now + 60, work_dir=os.path.join(tmp, "elsewhere"))
-    found = {f.record.run_id.rsplit(".", 1)[1].removesuffix(procs.mark[:8]): f for f in adopt.find(tmp, work, "n0")}
-    assert set(found) == {"good", "late", "gone"}
+    other = left("other", now + 60, work_dir=os.path.join(tmp, "elsewhere"), namespace="/another")
+    held_dir = os.path.join(tmp, "held")
+    held = left("held", now + 60, work_dir=held_dir)
+    orphan = left("orphan", now + 60, work_dir=os.path.join(tmp, "before"))
+    os.makedirs(held_dir)
+    lock = os.open(os.path.join(held_dir, adopt.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (a live elasticd with that work_dir)
+    try:
+        found = {f.record.run_id.rsplit(".", 1)[1].removesuffix(procs.mark[:8]): f
+                 for f in adopt.find(tmp, work, "n0", "/t")}
+    finally:
+        os.close(lock)
+    assert set(found) == {"good", "late", "gone", "orphan"}
+    assert found["orphan"].child is None and "is gone, and this one runs with work_dir" in found["orphan"].why_not
     assert found["good"].child is not None and found["good"].why_not == ""
     assert found["late"].child is None and "deadline passed" in found["late"].why_not
     assert found["gone"].child is None and found["gone"].why_not == "its shim or msrun is gone"
-    for name in ("late", "gone"):
+    for name in ("late", "gone", "orphan"):
         assert adopt.discard(found[name]) == []
         assert not any(os.path.exists(p) for p in found[name].paths.all())
-    for p in (late, gone):
+    for p in (late, gone, orphan):
         wait_for("the ranks not adopted killed", lambda: not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, 5)
-    assert good.is_running() and other.is_running()
+    assert good.is_running() and other.is_running() and held.is_running()
     assert os.path.exists(found["good"].paths.record)
 
 
@@ -222,7 +237,7 @@ def test_a_child_disowned_outlives_its_asyncio_transport_and_the_loop(procs: Pro
         if disown:
             shim.disown(proc)
         else:
-            proc._transport.close()  # type: ignore[attr-defined]  # (what the loop's end does to it)
+            proc._transport.close()  # type: ignore[attr-defined]  # (as closing it, or collecting it, does)
         return proc.pid
 
     kept, killed = asyncio.run(child(True)), asyncio.run(child(False))

@@ -43,11 +43,11 @@ def live_generations(mark: str) -> dict[int, int]:
 
 
 def shims(mark: str) -> list[int]:
-    """The generations' shims (agent/shim.py) the test's elasticds started, still running."""
+    """The generations' shims (agent/generation/shim.py) the test's elasticds started, still running."""
     found = []
     for p in marked_processes(mark):
         try:
-            if "mselastic.agent.shim" in p.cmdline():
+            if "mselastic.agent.generation.shim" in p.cmdline():
                 found.append(p.pid)
         except psutil.Error:
             continue

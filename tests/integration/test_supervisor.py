@@ -15,10 +15,11 @@ import time
 import psutil
 import pytest
 
-from mselastic.agent import observe, procs
-from mselastic.agent.launch import open_own, reachable, spawn_as_worker
-from mselastic.agent.preflight import LaunchError, preflight
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.containment import procs
+from mselastic.agent.generation import observe
+from mselastic.agent.generation.launch import open_own, reachable, spawn_as_worker
+from mselastic.agent.generation.preflight import LaunchError, preflight
+from mselastic.agent.generation.supervisor import Generation
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState
 from tests.builders import local_plan, local_spec
@@ -95,7 +96,7 @@ def test_root_without_cap_sys_ptrace_still_reads_a_workers_environment() -> None
         r = subprocess.run([*bare, plain], capture_output=True, text=True, timeout=60)
         assert r.stdout.strip() == "denied", (r.stdout, r.stderr)
         unit = ["setpriv", "--bounding-set=-sys_ptrace", "--", sys.executable, "-c"]
-        ours = (f"import psutil\nfrom mselastic.agent.procs import _environ, _environ_as_owner, read_as\n"
+        ours = (f"import psutil\nfrom mselastic.agent.containment.procs import _environ, _environ_as_owner, read_as\n"
                 f"read_as(65534)\n"
                 f"p = psutil.Process({worker.pid})\n"
                 f"print(_environ(p)['MSELASTIC_RUN_ID'], _environ_as_owner(p)['MSELASTIC_RUN_ID'])\n"
@@ -170,7 +171,7 @@ def test_the_exit_code_of_a_worker_users_rank_is_read_without_cap_sys_ptrace() -
     try:
         wait_for("a zombie", lambda: not procs.alive(child.pid, psutil.Process(child.pid).create_time()), 5, 0.01)
         created = psutil.Process(child.pid).create_time()
-        code = ("import sys\nfrom mselastic.agent import procs\n"
+        code = ("import sys\nfrom mselastic.agent.containment import procs\n"
                 f"print(procs.exit_status({child.pid}, {created!r}))\n"
                 f"procs.read_as({nobody.pw_uid})\n"
                 f"print(procs.exit_status({child.pid}, {created!r}))\n")

@@ -21,11 +21,11 @@ from typing import Any
 import psutil
 import pytest
 
-from mselastic.agent.forkserver import ForkServer, Standby
-from mselastic.agent.pools import StandbyPool
-from mselastic.agent.launch import spawn_standby
-from mselastic.agent.launch_env import PER_GENERATION_ENV
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.standbys.forkserver import ForkServer, Standby
+from mselastic.agent.standbys.pools import StandbyPool
+from mselastic.agent.generation.launch import spawn_standby
+from mselastic.agent.generation.launch_env import PER_GENERATION_ENV
+from mselastic.agent.generation.supervisor import Generation
 from mselastic.core import contract
 from mselastic.core.model import Plan
 from mselastic.core.spec import JobSpec

@@ -1,4 +1,4 @@
-"""The pure parts of mselastic.agent.cgroups: which hierarchies a node has, a job's limits, the
+"""The pure parts of mselastic.agent.containment.cgroups: which hierarchies a node has, a job's limits, the
 prefix that puts a process in its cgroup (the cgroups themselves: tests/integration/test_containment.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from mselastic.agent import cgroups
+from mselastic.agent.containment import cgroups
 from mselastic.core.spec import JobSpec, SpecError
 from mselastic.daemon.settings import Settings, SettingsError
 

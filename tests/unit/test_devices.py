@@ -162,7 +162,7 @@ def test_a_device_set_aside_under_a_running_job_moves_nothing_and_is_no_lost_nod
 
 
 def test_a_plan_is_launched_only_on_devices_the_node_has_and_no_other_job_uses() -> None:
-    from mselastic.agent.device_health import unfit
+    from mselastic.agent.devices.health import unfit
     m = devices.assign(_plan("a", 1, ("n0", 2)), {"n0": _node("n0", (0, 1, 2, 3))}, {}).members[0]
     assert unfit(m, "gpu", (0, 1, 2, 3), {}) == (False, "")
     assert unfit(m, "gpu", (0, 1, 2, 3), {"b": (1, 2)}) == (

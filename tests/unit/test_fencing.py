@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from mselastic.agent import shim
+from mselastic.agent.generation import shim
 from mselastic.core import fencing
 from mselastic.core.fencing import MemberEvidence, NodeObservation, Rule, node_verdict, replace_verdict
 
@@ -148,7 +148,7 @@ class Sim:
                 if node.running:
                     node.dies_at = t
                 self.expiry[node.name] = t if self.rpc(node.name, E) else self.expiry[node.name]
-            # The generation's shim (agent/shim.py), paused elasticd or not: past the deadline
+            # The generation's shim (agent/generation/shim.py), paused elasticd or not: past the deadline
             # elasticd last wrote (its lease view plus the grace) and its lag, a poll and the kill.
             if (self.shims and node.running and node.dies_at < 0
                     and t - node.lease_until >= fencing.outage_grace_s(ttl) + shim.lag_s(ttl)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mselastic.agent.users import WorkerUser
+from mselastic.agent.containment.users import WorkerUser
 from mselastic.daemon.settings import Settings, SettingsError
 
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from mselastic.agent import jobfiles
-from mselastic.agent.jobfiles import IN_FLIGHT, Unreadable, bounded, read_small
+from mselastic.agent.containment import jobfiles
+from mselastic.agent.containment.jobfiles import IN_FLIGHT, Unreadable, bounded, read_small
 
 
 def test_only_a_small_regular_file_is_read(tmp_path: os.PathLike[str]) -> None:

@@ -28,6 +28,18 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 
+#: Inside ``agent``, by concern, from the top down: the node (agent/*.py: registration, the
+#: service, reports) over one generation, which uses devices and warm standbys, which all stand on
+#: containment. Which concerns each may import (itself always; "" is the node's own modules).
+AGENT_ALLOWED: dict[str, set[str]] = {
+    "": {"generation", "devices", "standbys", "containment"},
+    "generation": {"devices", "standbys", "containment"},
+    "devices": {"containment"},
+    "standbys": {"containment"},
+    "containment": set(),
+}
+
+
 def imports(path: str) -> list[tuple[int, str]]:
     with open(path) as f:
         tree = ast.parse(f.read(), path)
@@ -46,13 +58,28 @@ def part_of(path: str) -> str:
     return rel.split(os.sep)[0].removesuffix(".py")
 
 
+def concern_of(path: str) -> str:
+    """The agent's concern a module of it is in ("" a module of the node's own)."""
+    rel = os.path.relpath(path, os.path.join(PKG, "agent")).split(os.sep)
+    return rel[0] if len(rel) > 1 else ""
+
+
+def agent_target(name: str) -> str | None:
+    """The agent's concern ``name`` (an imported module, dotted) is in; None: not the agent's."""
+    parts = name.split(".")
+    if parts[:2] != ["mselastic", "agent"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in AGENT_ALLOWED else ""
+
+
 def modules() -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(PKG) for f in files
                   if f.endswith(".py") and os.sep + "v1" not in d)
 
 
-def violations(path: str, part: str) -> list[str]:
-    """What in ``path`` (a module of ``part``) breaks the contracts, one line each."""
+def violations(path: str, part: str, where: str = "") -> list[str]:
+    """What in ``path`` (a module of ``part``, at ``where`` in the package if not there) breaks the
+    contracts, one line each."""
     found = []
     for line, name in imports(path):
         if name.split(".")[0] == "mindspore" and part != "trainer":
@@ -63,6 +90,11 @@ def violations(path: str, part: str) -> list[str]:
         target = "__init__" if target == "__version__" else target
         if target != part and target not in ALLOWED[part]:
             found.append(f"{os.path.relpath(path, REPO)}:{line}: {part} may not import mselastic.{target}")
+        if part == "agent" and (concern := agent_target(name)) is not None:
+            mine = concern_of(where or path)
+            if concern != mine and concern not in AGENT_ALLOWED[mine]:
+                found.append(f"{os.path.relpath(path, REPO)}:{line}: agent/{mine or '*.py'} may not import "
+                             f"agent/{concern or '*.py'} ({name})")
     return found
 
 
@@ -72,6 +104,8 @@ def test_layers_only_point_down(path: str) -> None:
     if part == "__init__":
         return
     assert part in ALLOWED, f"{part}: a new part of the package needs its row in ALLOWED"
+    if part == "agent":
+        assert concern_of(path) in AGENT_ALLOWED, f"{path}: a new concern of the agent needs its row in AGENT_ALLOWED"
     assert not violations(path, part)
 
 
@@ -83,3 +117,14 @@ def test_the_checker_sees_violations(tmp_path: os.PathLike[str]) -> None:
     found = violations(path, "core")
     assert len(found) == 3 and "core may not import mselastic.store" in found[0], found
     assert "only the trainer library imports MindSpore" in found[1] and "mselastic.metrics" in found[2], found
+
+
+def test_the_checker_sees_the_agents_concerns_point_up(tmp_path: os.PathLike[str]) -> None:
+    """Not vacuous inside the agent: containment importing the generation, or the node's own module."""
+    path = os.path.join(str(tmp_path), "bad.py")
+    with open(path, "w") as f:
+        f.write("from mselastic.agent.generation import shim\nfrom mselastic.agent.node import NodeAgent\n"
+                "from mselastic.agent.containment import procs\n")
+    found = violations(path, "agent", where=os.path.join(PKG, "agent", "containment", "bad.py"))
+    assert len(found) == 2 and "agent/containment may not import agent/generation" in found[0], found
+    assert "may not import agent/*.py (mselastic.agent.node)" in found[1], found

@@ -1,10 +1,10 @@
-"""What a rank's beats say of it (mselastic.agent.ranks), as a table. No processes."""
+"""What a rank's beats say of it (mselastic.agent.generation.ranks), as a table. No processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from mselastic.agent import ranks
+from mselastic.agent.generation import ranks
 from mselastic.core.contract import Beat, BeatKind
 
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from mselastic.agent import supervisor
-from mselastic.agent.supervisor import Generation
+from mselastic.agent.generation import supervisor
+from mselastic.agent.generation.supervisor import Generation
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.batching import batch_layout

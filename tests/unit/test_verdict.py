@@ -1,4 +1,4 @@
-"""The agent's verdict on a generation (mselastic.agent.verdict.judge) as a table: one row per
+"""The agent's verdict on a generation (mselastic.agent.generation.verdict.judge) as a table: one row per
 fault of the failure matrix that an agent sees on its own node, and the looks that are no fault.
 No process is started: each row is one look, written out."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mselastic.agent.verdict import Fault, Look, RankLook, Timing, judge
+from mselastic.agent.generation.verdict import Fault, Look, RankLook, Timing, judge
 from mselastic.core.contract import Beat
 from mselastic.core.states import FailureCause as C
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mselastic.agent import xid
+from mselastic.agent.devices import xid
 
 FAKE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fake_nvml", "pynvml.py")
 
@@ -64,7 +64,7 @@ def test_a_gpu_that_cannot_register_is_said_and_nvml_failing_is_tried_again(
     reported; the real NVML loses what comes meanwhile)."""
     with open(os.path.join(nvml, "gpus"), "w") as f:
         f.write("0 1 3\n")
-    with caplog.at_level(logging.INFO, logger="mselastic.agent.xid"):
+    with caplog.at_level(logging.INFO, logger="mselastic.agent.devices.xid"):
         assert watched(nvml, "1 79\nlost\n3 48\n") == [(1, 79), (3, 48)]
     assert "NVML's Xid events read for GPUs 0,1,3" in caplog.text and \
         "GPU 2: its Xid events cannot be read: NVML error 1" in caplog.text, caplog.text
@@ -81,7 +81,7 @@ def test_nothing_is_read_on_a_node_without_nvml_or_without_gpus(nvml: str, caplo
         await asyncio.wait_for(xid.watch("gpu", (0, 1), never, asyncio.Event()), 5)
         await asyncio.wait_for(xid.watch("ascend", (0, 1), never, asyncio.Event()), 1)
 
-    with caplog.at_level(logging.INFO, logger="mselastic.agent.xid"):
+    with caplog.at_level(logging.INFO, logger="mselastic.agent.devices.xid"):
         asyncio.run(run())
     assert "NVML's Xid events are not read here: NVML error 12 (no NVIDIA driver)" in caplog.text, caplog.text
 
@@ -107,6 +107,6 @@ def test_the_reading_thread_ends_once_asked_to(nvml: str, caplog: pytest.LogCapt
             await asyncio.sleep(0.05)
         return False
 
-    with caplog.at_level(logging.INFO, logger="mselastic.agent.xid"):
+    with caplog.at_level(logging.INFO, logger="mselastic.agent.devices.xid"):
         assert asyncio.run(asyncio.wait_for(run(), 10)), "the thread did not end"
     assert "NVML's Xid events read for GPUs 0,1" in caplog.text, caplog.text

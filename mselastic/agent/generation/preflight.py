@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 
-from mselastic.agent.users import WorkerUser, setpriv
+from mselastic.agent.containment.users import WorkerUser, setpriv
 from mselastic.core.spec import JobSpec, forbidden_env
 from mselastic.core.states import FailureCause
 
@@ -38,7 +38,7 @@ def preflight(spec: JobSpec, log_dir: str, msrun: str, user: WorkerUser | None =
     The script and the checkpoint directory come from the spec (the same on every node, on shared
     storage): not usable here means not usable at all, so the job fails with the path and the
     error. The log directory and msrun belong to the node. ``join``: the prefix that puts the
-    worker user's probes in the job's cgroup (:func:`mselastic.agent.cgroups.join_prefix`): they
+    worker user's probes in the job's cgroup (:func:`mselastic.agent.containment.cgroups.join_prefix`): they
     run as the job's user, and another process of it could take them over."""
     def os_error(e: OSError) -> str:
         return e.strerror or str(e)

@@ -1,6 +1,6 @@
 """What the agent reads of this node to look at a generation, and nothing else: the TCP sockets'
 states, msrun's children, msrun's log, and the wake-ups when a process of the generation ends.
-What a look means is decided by :func:`mselastic.agent.verdict.judge`."""
+What a look means is decided by :func:`mselastic.agent.generation.verdict.judge`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable
 
 import psutil
 
-from mselastic.agent import procs, verdict
-from mselastic.agent.forkserver import Standby
-from mselastic.agent.ranks import RankState
+from mselastic.agent.containment import procs
+from mselastic.agent.generation import verdict
+from mselastic.agent.standbys.forkserver import Standby
+from mselastic.agent.generation.ranks import RankState
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ MSRUN_WORKER_DIED = re.compile(rb"Worker process (\d+) exit with exception\. Err
 def msrun_exits(log_file: Any) -> dict[int, int]:
     """pid -> exit code of the workers msrun's log says exited with an error (it reaps its workers
     once a second, often before this agent reads their status), for pids no longer running.
-    Read through the file root opened for msrun (:func:`mselastic.agent.launch.open_own`), never
+    Read through the file root opened for msrun (:func:`mselastic.agent.generation.launch.open_own`), never
     by its path: the folder is the worker user's, who could put a FIFO (a read that blocks the
     event loop), a link to /dev/zero or a text of their own there. Its last 64 KiB: msrun writes
     that line last."""

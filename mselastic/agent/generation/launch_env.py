@@ -2,7 +2,7 @@
 key a standby is matched by (pure: built from the plan, the spec and the node's settings).
 
 The environment is built, not inherited: the daemon's own may hold what a job must not see (see
-:mod:`mselastic.agent.users`), and a job's ``env`` may not set loader or interpreter variables.
+:mod:`mselastic.agent.containment.users`), and a job's ``env`` may not set loader or interpreter variables.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from mselastic.agent.cgroups import Group
-from mselastic.agent.users import WorkerUser, inherited_env
+from mselastic.agent.containment.cgroups import Group
+from mselastic.agent.containment.users import WorkerUser, inherited_env
 from mselastic.core import contract
 from mselastic.core.devices import visible_env
 from mselastic.core.model import Member, Plan
@@ -45,7 +45,7 @@ def mindspore_cluster_env(world_size: int) -> dict[str, str]:
 
 def heartbeat_socket(run_id: str, folder: str = "") -> str:
     """Where a generation's ranks send their beats: a socket in ``folder`` (elasticd's own, see
-    :mod:`mselastic.agent.beats`), named by a hash of the run id (a socket's path is short: 108
+    :mod:`mselastic.agent.generation.beats`), named by a hash of the run id (a socket's path is short: 108
     bytes); without a folder, an abstract name."""
     if folder:
         return os.path.join(folder, hashlib.sha256(run_id.encode()).hexdigest()[:16])
@@ -68,7 +68,7 @@ class LaunchEnv:
     batch_scheduling: bool = True
     snapshot_dir: str = ""
     #: The job's cgroup on this node and the generation's (None: no cgroups here; see
-    #: mselastic.agent.cgroups): msrun starts in the generation's, a fork server in one of the job's.
+    #: mselastic.agent.containment.cgroups): msrun starts in the generation's, a fork server in one of the job's.
     job_group: Group | None = None
     gen_group: Group | None = None
     #: Where the ranks send their beats (:func:`heartbeat_socket`; "": its abstract name).
@@ -91,7 +91,7 @@ class LaunchEnv:
 
     def env(self) -> dict[str, str]:
         """The generation's environment, as msrun and its ranks get it (a switched user's without
-        the job's env: see :func:`mselastic.agent.launch.spawn_as_worker`)."""
+        the job's env: see :func:`mselastic.agent.generation.launch.spawn_as_worker`)."""
         env = inherited_env(os.environ, self.pass_env)
         if self.user is not None and self.switch:
             env.update(HOME=self.log_dir, USER=self.user.name, LOGNAME=self.user.name)

@@ -11,8 +11,8 @@ import shutil
 import stat
 import time
 
-from mselastic.agent.cgroups import Tree, join_prefix
-from mselastic.agent.users import WorkerUser, setpriv
+from mselastic.agent.containment.cgroups import Tree, join_prefix
+from mselastic.agent.containment.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """NVIDIA's Xid events (issue #32) as NVML reports them: a critical Xid on one of this node's GPUs
 (uncorrectable ECC, fallen off the bus, row remapping failed, ...) sets that GPU aside, the way a
 GPU gone from ``nvidia-smi -L`` is; a rank that fails on it meanwhile fails for its device (cause
-DEVICE: the node is not blamed). See :meth:`mselastic.agent.device_health.DeviceHealth.xid`.
+DEVICE: the node is not blamed). See :meth:`mselastic.agent.devices.health.DeviceHealth.xid`.
 
 Read the way NVIDIA's device plugin reads them: one event set with every GPU's critical Xid events
 (those a GPU supports; a GPU that cannot register is said and the others are read), waited on in a

@@ -1,4 +1,4 @@
-"""``python -m mselastic.agent.envexec FD -- CMD ARGS...``: add the variables read from file
+"""``python -m mselastic.agent.containment.envexec FD -- CMD ARGS...``: add the variables read from file
 descriptor FD (a JSON object elasticd writes into a pipe), close it, exec CMD.
 
 How a job's ``env`` reaches msrun without passing through a process that still runs as root
@@ -15,7 +15,7 @@ import sys
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
-        raise SystemExit("usage: python -m mselastic.agent.envexec FD -- CMD [ARGS...]")
+        raise SystemExit("usage: python -m mselastic.agent.containment.envexec FD -- CMD [ARGS...]")
     fd, cmd = int(argv[0]), argv[2:]
     with os.fdopen(fd) as f:
         env = json.load(f)

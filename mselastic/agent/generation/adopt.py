@@ -1,6 +1,6 @@
 """What an elasticd finds at its start that an earlier elasticd of this node left running (#45).
 
-Every generation started cold has a shim (:mod:`mselastic.agent.shim`), msrun's parent, which does
+Every generation started cold has a shim (:mod:`mselastic.agent.generation.shim`), msrun's parent, which does
 not die with elasticd: after a crash its generation trains on, fenced by the shim on the deadline
 the dead elasticd last wrote. A successor with the same ``work_dir`` and node id finds the
 generation's record in its shim folder and adopts it (``NodeAgent._adopt``) when the shim and msrun
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import glob
 import logging
 import os
 import signal
 
-from mselastic.agent import shim
+from mselastic.agent.generation import shim
 from mselastic.core import fencing
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,31 @@ class Found:
         return self.record.job, self.record.generation
 
 
-def find(shim_dir: str, work_dir: str, node_id: str) -> list[Found]:
+#: The lock file in work_dir an elasticd holds for its life (daemon.main.lock_work_dir).
+LOCK_NAME = ".elasticd.lock"
+
+
+def in_use(work_dir: str) -> bool:
+    """Whether an elasticd holds ``work_dir``'s lock now."""
+    try:
+        fd = os.open(os.path.join(work_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False  # (no lock file, or no folder: nobody holds it)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # (and the lock taken, if it was)
+
+
+def find(shim_dir: str, work_dir: str, node_id: str, namespace: str = "") -> list[Found]:
     """The generations an earlier elasticd with this ``work_dir`` and node id left, in its shim
-    folder (``shim_dir``; "": beside the logs), each said adoptable or not, and why."""
+    folder (``shim_dir``; "": beside the logs), each said adoptable or not, and why; and, not
+    adoptable, those of this node id and ``namespace`` whose elasticd ran with another work_dir
+    and is gone (this one was started with a new work_dir: its predecessor's generations would
+    run on beside a relaunch until their deadline)."""
     pattern = os.path.join(shim_dir, "*.shim.json") if shim_dir else os.path.join(work_dir, "logs", "*", "*.shim.json")
     found = []
     for path in sorted(glob.glob(pattern)):
@@ -50,9 +73,14 @@ def find(shim_dir: str, work_dir: str, node_id: str) -> list[Found]:
         except (OSError, ValueError, TypeError) as e:
             log.warning("a shim's record %s cannot be read (%s): left alone", path, e)
             continue
-        if record.work_dir != work_dir or record.node != node_id:
-            continue  # (another elasticd's on this machine)
         paths = shim.Paths(path.removesuffix(".shim.json"))
+        if record.node != node_id:
+            continue  # (another elasticd's on this machine)
+        if record.work_dir != work_dir:
+            if namespace and record.namespace == namespace and not in_use(record.work_dir):
+                found.append(Found(record, paths, None, f"its elasticd, with work_dir {record.work_dir}, is gone, and "
+                                                        f"this one runs with work_dir {work_dir}"))
+            continue  # (else another elasticd's on this machine, alive)
         child, why = shim.Child.read(paths), ""
         if child is None:
             why = "it has no msrun under its shim (started warm, or by an earlier release)"

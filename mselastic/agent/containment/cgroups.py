@@ -28,7 +28,7 @@ Two layouts are supported, and one log line says which was found:
 Without v2 (pure v1) the ``pids`` hierarchy holds the membership and every member is SIGKILLed
 until none is left. Without any (no cgroup file system, or elasticd may not write it: not
 root, a container), elasticd says why and finds a generation's processes by the marker in their
-environment (:mod:`mselastic.agent.procs`), which a process that rewrites it escapes.
+environment (:mod:`mselastic.agent.containment.procs`), which a process that rewrites it escapes.
 """
 
 from __future__ import annotations
@@ -251,6 +251,17 @@ def _enable_v2(layout: Layout) -> str:
     except OSError as e:
         return f"cannot enable {wanted} in {layout.members}: {e.strerror}"
     return ""
+
+
+def started_in_a_distributing_cgroup(layout: Layout) -> bool:
+    """Whether elasticd moved itself out of the cgroup it was started in, into its leaf
+    ``elasticd``, to hand the v2 limits' controllers down from there (see :func:`_enable_v2`):
+    the launcher that started it there (systemd, for a unit) cannot start a successor there while
+    a job lives below it (the kernel's no-internal-process rule)."""
+    if layout.mode != "v2" or not layout.v2_limits():
+        return False
+    leaf = os.path.join(os.path.dirname(layout.members), "elasticd")
+    return str(os.getpid()) in _read_or(os.path.join(leaf, "cgroup.procs")).split()
 
 
 class Group:

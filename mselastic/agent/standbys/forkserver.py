@@ -4,8 +4,8 @@ A cold relaunch starts msrun, which starts a scheduler and one worker per local 
 Python importing MindSpore: about 5 s of a 7 s relaunch on two cores, before MindSpore does
 anything. The agent keeps, per job running here, one standby per local rank and one for a
 scheduler (:mod:`mselastic.trainer.standby` is the process side), idle until a relaunch, then
-handed the generation (see :class:`mselastic.agent.launch.Launch`) and replaced after use
-(the pools: :mod:`mselastic.agent.pools`).
+handed the generation (see :class:`mselastic.agent.generation.launch.Launch`) and replaced after use
+(the pools: :mod:`mselastic.agent.standbys.pools`).
 
 The standbys are forked, not started: once the job trains here the pool starts one *fork server*
 (as the worker user with the job's environment, in the script's folder, dying with elasticd),
@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import psutil
 
-from mselastic.agent.cgroups import exited
+from mselastic.agent.containment.cgroups import exited
 from mselastic.core.contract import STANDBY_FORKS, STANDBY_READY
 
 log = logging.getLogger(__name__)

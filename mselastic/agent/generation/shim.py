@@ -25,10 +25,10 @@ as long as its shim. On the warm path (standbys of the fork server, no msrun) it
 
 A shim that is msrun's parent outlives elasticd (no parent-death signal of its own): after a
 crash its generation trains on, fenced by the shim on the last deadline written, and a successor
-adopts it (:mod:`mselastic.agent.adopt`; ``.child`` says who to adopt). A shim that only guards
+adopts it (:mod:`mselastic.agent.generation.adopt`; ``.child`` says who to adopt). A shim that only guards
 (warm: the ranks are the fork server's children, and die with elasticd) dies with elasticd. Run
 as ``python -I -m
-mselastic.agent.shim RECORD [--stdout-fd N] [--pass-fd N] [--cwd DIR] [-- CMD...]`` (``-I``: it
+mselastic.agent.generation.shim RECORD [--stdout-fd N] [--pass-fd N] [--cwd DIR] [-- CMD...]`` (``-I``: it
 runs as root, and nothing of the job's folders may come first on its import path); SIGTERM ends
 a shim that only guards (elasticd sends it when the generation is over).
 """
@@ -51,12 +51,13 @@ from typing import Any
 
 import psutil
 
-from mselastic.agent import procs, stop
-from mselastic.agent.cgroups import Group, Layout
+from mselastic.agent.containment import procs
+from mselastic.agent.generation import stop
+from mselastic.agent.containment.cgroups import Group, Layout
 from mselastic.core import fencing
 from mselastic.core.pdeathsig import with_parent_death
 
-log = logging.getLogger("mselastic.agent.shim")  # (the same name when run as __main__)
+log = logging.getLogger("mselastic.agent.generation.shim")  # (the same name when run as __main__)
 
 RECORD_VERSION = 1
 #: How often the shim reads the deadline.
@@ -85,6 +86,9 @@ class Record:
     #: adopts only the generations of its own work_dir and node id: agent.adopt).
     run_id: str = ""
     work_dir: str = ""
+    #: Its elasticd's etcd namespace: a successor with another work_dir kills the generations of
+    #: its node and namespace whose elasticd is gone (agent.adopt).
+    namespace: str = ""
     version: int = RECORD_VERSION
 
     def to_json(self) -> str:
@@ -298,7 +302,7 @@ class Handle:
     def command(self, stdout_fd: int = -1, pass_fds: tuple[int, ...] = (), cwd: str = "",
                 env_fd: int = -1) -> list[str]:
         """The shim's command line; followed by ``--`` and a command, it starts that as its child."""
-        cmd = [sys.executable, "-I", "-m", "mselastic.agent.shim", self.paths.record]
+        cmd = [sys.executable, "-I", "-m", "mselastic.agent.generation.shim", self.paths.record]
         cmd += ["--stdout-fd", str(stdout_fd)] if stdout_fd >= 0 else []
         cmd += ["--env-fd", str(env_fd)] if env_fd >= 0 else []
         cmd += [a for fd in pass_fds for a in ("--pass-fd", str(fd))]
@@ -479,8 +483,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s job=%(job)s gen=%(generation)s node=%(node)s "
                                "rank=-: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -I -m mselastic.agent.shim",
-                                     description="A generation's shim (elasticd starts it; see agent/shim.py).")
+    parser = argparse.ArgumentParser(prog="python -I -m mselastic.agent.generation.shim",
+                                     description="A generation's shim (elasticd starts it; see agent/generation/shim.py).")
     parser.add_argument("record", help="the generation's record, <logs>/<job>/g<N>.shim.json")
     parser.add_argument("--stdout-fd", type=int, default=-1, help="the child's stdout and stderr (msrun.log)")
     parser.add_argument("--pass-fd", type=int, action="append", default=[], help="a descriptor the child keeps")

@@ -1,5 +1,5 @@
 """The standbys this node keeps for the jobs running here, one pool per job (see
-:mod:`mselastic.agent.forkserver` for what a standby is): filled once a generation trains, taken by
+:mod:`mselastic.agent.standbys.forkserver` for what a standby is): filled once a generation trains, taken by
 the next relaunch of the same launch, stopped when the job no longer runs here."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable
 
-from mselastic.agent.forkserver import READY_TIMEOUT_S, ForkServer, Spawner, Standby
+from mselastic.agent.standbys.forkserver import READY_TIMEOUT_S, ForkServer, Spawner, Standby
 
 #: What stops whatever is left in a fork server's cgroup once it has ended (by its marker).
 Releaser = Callable[[str], Awaitable[None]]

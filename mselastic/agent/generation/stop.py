@@ -10,8 +10,8 @@ import signal
 import uuid
 from typing import Iterable
 
-from mselastic.agent import procs
-from mselastic.agent.ranks import RankState
+from mselastic.agent.containment import procs
+from mselastic.agent.generation.ranks import RankState
 from mselastic.core import contract
 
 

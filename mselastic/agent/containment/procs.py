@@ -1,6 +1,6 @@
 """Finding and killing every process of one generation on this node where there are no cgroups
 (with them, the generation's cgroup says who is in it and ``cgroup.kill`` ends them: see
-:mod:`mselastic.agent.cgroups`). The rank-level reads below (``/proc/PID/stat``) serve both.
+:mod:`mselastic.agent.containment.cgroups`). The rank-level reads below (``/proc/PID/stat``) serve both.
 
 msrun puts each worker in its own session, its scheduler in msrun's group, and
 does not forward SIGTERM: killing msrun's group alone orphans the workers. So a

@@ -21,14 +21,15 @@ from typing import Any, Callable, Iterable
 import psutil
 import tenacity
 
-from mselastic.agent import observe, procs
-from mselastic.agent.cgroups import CgroupError, Group, join_prefix
-from mselastic.agent.launch_env import LaunchEnv
-from mselastic.agent.preflight import LaunchError
-from mselastic.agent.ranks import RankState
-from mselastic.agent.shim import AdoptedShim, Handle
-from mselastic.agent.forkserver import Forked, Proc, Standby
-from mselastic.agent.users import WorkerUser, batch_prefix
+from mselastic.agent.containment import procs
+from mselastic.agent.generation import observe
+from mselastic.agent.containment.cgroups import CgroupError, Group, join_prefix
+from mselastic.agent.generation.launch_env import LaunchEnv
+from mselastic.agent.generation.preflight import LaunchError
+from mselastic.agent.generation.ranks import RankState
+from mselastic.agent.generation.shim import AdoptedShim, Handle
+from mselastic.agent.standbys.forkserver import Forked, Proc, Standby
+from mselastic.agent.containment.users import WorkerUser, batch_prefix
 from mselastic.core.model import Member
 from mselastic.core.pdeathsig import with_parent_death
 from mselastic.core.states import FailureCause
@@ -54,11 +55,11 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
                           **io: Any) -> asyncio.subprocess.Process:
     """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a
     standby). ``job_env`` (the job spec's variables) is added after the user switch: it reaches the
-    process through a pipe that ``mselastic.agent.envexec`` reads, so nothing runs as root with it
+    process through a pipe that ``mselastic.agent.containment.envexec`` reads, so nothing runs as root with it
     (``LD_PRELOAD``, if an admin allows it), it is never on disk, and elasticd needs no right to write
     in the worker user's folders. ``batch``: under the ``SCHED_BATCH`` policy, inherited by every
     process and thread it starts (see above). ``group``: the cgroup it starts in, before it runs
-    anything of the job's (:func:`mselastic.agent.cgroups.join_prefix`, which also makes it, and
+    anything of the job's (:func:`mselastic.agent.containment.cgroups.join_prefix`, which also makes it, and
     all it starts, the OOM killer's choice before elasticd). ``shim``: started through the
     generation's shim, which becomes its parent (``io``'s stdout goes to the process; the
     shim's stdout is a pipe on which it says the pid: :meth:`Handle.parent`). ``io``: stdin,
@@ -70,7 +71,7 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     env_r = env_w = -1
     if who is not None:
         env_r, env_w = os.pipe()
-        cmd = [sys.executable, "-m", "mselastic.agent.envexec", str(env_r), "--", *cmd]
+        cmd = [sys.executable, "-m", "mselastic.agent.containment.envexec", str(env_r), "--", *cmd]
     else:
         env = {**env, **job_env}
     started = False
@@ -232,7 +233,7 @@ class Path(enum.Enum):
 
 class UnderShim:
     """msrun started by the generation's shim: msrun's pid; the shim's wait and code, which are
-    msrun's (it exits as msrun did: see :mod:`mselastic.agent.shim`)."""
+    msrun's (it exits as msrun did: see :mod:`mselastic.agent.generation.shim`)."""
 
     def __init__(self, shim: asyncio.subprocess.Process | AdoptedShim, pid: int) -> None:
         self.shim, self.pid = shim, pid
@@ -430,8 +431,8 @@ class Launch:
             os.close(fd)
 
     async def teardown(self, grace_s: float) -> list[int]:
-        """Stop every process of the generation (see :func:`mselastic.agent.cgroups.Group.stop`; with
-        no cgroups, :func:`mselastic.agent.procs.stop_generation`); returns the pids left."""
+        """Stop every process of the generation (see :func:`mselastic.agent.containment.cgroups.Group.stop`; with
+        no cgroups, :func:`mselastic.agent.containment.procs.stop_generation`); returns the pids left."""
         if self.group is not None:
             return await self.group.stop(self.live(), grace_s=grace_s)
         return await procs.stop_generation(self.markers(), self.live(), grace_s=grace_s)

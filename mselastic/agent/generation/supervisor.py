@@ -1,10 +1,10 @@
 """One generation of a job on this node, from launch to its end: :class:`Generation` observes its
-processes, has :func:`mselastic.agent.verdict.judge` say what a look means, and acts on it.
+processes, has :func:`mselastic.agent.generation.verdict.judge` say what a look means, and acts on it.
 
 The generation starts cold (msrun, in a new session, its parent the generation's shim, which
-outlives elasticd: :mod:`mselastic.agent.shim`, and a successor adopts it: :meth:`Generation.adopt`)
-or warm (standbys handed over: :mod:`mselastic.agent.launch`; the shim only guards them), with the
-environment of the trainer contract (:mod:`mselastic.agent.launch_env`). It then watches the
+outlives elasticd: :mod:`mselastic.agent.generation.shim`, and a successor adopts it: :meth:`Generation.adopt`)
+or warm (standbys handed over: :mod:`mselastic.agent.generation.launch`; the shim only guards them), with the
+environment of the trainer contract (:mod:`mselastic.agent.generation.launch_env`). It then watches the
 workers themselves, not only msrun: msrun notices a dead rank only after its scheduler times out
 (~35 s). A worker that is gone (or a zombie) without having said ``finished``, or silent for longer
 than the hang timeout, fails the generation at once; every process of the generation is then torn
@@ -28,19 +28,20 @@ from typing import Awaitable, Callable
 import psutil
 
 from mselastic import metrics
-from mselastic.agent import observe, procs, ranks as rank_rules, shim, verdict
-from mselastic.agent.beats import BeatSocket, Senders
-from mselastic.agent.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
-from mselastic.agent.device_health import evidence
-from mselastic.agent.jobfiles import Unreadable, bounded
-from mselastic.agent.launch import MSRUN, Launch, Path, UnderShim, open_own
-from mselastic.agent.launch_env import LaunchEnv, heartbeat_socket
-from mselastic.agent.preflight import LaunchError, port_free, preflight
-from mselastic.agent.ranks import JOINED, RankState
-from mselastic.agent.snapshot_folders import snapshot_folder
-from mselastic.agent.forkserver import Standby
-from mselastic.agent.stop import signal_ranks, write_stop_step
-from mselastic.agent.users import WorkerUser
+from mselastic.agent.containment import procs
+from mselastic.agent.generation import observe, ranks as rank_rules, shim, verdict
+from mselastic.agent.generation.beats import BeatSocket, Senders
+from mselastic.agent.containment.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
+from mselastic.agent.devices.health import evidence
+from mselastic.agent.containment.jobfiles import Unreadable, bounded
+from mselastic.agent.generation.launch import MSRUN, Launch, Path, UnderShim, open_own
+from mselastic.agent.generation.launch_env import LaunchEnv, heartbeat_socket
+from mselastic.agent.generation.preflight import LaunchError, port_free, preflight
+from mselastic.agent.generation.ranks import JOINED, RankState
+from mselastic.agent.containment.snapshot_folders import snapshot_folder
+from mselastic.agent.standbys.forkserver import Standby
+from mselastic.agent.generation.stop import signal_ranks, write_stop_step
+from mselastic.agent.containment.users import WorkerUser
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.model import GenerationReport, Plan
@@ -80,7 +81,7 @@ class Phase(enum.Enum):
 
 class Generation:
     """One plan's launch on this node: msrun, its scheduler and the local ranks (or standbys that
-    became them: see :class:`mselastic.agent.launch.Launch`)."""
+    became them: see :class:`mselastic.agent.generation.launch.Launch`)."""
 
     def __init__(self, plan: Plan, spec: JobSpec, node_id: str, work_dir: str,
                  on_change: Callable[["Generation", bool], None], poll_interval_s: float = 0.1,
@@ -89,13 +90,13 @@ class Generation:
                  snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
                  node_limits: Limits = Limits(), heartbeat_dir: str = "",
                  fence_deadline: Callable[[], float] = lambda: 0.0, lease_ttl_s: float = 0.0,
-                 shim_dir: str = "", run_id: str = "") -> None:
+                 shim_dir: str = "", run_id: str = "", namespace: str = "") -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
         self.plan, self.spec, self.node_id, self.member = plan, spec, node_id, member
         self.first_rank = plan.first_rank(node_id)
-        self.work_dir = work_dir
+        self.work_dir, self.namespace = work_dir, namespace
         self.log_dir = os.path.join(work_dir, "logs", spec.name, f"g{plan.generation:06d}")
         #: The planned stop's step, for the ranks: beside the log folder, in elasticd's own folder
         #: (the worker user owns the log folder; elasticd has no right to write there under the unit).
@@ -107,7 +108,7 @@ class Generation:
         self._asked: set[int] = set()  # ranks that asked for a stop step (logged once each)
         #: (An adopted generation keeps the one it was started with: agent.adopt.)
         self.run_id = run_id or f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
-        #: Where its ranks send their beats (see mselastic.agent.beats).
+        #: Where its ranks send their beats (see mselastic.agent.generation.beats).
         self.heartbeat = heartbeat_socket(self.run_id, heartbeat_dir)
         self.state = GenerationState.STARTING
         self.phase = Phase.PREPARING
@@ -261,7 +262,7 @@ class Generation:
                 dataclasses.asdict(self.launch.group.layout) if self.launch.group else None,
                 self.launch.group.rel if self.launch.group else "",
                 self.user.uid if self.user and self.user.switch else -1, run_id=self.run_id,
-                work_dir=self.work_dir), self._fence_deadline())
+                work_dir=self.work_dir, namespace=self.namespace), self._fence_deadline())
             self.launch.shim = self.shim
         except (OSError, RuntimeError) as e:
             await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
@@ -504,6 +505,7 @@ class Generation:
         adopted so), watched, neither stopping nor over, and not fenced."""
         return (self.phase is Phase.WATCHING and not self.stopping and not self.state.terminal
                 and isinstance(self.launch.msrun, UnderShim) and self.launch.msrun.returncode is None
+                and not os.path.exists(self.shim.paths.exit)  # (msrun's end, not yet seen by asyncio)
                 and self.shim.fenced() is None)
 
     async def leave(self) -> None:
@@ -677,7 +679,7 @@ class Generation:
 
     def _find_fault(self) -> tuple[int, str, FailureCause] | None:
         """(rank, reason, cause) of the rank that failed; None while all is well: one look
-        (:meth:`_look`), judged by :func:`mselastic.agent.verdict.judge`."""
+        (:meth:`_look`), judged by :func:`mselastic.agent.generation.verdict.judge`."""
         fault = verdict.judge(self._look(), verdict.Timing(self.spec.hang_timeout_s, self.spec.startup_timeout_s,
                                                             self.spec.stop_grace_period_s))
         if fault is None:
@@ -688,7 +690,7 @@ class Generation:
         return fault.rank, fault.reason, fault.cause
 
     def _look(self) -> verdict.Look:
-        """One look at the ranks (see :func:`mselastic.agent.observe.look`)."""
+        """One look at the ranks (see :func:`mselastic.agent.generation.observe.look`)."""
         return observe.look(self.ranks, time.monotonic(), self.started_mono, self.log_dir,
                             self.launch.warm_scheduler(), self.launch.msrun is not None, self.launch.msrun_exits,
                             self._drain_beats)
@@ -807,7 +809,7 @@ class Generation:
         """(rank, pid, how) of the worker msrun's log says exited with an error, when this agent did not
         see it die (msrun exits at once on n1 and the like, with no scheduler to wait for; this
         agent's poll may have been held up, on a busy node, until after both); see
-        :func:`mselastic.agent.ranks.blame_from_msrun`."""
+        :func:`mselastic.agent.generation.ranks.blame_from_msrun`."""
         blamed = rank_rules.blame_from_msrun(self.ranks.values(), self.launch.msrun_exits())
         if blamed is None:
             return None

@@ -6,7 +6,7 @@ keeps serving with the others. The log is the job's own words: one job may hold 
 failures stay its ranks'), so that a job cannot take a node's devices from the others by writing
 such lines. A device that the node's tools stop showing while elasticd runs
 (:meth:`DeviceHealth.watch`) is set aside until an operator puts it back; a GPU NVML reports a
-critical Xid on (:mod:`mselastic.agent.xid`) for ``device_cooldown_s``. :func:`evidence` says which
+critical Xid on (:mod:`mselastic.agent.devices.xid`) for ``device_cooldown_s``. :func:`evidence` says which
 device a failure is, if any. A device check (``device_check``, a short command run with
 the visible-devices variable naming one device) runs before a generation uses a device that was
 set aside (or every generation's devices, ``device_check_every_generation``); a device that fails
@@ -26,11 +26,11 @@ from typing import Awaitable, Callable
 
 import tenacity
 
-from mselastic.agent import devices as inventory
-from mselastic.agent import xid as xids
-from mselastic.agent.cgroups import Group, join_prefix
-from mselastic.agent.jobfiles import bounded, read_tail
-from mselastic.agent.users import WorkerUser, inherited_env, setpriv
+from mselastic.agent.devices import detect as inventory
+from mselastic.agent.devices import xid as xids
+from mselastic.agent.containment.cgroups import Group, join_prefix
+from mselastic.agent.containment.jobfiles import bounded, read_tail
+from mselastic.agent.containment.users import WorkerUser, inherited_env, setpriv
 from mselastic.core.devices import LOG_TAIL_BYTES, device_error, format_ids, visible_env
 from mselastic.core.model import DeviceCordon, MalformedRecord, Member
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
@@ -218,7 +218,7 @@ class DeviceHealth:
     async def xid(self, device: int, xid: int) -> None:
         """NVML reported critical Xid ``xid`` on GPU ``device``: set it aside (``device_cooldown_s``;
         its check runs before a generation uses it again), in the background (a rank failing
-        meanwhile waits for it in :meth:`blame`). One of :data:`mselastic.agent.xid.HARDWARE_XIDS`
+        meanwhile waits for it in :meth:`blame`). One of :data:`mselastic.agent.devices.xid.HARDWARE_XIDS`
         for no job; another counts against the job whose rank uses the GPU here (its cap: a job's
         code might make the driver say so). The same Xid on a GPU again within
         :data:`XID_REPEAT_S` is not written again."""
@@ -324,7 +324,7 @@ class DeviceHealth:
         return f"exit code {proc.returncode}" + (f": {last.strip()[:200]}" if last else "")
 
     async def watch(self, kind: str, ids: tuple[int, ...], every_s: float, stop: asyncio.Event) -> None:
-        """Until ``stop``: NVML's critical Xid events on a GPU (see :mod:`mselastic.agent.xid`), and
+        """Until ``stop``: NVML's critical Xid events on a GPU (see :mod:`mselastic.agent.devices.xid`), and
         every ``every_s`` the node's tools asked again: a device of ``ids`` they no longer show, twice
         in a row, while they show others of ``kind`` (a tool that fails or shows none proves
         nothing), is set aside until uncordoned. Errors are logged, the watch goes on."""

@@ -19,8 +19,8 @@ import os
 import stat
 from typing import Any, Callable
 
-from mselastic.agent.cgroups import Tree, join_prefix
-from mselastic.agent.users import WorkerUser, setpriv
+from mselastic.agent.containment.cgroups import Tree, join_prefix
+from mselastic.agent.containment.users import WorkerUser, setpriv
 
 log = logging.getLogger(__name__)
 
