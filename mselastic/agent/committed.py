@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable, Collection
+from typing import Awaitable, Collection, Protocol
 
 from mselastic.agent.generation.supervisor import Generation
 from mselastic.core.model import AGENT_RESTARTED, GenerationReport, JobStatus, MalformedRecord, Plan
@@ -19,14 +19,17 @@ from mselastic.store.etcd import Store
 
 log = logging.getLogger(__name__)
 
-#: Stops a job's generation here: (job, generation, grace_s, stop_at) -> the pids left.
-StopGen = Callable[[str, int, float, int], Awaitable[list[int]]]
+class StopGen(Protocol):
+    """Stops a job's generation here (NodeAgent.stop): the pids left. ``final``: the job ended."""
+
+    def __call__(self, job: str, generation: int, grace_s: float, stop_at: int = 0, reason: str = "",
+                 final: bool = False) -> Awaitable[list[int]]: ...
 
 
 async def close_stale_reports(store: Store, node_id: str, stop: asyncio.Event,
                               keep: Collection[tuple[str, int]] = ()) -> None:
     """Close what a previous elasticd of this node left open in etcd, before registering, but
-    the generations this one adopted (``keep``: job, generation; see agent.adopt).
+    the generations this one adopted (``keep``: job, generation; see agent.generation.adopt).
 
     A starting elasticd runs nothing else: the workers of the one before it died with it, or
     were killed as not adoptable.
@@ -70,7 +73,7 @@ async def keep_committed(store: Store, node_id: str, generations: dict[str, Gene
                 if gen.done.is_set():
                     continue
                 plan_kv, status_kv = await store.get(k.plan(job)), await store.get(k.status(job))
-                why, grace, at = "", 0.0, 0
+                why, grace, at, ended = "", 0.0, 0, False
                 try:
                     plan = Plan.from_json(plan_kv.value) if plan_kv is not None else None
                     if plan is None or plan != gen.plan:
@@ -80,14 +83,18 @@ async def keep_committed(store: Store, node_id: str, generations: dict[str, Gene
                             grace, at = gen.spec.stop_grace_period_s, plan.stop_previous_at_step
                     elif status_kv is not None and (st := JobStatus.from_json(status_kv.value).state) is not \
                             JobState.RUNNING:
-                        # (stopped meanwhile, its Stop lost: the ranks checkpoint first, as it would have)
-                        why, grace = f"the job is {st.value} meanwhile", gen.spec.stop_grace_period_s
+                        # (stopped meanwhile, its Stop lost: the ranks checkpoint first, as it would
+                        # have; restarting: a rank failed elsewhere, the collective is broken)
+                        why, ended = f"the job is {st.value} meanwhile", st.terminal
+                        grace = gen.spec.stop_grace_period_s if ended else 0.0
                 except MalformedRecord as e:
                     why = f"its record is unreadable ({e})"
                 ctx = dict(node=node_id, job=job, generation=gen.plan.generation)
                 if why:
                     log.warning("stopping generation %d: %s", gen.plan.generation, why, extra=ctx)
-                    await stop_gen(job, gen.plan.generation, grace, at)
+                    # (Shielded: the check is cancelled when the lease is lost or elasticd stops; a
+                    # graceful stop cut short would leave the generation stopping, unwatched.)
+                    await asyncio.shield(stop_gen(job, gen.plan.generation, grace, at, final=ended))
                 else:
                     log.info("generation %d is still the committed plan: it goes on", gen.plan.generation,
                              extra=ctx)

@@ -47,7 +47,7 @@ class AgentConfig:
     #: elasticd's folder for the generations' heartbeat sockets ("": abstract names; see
     #: mselastic.agent.generation.beats).
     heartbeat_dir: str = ""
-    #: elasticd's own folder for its generations' shim files (agent.shim; "": beside the logs).
+    #: elasticd's own folder for its generations' shim files (agent.generation.shim; "": beside the logs).
     shim_dir: str = ""
     #: Each log file of a generation is rotated past this many MiB (0: never; mselastic.agent.containment.logcap).
     max_log_mb: int = 1024

@@ -118,8 +118,9 @@ class NodeAgent:
         #: Where this node's registration stands (core.states.NodeState; moved by :meth:`_to`).
         self.state = NodeState.STARTING
         #: Jobs whose generation was left to its shim (:meth:`hand_over`): their cgroups stay, and
-        #: the lease is not revoked.
+        #: the lease is not revoked; and those to be left, once the others are stopped.
         self._left: set[str] = set()
+        self._keeping: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self.device_health = DeviceHealth(store, cfg.node_id, cfg.device_cooldown_s, cfg.device_check,
                                           user_of=self._device_user)
@@ -165,9 +166,10 @@ class NodeAgent:
     def _to(self, new: NodeState) -> None:
         """Move the node's state (core.states.NODE_TRANSITIONS; an illegal move raises
         IllegalTransition: a bug). Once DRAINING, only CLOSED: the registration's ups and downs
-        while elasticd goes away change nothing of what it does."""
+        while elasticd goes away change nothing of what it does; CLOSED is the end (elasticd's
+        shutdown may begin once the registration has ended: an error, or an idle node's release)."""
         old = self.state
-        if new is old or (old is NodeState.DRAINING and new is not NodeState.CLOSED):
+        if new is old or old is NodeState.CLOSED or (old is NodeState.DRAINING and new is not NodeState.CLOSED):
             return
         check_node_transition(old, new)
         self.state = new
@@ -270,10 +272,13 @@ class NodeAgent:
                 log.error("workers still running %.0fs into the shutdown; killing them", wait, extra=self._ctx)
                 await asyncio.gather(*(g.stop(0, reason="elasticd shutting down", now=True,
                                               cause=FailureCause.AGENT_SHUTDOWN)
-                                       for g in self.generations.values() if not g.done.is_set()))
+                                       for job, g in self.generations.items()
+                                       if not g.done.is_set() and job not in self._keeping))
+                # (those to be left to their shims are, once the stops above have returned)
+                await self._workers_gone(SHUTDOWN_MARGIN_S)
         if self.state is NodeState.DRAINING:
             await self.reports.flush(SHUTDOWN_REPORT_S)
-        if self._left:  # (kept alive by nobody: a successor takes it over, else it expires)
+        if self._left or self._keeping:  # (kept alive by nobody: a successor takes it over, else it expires)
             lease.abandon()
         else:
             await lease.release()
@@ -394,7 +399,7 @@ class NodeAgent:
 
     def _fence_deadline(self) -> float:
         """Where the workers must be gone by, on fencing.clock(): the lease they run on plus the
-        outage grace (0: no lease yet). Each generation's shim holds it too (agent.shim)."""
+        outage grace (0: no lease yet). Each generation's shim holds it too (agent.generation.shim)."""
         cover = self._cover
         if cover is None or not cover.valid_until:
             return 0.0
@@ -468,7 +473,7 @@ class NodeAgent:
         Taken by a running elasticd that answers as this node: :class:`NodeIdTaken` (two daemons
         with one id would evict each other). Taken by our predecessor at this same address (it
         died less than a TTL ago; the work_dir's lock says it is gone): its lease is taken over
-        (agent.adopt), or where that fails revoked and the id registered anew. Taken by one that
+        (agent.generation.adopt), or where that fails revoked and the id registered anew. Taken by one that
         does not answer: wait for its lease to expire."""
         key = self.store.keys.node(self.cfg.node_id)
         rounds = asyncio.create_task(self._fence_rounds(fencing_by, stop), name="fence-rounds") \
@@ -492,7 +497,7 @@ class NodeAgent:
         """The node id is registered under another lease: take it over, refuse or wait (raises
         unless taken over). The previous elasticd at this same address (it died less than a TTL
         ago, or handed over): its lease is kept (by id, not revoked: the generations it left run
-        on it, agent.adopt) and the record rewritten (this release's); when it cannot be kept,
+        on it, agent.generation.adopt) and the record rewritten (this release's); when it cannot be kept,
         it is revoked and the id registered anew."""
         if holder is None:
             raise TemporaryError("the registration changed meanwhile")
@@ -609,11 +614,11 @@ class NodeAgent:
         gen.check_devices = functools.partial(self.device_health.check, plan.job)
         return gen
 
-    # -- adoption (agent.adopt) --------------------------------------------
+    # -- adoption (agent.generation.adopt) --------------------------------------------
 
     def find_left(self) -> None:
         """Before elasticd answers anyone (and with the work_dir's lock held: no other elasticd of
-        this work_dir runs): the generations an earlier one left (agent.adopt). Those that cannot
+        this work_dir runs): the generations an earlier one left (agent.generation.adopt). Those that cannot
         be adopted are killed now; the others count as launches under way until adopted or
         killed, so that a leader asking what runs here does not take them for stopped meanwhile."""
         found = adopt.find(self.cfg.shim_dir, self.cfg.work_dir, self.cfg.node_id, self.store.keys.namespace)
@@ -740,7 +745,7 @@ class NodeAgent:
     async def hand_over(self, grace_s: float) -> None:
         """elasticd is restarting (SIGTERM): every generation that can go on without it (msrun
         under its shim: Generation.can_be_left) is left to its shim, for the next elasticd to
-        adopt (agent.adopt); the others are stopped as :meth:`shut_down` stops them. The
+        adopt (agent.generation.adopt); the others are stopped as :meth:`shut_down` stops them. The
         registration lease is then let expire, not revoked: the next elasticd takes it over, and
         without one the shims fence on their deadline before a leader may replace the node.
         The others are stopped first: until then the lease is renewed and the deadlines of those
@@ -748,7 +753,7 @@ class NodeAgent:
         them too close to their deadline to adopt)."""
         self._to(NodeState.DRAINING)
         await self._adopted.wait()  # (what is being adopted is left too, once it is)
-        kept = {job for job, gen in self.generations.items() if gen.can_be_left()}
+        kept = self._keeping = {job for job, gen in self.generations.items() if gen.can_be_left()}
         await self.shut_down(grace_s, spare=kept)
         for job in kept:
             async with self._lock(job):

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from mselastic import metrics
 from mselastic.core.kinds import EventKind, RelaunchReason
@@ -25,16 +25,26 @@ from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.lease import Term
 from mselastic.store.views import JobView
 
-if TYPE_CHECKING:
-    from mselastic.daemon.coordinator import CoordinatorConfig
-
 log = logging.getLogger(__name__)
+
+
+class Limits(Protocol):
+    """What the applier needs of the leader's settings (``CoordinatorConfig`` has them: see there)."""
+
+    @property
+    def repush_after_s(self) -> float: ...
+
+    @property
+    def denied_push_fail_s(self) -> float: ...
+
+    @property
+    def keep_report_generations(self) -> int: ...
 
 
 class Applier:
     """The leader's hands for one job's decision at a time (a job's worker in the work queue)."""
 
-    def __init__(self, store: Store, cfg: "CoordinatorConfig", agents: Agents, statuses: Statuses, history: History,
+    def __init__(self, store: Store, cfg: Limits, agents: Agents, statuses: Statuses, history: History,
                  presence: Presence, memo: Callable[[str], JobMemo], not_inflight: Callable[[str], None]) -> None:
         self.store, self.cfg, self.agents, self.statuses = store, cfg, agents, statuses
         self.history, self.presence, self._memo, self._not_inflight = history, presence, memo, not_inflight

@@ -24,9 +24,10 @@ SIGTERM (kill PID, systemctl restart, an upgrade): every generation running unde
 left to it, untouched, and the node's registration lease is not revoked: the next elasticd
 adopts both (a successor within the lease's TTL); without one, each shim stops its generation on
 the node's fence deadline, before a leader may relaunch it elsewhere. A generation that cannot be
-left (a warm one, one starting) is stopped as on SIGINT. Under systemd a SIGTERM that is not a
-restart of the unit (systemctl stop, a shutdown of the machine) is taken as SIGINT; so is any
-SIGTERM where the cgroup elasticd was started in would take no successor (cgroup v2, a unit).
+left (a warm one, one starting) is stopped as on SIGINT. Under systemd a SIGTERM that systemd
+sends for a stop of the unit (systemctl stop, a shutdown of the machine) is taken as SIGINT; so
+is any SIGTERM where the cgroup elasticd was started in would take no successor (cgroup v2 with
+the limits' controllers, a unit).
 SIGINT (Ctrl-C): local workers are asked to checkpoint (SIGTERM, grace period), then killed;
 fencing goes on meanwhile; once they are gone the node's registration is revoked; exit 0.
 """
@@ -207,7 +208,7 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
                              options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                                       # (gRPC's default would let a second elasticd bind the same
                                       # address: it would take the first one's registration for its
-                                      # dead predecessor's, agent.adopt)
+                                      # dead predecessor's, agent.generation.adopt)
                                       ("grpc.so_reuseport", 0), *liveness.SERVER_OPTIONS])
     local = _bind_socket(server, s)
     try:
@@ -314,7 +315,7 @@ async def _devices(s: Settings) -> tuple[str, tuple[int, ...]]:
 def lock_work_dir(work_dir: str) -> int:
     """An exclusive lock on ``work_dir`` for elasticd's lifetime (the descriptor, kept open, not
     inherited): two elasticds with one work_dir would take each other's generations and lease for
-    their own (agent.adopt). Raises SettingsError when another holds it."""
+    their own (agent.generation.adopt). Raises SettingsError when another holds it."""
     os.makedirs(work_dir, exist_ok=True)
     fd = os.open(os.path.join(work_dir, adopt.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -354,7 +355,7 @@ async def serve(s: Settings) -> None:
         address = local  # (the peers are on this machine; see Settings.one_machine)
     agent = _agent(s, store, address, worker, tree, device_kind, device_ids)
     coordinator = _coordinator(s, store, address, local)
-    agent.find_left()  # (before anyone may ask what runs here: see agent.adopt)
+    agent.find_left()  # (before anyone may ask what runs here: see agent.generation.adopt)
     pb_grpc.add_AgentServicer_to_server(AgentService(agent), server)
     # The Control service answers operators: a short retry budget, so that an etcd outage is
     # reported as such (UNAVAILABLE, "etcd unavailable") before elasticctl's own deadline.
@@ -446,7 +447,7 @@ async def hand_over_refused(tree: Tree | None) -> str:
         return ("cgroup v2: the cgroup elasticd was started in (its unit's) would take no new elasticd while a "
                 "job is left below it")
     job = await notify.job_on_own_unit()
-    if job and job not in ("restart", "try-restart", "reload-or-restart"):
+    if job and job not in ("restart", "try-restart"):
         return f"systemd's {job} of its unit, not a restart"
     return ""
 

@@ -121,7 +121,7 @@ class Presence:
         suspect, see :meth:`suspected`: it comes here as if unregistered; ``registered`` is what
         etcd says) is asked (``Agent.Status``) what it runs. It is replaced at once when its agent
         says it runs none of the generation (it fenced itself, or an elasticd started again found
-        nothing of it to adopt: agent.adopt). While its agent says it runs the generation (or is
+        nothing of it to adopt: agent.generation.adopt). While its agent says it runs the generation (or is
         adopting it),
         its jobs wait for it to register again (it is adopted then) or to fence itself. One that
         does not answer is replaced only once its registration has been gone for

@@ -519,7 +519,7 @@ class Tree:
     async def sweep(self, keep: Iterable[str] = ()) -> None:
         """Kill what an earlier elasticd of this node left in the subtree, and remove its groups,
         side by side, but the generations this elasticd adopted (``keep``: their groups' relative
-        paths, ``<job>/gen-<run id>``; see agent.adopt): what else is there was not adopted."""
+        paths, ``<job>/gen-<run id>``; see agent.generation.adopt): what else is there was not adopted."""
         keep = set(keep)
         try:
             names = [n for n in os.listdir(self.layout.members) if os.path.isdir(os.path.join(self.layout.members, n))]

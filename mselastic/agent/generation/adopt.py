@@ -59,6 +59,13 @@ def in_use(work_dir: str) -> bool:
         os.close(fd)  # (and the lock taken, if it was)
 
 
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def find(shim_dir: str, work_dir: str, node_id: str, namespace: str = "") -> list[Found]:
     """The generations an earlier elasticd with this ``work_dir`` and node id left, in its shim
     folder (``shim_dir``; "": beside the logs), each said adoptable or not, and why; and, not
@@ -76,7 +83,7 @@ def find(shim_dir: str, work_dir: str, node_id: str, namespace: str = "") -> lis
         paths = shim.Paths(path.removesuffix(".shim.json"))
         if record.node != node_id:
             continue  # (another elasticd's on this machine)
-        if record.work_dir != work_dir:
+        if record.work_dir != work_dir and not _same_folder(record.work_dir, work_dir):
             if namespace and record.namespace == namespace and not in_use(record.work_dir):
                 found.append(Found(record, paths, None, f"its elasticd, with work_dir {record.work_dir}, is gone, and "
                                                         f"this one runs with work_dir {work_dir}"))

@@ -85,7 +85,7 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
         shim_r, shim_w = os.pipe()
         out = io["stdout"].fileno()
         # (No parent-death signal: the generation outlives elasticd, its shim fencing it on the
-        # deadline a successor must move on in time; see agent.adopt.)
+        # deadline a successor must move on in time; see agent.generation.adopt.)
         prefix = [*shim.command(out, pass_fds, cwd, env_fd=shim_r), "--"]
         pass_fds, cwd, spawn_env = (*pass_fds, out, shim_r), os.getcwd(), None
         io = dict(io, stdout=asyncio.subprocess.PIPE, stderr=None)

@@ -83,11 +83,11 @@ class Record:
     cgroup_rel: str = ""
     read_as: int = -1  # the worker user's uid (-1: the workers run as elasticd)
     #: The generation's run id and the work_dir of the elasticd that started it (a successor
-    #: adopts only the generations of its own work_dir and node id: agent.adopt).
+    #: adopts only the generations of its own work_dir and node id: agent.generation.adopt).
     run_id: str = ""
     work_dir: str = ""
     #: Its elasticd's etcd namespace: a successor with another work_dir kills the generations of
-    #: its node and namespace whose elasticd is gone (agent.adopt).
+    #: its node and namespace whose elasticd is gone (agent.generation.adopt).
     namespace: str = ""
     version: int = RECORD_VERSION
 
@@ -349,7 +349,7 @@ class Handle:
         return self._why
 
     def leave(self) -> None:
-        """elasticd leaves the generation to its shim (a planned restart, see agent.adopt): its
+        """elasticd leaves the generation to its shim (a planned restart, see agent.generation.adopt): its
         handle on the shim closes and nothing is signalled; the shim's files stay, for the next
         elasticd to adopt the generation by, and the deadline stays where the last renewal put it."""
         self._ended = True

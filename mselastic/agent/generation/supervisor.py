@@ -106,7 +106,7 @@ class Generation:
         #: (monotonic time, highest step) when the highest step changed, the last few: the step rate.
         self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=32)
         self._asked: set[int] = set()  # ranks that asked for a stop step (logged once each)
-        #: (An adopted generation keeps the one it was started with: agent.adopt.)
+        #: (An adopted generation keeps the one it was started with: agent.generation.adopt.)
         self.run_id = run_id or f"{spec.name}.{plan.generation}.{node_id}.{uuid.uuid4().hex[:8]}"
         #: Where its ranks send their beats (see mselastic.agent.generation.beats).
         self.heartbeat = heartbeat_socket(self.run_id, heartbeat_dir)
@@ -136,7 +136,7 @@ class Generation:
         self.failed_device = -1
         #: Awaited before the launch with the member's devices, their kind, the user and the
         #: generation's cgroup: (a device that failed its check, why, whether it was set aside), or
-        #: None (see agent.device_health).
+        #: None (see agent.devices.health).
         self.check_devices: Callable[[tuple[int, ...], str, WorkerUser | None, Group | None],
                                      Awaitable[tuple[int, str, bool] | None]] | None = None
         self._remote_joined_at = 0.0
@@ -161,9 +161,9 @@ class Generation:
         self.limits = Limits(effective(spec.memory_limit_mb * 2**20, node_limits.memory_bytes),
                              effective(spec.max_processes, node_limits.max_tasks))
         self.job_group: Group | None = None
-        #: Taken over from an earlier elasticd (agent.adopt): the ranks' beats of the gap are lost.
+        #: Taken over from an earlier elasticd (agent.generation.adopt): the ranks' beats of the gap are lost.
         self.adopted = False
-        #: The generation's shim (see agent.shim): the fence where the workers are, on the deadline
+        #: The generation's shim (see agent.generation.shim): the fence where the workers are, on the deadline
         #: ``fence_deadline()`` says (the node's lease plus the outage grace; 0: none yet). Its files
         #: in ``shim_dir`` (elasticd's own folder on /run; "": beside the log folder).
         self.shim = shim.Handle(os.path.join(shim_dir, self.run_id) if shim_dir else self.log_dir, self._ctx)
@@ -289,7 +289,7 @@ class Generation:
                                  owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
 
     def adopt(self, record: shim.Record, child: shim.Child, report: GenerationReport | None) -> None:
-        """Take over this generation from the elasticd that started it (see agent.adopt): msrun
+        """Take over this generation from the elasticd that started it (see agent.generation.adopt): msrun
         under its shim, ``child``, still runs, and so do its ranks (found among msrun's children
         at the first look); what they did meanwhile is in their beats to come, what the earlier
         elasticd knew in its ``report``, the step they were told to stop at in the stop file.
@@ -509,7 +509,7 @@ class Generation:
                 and self.shim.fenced() is None)
 
     async def leave(self) -> None:
-        """Leave the generation to its shim (elasticd is restarting: see agent.adopt): nothing of it
+        """Leave the generation to its shim (elasticd is restarting: see agent.generation.adopt): nothing of it
         is signalled; the watch ends and elasticd's handles close; its shim's files, its stop file
         and its report (still RUNNING, with the step) stay for the next elasticd, which adopts it."""
         if self._task is not None and self._task is not asyncio.current_task():
@@ -732,7 +732,7 @@ class Generation:
         self._close()
 
     async def _devices_pass(self) -> bool:
-        """The device check of the member's devices (see agent.device_health), before the launch;
+        """The device check of the member's devices (see agent.devices.health), before the launch;
         False once it failed the generation: cause DEVICE when the device was set aside (the
         relaunch takes another, the node keeps serving), else the node's (LAUNCH_NODE)."""
         if self.check_devices is None or not self.member.devices:
@@ -756,7 +756,7 @@ class Generation:
 
     async def _blame_device(self, rank: int) -> None:
         """Ranks failed: when a device of this member shows it failed (see
-        agent.device_health.evidence), the failure is that device's (cause DEVICE, the node not
+        agent.devices.health.evidence), the failure is that device's (cause DEVICE, the node not
         blamed), set aside first."""
         if self.on_device_fault is None or not self.member.devices:
             return
