@@ -390,6 +390,20 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
     return ranks
 
 
+def lines_in(path: str) -> int:
+    """How many lines ``path`` holds now (0: not there yet): a rank's per-step record, sampled."""
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    return 0
+
+
+def longest_step_gap(samples: list[tuple[float, int]]) -> float:
+    """The longest time between two samples at which the sampled step had moved (a Sampler's)."""
+    moved = [t for (t, step), (_, before) in zip(samples[1:], samples) if step > before]
+    return max(b - a for a, b in zip(moved, moved[1:]))
+
+
 class Sampler:
     """Calls ``look`` every ``every_s`` in a thread while in its ``with`` block, and keeps what it
     returned with the (monotonic) time: what a test asserts on afterwards."""

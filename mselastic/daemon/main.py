@@ -13,7 +13,8 @@ Settings come from, in rising order of precedence: defaults, the config file
 (/etc/mselastic/elasticd.toml, or --config / $ELASTICD_CONFIG; keys as the flags with
 '_' for '-', see mselastic/systemd/elasticd.toml), ELASTICD_<KEY> environment variables, flags.
 A bad value is refused at start with one line naming the key and where it came from
-(exit 2).
+(exit 2). Every step of the shutdown is bounded: one that overruns is named in the log and
+skipped, and elasticd exits 1.
 
 Under systemd (Type=notify): READY=1 once registered, WATCHDOG=1 every half
 watchdog timeout (a WatchdogSec longer than half of fenced_within(lease_ttl_s) is
@@ -44,17 +45,19 @@ import signal
 import socket
 import stat
 import sys
+from typing import Any, Awaitable
 
 import grpc
 
 from mselastic import metrics
 from mselastic.agent.containment import cgroups, procs
 from mselastic.agent.generation import adopt
+from mselastic.agent.generation.supervisor import STEPS_TO_GO_MAX_S
 from mselastic.agent.devices import detect as devices
 from mselastic.agent.containment.cgroups import Limits, Tree, default_limits
 from mselastic.agent.devices.health import DeviceCheck
 from mselastic.agent.config import AgentConfig
-from mselastic.agent.node import NodeAgent, NodeIdTaken
+from mselastic.agent.node import SHUTDOWN_MARGIN_S, NodeAgent, NodeIdTaken
 from mselastic.agent.service import AgentService
 from mselastic.agent.containment.users import (UserError, WorkerUser, cannot_run_python, cannot_start_batch, resolve,
                                    users_in)
@@ -69,7 +72,7 @@ from mselastic.daemon.coordinator import Coordinator, CoordinatorConfig
 from mselastic.daemon.settings import (MAX_REQUEST_BYTES, Settings, SettingsError, bad, names, namespace_tag,
                                        parse_args, snapshot_root, unusable_dir)
 from mselastic.store import versions
-from mselastic.store.embedded import EmbeddedEtcd, etcd_binary, etcd_version
+from mselastic.store.embedded import EmbeddedEtcd, PortTaken, etcd_binary, etcd_version
 from mselastic.store.etcd import EtcdAuth, PermanentError, RetryPolicy, Store, TemporaryError
 from mselastic.store.keys import Keys
 from mselastic.tls import TlsError, private_pki
@@ -187,7 +190,11 @@ async def _start_etcd(s: Settings) -> tuple[EmbeddedEtcd | None, str, EtcdAuth]:
     except (OSError, ValueError, TlsError) as e:
         raise bad("embedded_etcd_dir", f"cannot make its private CA in {s.embedded_etcd_dir}/pki: {e}") from None
     auth = EtcdAuth(tls[2], tls[0], tls[1], s.etcd_user, s.etcd_password)
-    etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
+    try:
+        etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
+    except PortTaken as e:
+        raise bad("etcd_endpoint", f"the embedded etcd's client port: {e}; stop that, or give this elasticd "
+                                   f"another port (--etcd-endpoint 127.0.0.1:PORT)") from None
     log.info("embedded etcd %s (%s) on %s (TLS, client certificates required; data in %s)",
              etcd_version() or "of unknown version", etcd_binary(), etcd.endpoint, s.embedded_etcd_dir)
     return etcd, etcd.endpoint, auth
@@ -366,21 +373,50 @@ async def serve(s: Settings) -> None:
     _share_socket(s, worker)
     log.info("elasticd %s serving on %s%s and %s, etcd %s; workers run as %s (uid %d)", s.node_id, address,
              " (TLS)" if s.tls_cert else "", local, endpoint, worker.name, worker.uid)
+    shutdown = Shutdown()
     try:
-        refusal = await _run(s, agent, coordinator, etcd_versions, address)
+        refusal = await _run(s, agent, coordinator, etcd_versions, address, shutdown)
     finally:
         os.close(lock)
-        await server.stop(1)
-        await store.close()
-        await control_store.close()
+        await shutdown.step("the gRPC server's stop", server.stop(1), CLOSE_S)
+        await shutdown.step("the etcd client's close", store.close(), CLOSE_S)
+        await shutdown.step("the Control service's etcd client's close", control_store.close(), CLOSE_S)
         if etcd is not None:
-            etcd.stop()
+            etcd.stop()  # (bounded: SIGTERM, 10 s, SIGKILL)
     if refusal:
         raise SettingsError(refusal[0])
+    if shutdown.overran:
+        raise ShutdownIncomplete(f"the shutdown went on without: {'; '.join(shutdown.overran)} (see the log)")
+
+
+#: How long closing a client or a server may take at the shutdown.
+CLOSE_S = 10.0
+
+
+class ShutdownIncomplete(Exception):
+    """A step of the shutdown did not finish within its bound (elasticd went on, and exits 1)."""
+
+
+class Shutdown:
+    """elasticd's shutdown, one bounded step after another (#49: once, after a SIGTERM, elasticd
+    logged that it was stopping its workers and then waited for minutes on nothing it said). A step
+    that does not finish in time is cancelled and named in the log; the rest goes on, and elasticd
+    exits 1 at the end."""
+
+    def __init__(self) -> None:
+        self.overran: list[str] = []
+
+    async def step(self, what: str, work: Awaitable[Any], within_s: float) -> None:
+        try:
+            async with asyncio.timeout(within_s):
+                await work
+        except TimeoutError:
+            log.error("shutdown: %s did not finish within %.0fs; going on without it", what, within_s)
+            self.overran.append(what)
 
 
 async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_versions: versions.VersionWatch,
-               address: str) -> list[str]:
+               address: str, shutdown: Shutdown) -> list[str]:
     """The agent, the coordinator and systemd's watchdog until a signal (or one of them fails);
     then the local workers stopped with their grace. Returns why etcd was refused meanwhile."""
     stop = asyncio.Event()
@@ -420,18 +456,27 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         stop.set()
         notify.stopping()
         how = signals[0].name if signals else "an error"
-        why_not = await hand_over_refused(agent.cfg.cgroups) if how == "SIGTERM" else how
+        why_not = how
+        if how == "SIGTERM":
+            try:
+                why_not = await asyncio.wait_for(hand_over_refused(agent.cfg.cgroups), notify.JOBS_S + 2)
+            except asyncio.TimeoutError:
+                why_not = "systemd did not say what the SIGTERM is for"
+        # (The workers' stop: their grace, the steps to the one they stop at, a kill; then elasticd's own.)
+        workers_s = s.shutdown_grace_s + SHUTDOWN_MARGIN_S + STEPS_TO_GO_MAX_S + 30
         if not why_not:
             log.info("shutting down (SIGTERM): generations left to their shims for the next elasticd; the others "
                      "stopped (grace %.0fs)", s.shutdown_grace_s)
-            await agent.hand_over(s.shutdown_grace_s)
+            await shutdown.step("leaving the generations to their shims", agent.hand_over(s.shutdown_grace_s),
+                                workers_s)
         else:
             log.info("shutting down (%s): stopping local workers (grace %.0fs)", why_not, s.shutdown_grace_s)
-            await agent.shut_down(s.shutdown_grace_s)
-        await agent.standbys.close()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await agent.close_cgroups()
-        await asyncio.gather(*checks, return_exceptions=True)
+            await shutdown.step("stopping the local workers", agent.shut_down(s.shutdown_grace_s), workers_s)
+        await shutdown.step("stopping the standby workers", agent.standbys.close(), 30)
+        await shutdown.step("the end of the agent, the coordinator and the watchdog",
+                            asyncio.gather(*tasks, return_exceptions=True), workers_s)
+        await shutdown.step("removing this node's cgroups", agent.close_cgroups(), 30)
+        await shutdown.step("the etcd version checks", asyncio.gather(*checks, return_exceptions=True), CLOSE_S)
     return refusal
 
 
@@ -464,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, NodeIdTaken) as e:
         print(f"elasticd: {e}", file=sys.stderr)
         return 2
+    except ShutdownIncomplete as e:
+        print(f"elasticd: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

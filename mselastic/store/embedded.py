@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import tenacity
 
 from mselastic.core.pdeathsig import with_parent_death
@@ -60,6 +61,29 @@ def _etcd_binary(explicit: str, path: str) -> str:
                        "or set MSELASTIC_ETCD_BIN")
 
 
+class PortTaken(RuntimeError):
+    """The embedded etcd's port is held by another process (its message names it)."""
+
+
+def port_holder(host: str, port: int) -> str:
+    """Who listens on ``host:port`` ("" nobody: the port can be bound): ``name (pid N)``, or
+    "another process" when the kernel does not say (a process of another user, for a non-root
+    caller)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return ""
+        except OSError:
+            pass
+    try:
+        pids = {c.pid for c in psutil.net_connections(kind="tcp")
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+        return ", ".join(f"{psutil.Process(pid).name()} (pid {pid})" for pid in sorted(pids)) or "another process"
+    except (psutil.Error, OSError):
+        return "another process"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -97,6 +121,9 @@ class EmbeddedEtcd:
         """Start the member; with ``wait``, return once it accepts clients (a member of a new
         cluster only does so with a quorum: start them all, then :meth:`wait_ready` each)."""
         os.makedirs(self.data_dir, exist_ok=True)
+        # (Else etcd exits with "address already in use" while the port answers: another etcd's.)
+        if holder := port_holder(self.host, self.client_port):
+            raise PortTaken(f"{self.host}:{self.client_port} is in use by {holder}")
         client = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer = self.peer_url
         cmd = [self.binary or etcd_binary(), "--name", self.name, "--data-dir", os.path.join(self.data_dir, "member-data"),

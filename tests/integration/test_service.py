@@ -5,6 +5,7 @@ and TLS on the gRPC port with real certificates."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -442,3 +443,68 @@ def test_install_unit_writes_unit_user_and_config_keeps_an_edited_config_and_sta
     r = subprocess.run([ctl, "install-unit", "--root", os.path.join(tmp, "nope")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_elasticd_with_its_embedded_etcd_stops_within_bounds_time_after_time_and_refuses_a_taken_etcd_port(
+        procs: Processes, namespace: str, python_for_nobody: None) -> None:
+    """#49, as it was seen: an elasticd with its embedded etcd, an unprivileged TCP Submit refused
+    a few seconds before, then a SIGTERM (once it logged that it was stopping its workers and then
+    waited for minutes). Four times in a row on the same work_dir and etcd data: idle twice, then
+    with a job (SIGTERM: the job left to its shim; the next elasticd adopts it), then that one
+    stopped with the job (SIGINT): each exits 0 within 30 s, and the job's ranks are gone after the
+    last. Then a process listening on the embedded etcd's port: elasticd refuses in one line that
+    names the port and the holder, exit 2 (it used to talk to whatever answered there)."""
+    base = tempfile.mkdtemp(prefix="mselastic-stops-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        port, etcd_port = free_port(), free_port()
+        work = os.path.join(base, "work")
+        cmd = elasticd_cmd("n0", f"127.0.0.1:{etcd_port}", port, work, namespace) + \
+            ["--embedded-etcd-dir", os.path.join(work, "etcd")]
+        root_ctl = [os.path.join(VENV_BIN, "elasticctl"), "--endpoint", f"unix:{os.path.join(work, 'elasticd.sock')}"]
+        spec = lenet_spec(os.path.join(base, "job.toml"), "held", os.path.join(base, "out"),
+                          os.path.join(base, "ckpt"), 500)
+        os.chmod(spec, 0o644)
+        took = []
+        for i, (sig, job) in enumerate([(signal.SIGTERM, False), (signal.SIGTERM, False), (signal.SIGTERM, True),
+                                        (signal.SIGINT, True)]):
+            elasticd = procs.start("elasticd-n0", cmd)
+            wait_for("n0 serving", lambda: subprocess.run([*root_ctl, "nodes"], capture_output=True,
+                                                          timeout=30).returncode == 0, 60, 0.1)
+            r = subprocess.run([os.path.join(VENV_BIN, "elasticctl"), "--endpoint", f"127.0.0.1:{port}", "submit",
+                                spec], capture_output=True, text=True, timeout=60, user=65534, group=65534,
+                               extra_groups=[], env={**os.environ, "HOME": base}, cwd=base)
+            assert r.returncode == 1 and "Submit needs the admin role" in r.stderr, r.stderr
+            if job and i == 2:
+                assert subprocess.run([*root_ctl, "submit", spec], capture_output=True, timeout=60).returncode == 0
+            if job:
+                wait_for("the job training", lambda: _step_of(root_ctl, "held") >= 2, 120, 0.5)
+            time.sleep(1.0)  # (the refused Submit a few seconds before, as seen)
+            t0 = time.monotonic()
+            elasticd.send_signal(sig)
+            assert elasticd.wait(timeout=30) == 0, (i, sig)
+            took.append(time.monotonic() - t0)
+        print(f"elasticd stopped {len(took)} times in a row in {', '.join(f'{t:.1f}s' for t in took)}")
+        wait_for("the job's ranks gone", lambda: not [p for p in psutil.process_iter(["environ"])
+                                                      if (p.info["environ"] or {}).get("MSELASTIC_JOB") == "held"],
+                 15, 0.2)
+        with socket.socket() as holder:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (the last etcd's connections linger)
+            holder.bind(("127.0.0.1", etcd_port))
+            holder.listen()
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"elasticd: etcd_endpoint: the embedded etcd's client port: 127.0.0.1:{etcd_port} is "
+                               f"in use by ") and f"(pid {os.getpid()})" in line, r.stderr[-2000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _step_of(ctl: list[str], job: str) -> int:
+    r = subprocess.run([*ctl, "status", job, "-o", "json"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        return -1
+    found = [j for j in json.loads(r.stdout).get("jobs", []) if j.get("job") == job]
+    return int(found[0].get("step", -1)) if found else -1

@@ -517,13 +517,7 @@ class Generation:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drain_beats()
         self.shim.leave()
-        self.launch.close()
-        if self._beats is not None:
-            self._beats.close()
-            self._beats = None
-        self.exits.close()
-        self.phase = Phase.LEFT
-        self.done.set()
+        self._drop_handles(Phase.LEFT)
         log.info("generation left to its shim (pid %d), msrun pid %d: the next elasticd adopts it",
                  self.shim.proc.pid if self.shim.proc is not None else -1,
                  self.launch.msrun.pid if self.launch.msrun is not None else -1, extra=self._ctx)
@@ -531,15 +525,20 @@ class Generation:
     def _close(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.stop_file)
-        self.launch.close()
         self.shim.end()
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
+        self._drop_handles(Phase.CLOSED)
+
+    def _drop_handles(self, phase: Phase) -> None:
+        """elasticd's handles on the generation closed (its log, the heartbeat socket, the exit
+        watch), and nothing more: ``phase`` says why (over, or left to its shim)."""
+        self.launch.close()
         if self._beats is not None:
             self._beats.close()
             self._beats = None
         self.exits.close()
-        self.phase = Phase.CLOSED
+        self.phase = phase
         self.done.set()
 
     # -- watching ----------------------------------------------------------
