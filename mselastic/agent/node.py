@@ -582,7 +582,8 @@ class NodeAgent:
                 # Planned: the ranks checkpoint first. After a fault the collective is broken: kill.
                 named = plan.stop_previous_at_step if current.plan.generation == plan.generation - 1 else 0
                 await current.stop(spec.stop_grace_period_s if plan.planned else 0, named)
-            if self.state is NodeState.FENCED or self._fences != fences:  # fenced meanwhile: the plan may be replaced already
+            # (fenced meanwhile: the plan may be replaced already)
+            if self.state is NodeState.FENCED or self._fences != fences:
                 raise LaunchRefused(f"node {self.cfg.node_id} fenced itself without etcd since this launch began; "
                                     f"it launches the plans committed once it is registered again")
             gen = self._generation(plan, spec, user)
@@ -728,8 +729,8 @@ class NodeAgent:
                 stop_at = await self._successor_stop_step(job, gen.plan.generation) if generation and grace_s > 0 \
                     else 0
             left = await gen.stop(grace_s, stop_at, reason,
-                                  cause=FailureCause.AGENT_SHUTDOWN if self.state is NodeState.DRAINING
-                                  else FailureCause.NONE)
+                                  cause=FailureCause.AGENT_SHUTDOWN
+                                  if self.state in (NodeState.DRAINING, NodeState.CLOSED) else FailureCause.NONE)
             self._changed(gen)
             return left
 

@@ -48,7 +48,7 @@ from mselastic.wire import plan_from_pb
 from mselastic.core.contract import default_sockets
 from mselastic.core.kinds import EventKind
 from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
-from mselastic import systemd
+from mselastic import __version__, systemd
 from mselastic.ctl import render
 from mselastic.ctl.render import LogLines
 from mselastic.tls import ROLES, TlsError, TlsFiles, issue, make_ca
@@ -189,6 +189,7 @@ _Command = Callable[..., argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="elasticctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"elasticctl {__version__}")
     _global_options(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 

@@ -15,6 +15,8 @@ import socket
 import tomllib
 from typing import Callable, NoReturn
 
+from mselastic import __version__
+from mselastic.core.model import SCHEMA
 from mselastic.core.contract import default_sockets
 from mselastic.core.devices import KINDS, parse_ids
 from mselastic.core.planner import PortRange
@@ -525,6 +527,7 @@ HELP: dict[str, str] = {
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     d = Settings()
     p = _Parser(prog="elasticd", description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"elasticd {__version__} (etcd records: schema {SCHEMA})")
     p.add_argument("--config", default=None,
                    help=f"config file (TOML; env ELASTICD_CONFIG; default {DEFAULT_CONFIG}, skipped when absent)")
     for key, f in FIELDS.items():

@@ -508,3 +508,12 @@ def _step_of(ctl: list[str], job: str) -> int:
         return -1
     found = [j for j in json.loads(r.stdout).get("jobs", []) if j.get("job") == job]
     return int(found[0].get("step", -1)) if found else -1
+
+
+def test_both_binaries_say_their_release_and_elasticd_its_records_schema() -> None:
+    from mselastic import __version__
+    from mselastic.core.model import SCHEMA
+    for tool, said in (("elasticd", f"elasticd {__version__} (etcd records: schema {SCHEMA})"),
+                       ("elasticctl", f"elasticctl {__version__}")):
+        r = subprocess.run([os.path.join(VENV_BIN, tool), "--version"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == said, (tool, r.stdout, r.stderr)
