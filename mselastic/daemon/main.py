@@ -45,7 +45,7 @@ import signal
 import socket
 import stat
 import sys
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Coroutine
 
 import grpc
 
@@ -382,7 +382,7 @@ async def serve(s: Settings) -> None:
         await shutdown.step("the etcd client's close", store.close(), CLOSE_S)
         await shutdown.step("the Control service's etcd client's close", control_store.close(), CLOSE_S)
         if etcd is not None:
-            etcd.stop()  # (bounded: SIGTERM, 10 s, SIGKILL)
+            etcd.stop()  # (bounded: SIGTERM, 10 s, SIGKILL, 10 s)
     if refusal:
         raise SettingsError(refusal[0])
     if shutdown.overran:
@@ -407,12 +407,17 @@ class Shutdown:
         self.overran: list[str] = []
 
     async def step(self, what: str, work: Awaitable[Any], within_s: float) -> None:
-        try:
-            async with asyncio.timeout(within_s):
-                await work
-        except TimeoutError:
+        """Run ``work`` for at most ``within_s``: past that it is cancelled and left (not awaited:
+        a cancelled gather waits for its children, and a shielded kill may not end), and named."""
+        task = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({task}, timeout=within_s)
+        if not done:
+            task.cancel()
             log.error("shutdown: %s did not finish within %.0fs; going on without it", what, within_s)
             self.overran.append(what)
+        elif not task.cancelled() and (e := task.exception()) is not None:
+            log.error("shutdown: %s failed (%s: %s); going on without it", what, type(e).__name__, e, exc_info=e)
+            self.overran.append(f"{what} (failed)")
 
 
 async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_versions: versions.VersionWatch,
@@ -504,15 +509,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elasticd: {e}", file=sys.stderr)
         return 2
     logs.setup(settings.node_id, settings.log_format)
+    code = 0
     try:
-        asyncio.run(serve(settings))
+        run_bounded(serve(settings))
     except (SettingsError, NodeIdTaken) as e:
         print(f"elasticd: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except ShutdownIncomplete as e:
         print(f"elasticd: {e}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    # (Not the interpreter's exit: it joins every thread, and one may be stuck on storage that
+    # does not answer, a read of a job's file elasticd gave up on.)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+#: How long the tasks a bounded shutdown step left behind get once elasticd is done.
+END_S = 2.0
+
+
+def run_bounded(work: Coroutine[Any, Any, None], end_s: float = END_S) -> None:
+    """``asyncio.run(work)``, with an end that cannot hang: the tasks still pending once ``work``
+    is done (a shutdown step left, cancelled, maybe deaf to it) get ``end_s``, not for ever, and
+    the default executor's threads are not joined."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(work)
+    finally:
+        try:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=end_s))
+            loop.run_until_complete(asyncio.wait([loop.create_task(loop.shutdown_asyncgens())], timeout=end_s))
+        finally:
+            loop.close()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ The server runs in its own session and is stopped by its process group.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -78,7 +79,8 @@ def port_holder(host: str, port: int) -> str:
             pass
     try:
         pids = {c.pid for c in psutil.net_connections(kind="tcp")
-                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+                if c.laddr and c.laddr.port == port and c.laddr.ip in (host, "0.0.0.0", "::")
+                and c.status == psutil.CONN_LISTEN and c.pid}
         return ", ".join(f"{psutil.Process(pid).name()} (pid {pid})" for pid in sorted(pids)) or "another process"
     except (psutil.Error, OSError):
         return "another process"
@@ -178,6 +180,8 @@ class EmbeddedEtcd:
         except ProcessLookupError:
             pass
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # (in the kernel: it runs no more of its code)
+                self.proc.wait(timeout=timeout_s)
         self.proc = None

@@ -480,6 +480,12 @@ def test_elasticd_with_its_embedded_etcd_stops_within_bounds_time_after_time_and
                 assert subprocess.run([*root_ctl, "submit", spec], capture_output=True, timeout=60).returncode == 0
             if job:
                 wait_for("the job training", lambda: _step_of(root_ctl, "held") >= 2, 120, 0.5)
+                ranks = sorted(p.pid for p in psutil.process_iter(["environ"])
+                               if (p.info["environ"] or {}).get("MSELASTIC_JOB") == "held")
+                if i == 2:
+                    left = ranks
+                else:  # (the job left to its shim at the SIGTERM before, adopted: the same processes)
+                    assert ranks == left and _step_of(root_ctl, "held") < 500, (ranks, left)
             time.sleep(1.0)  # (the refused Submit a few seconds before, as seen)
             t0 = time.monotonic()
             elasticd.send_signal(sig)

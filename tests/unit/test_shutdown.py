@@ -1,0 +1,63 @@
+"""elasticd's shutdown steps are bounded (daemon.main.Shutdown, #49), and the embedded etcd's port is
+checked before it starts (store.embedded.port_holder): pure asyncio and sockets, no process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+from mselastic.daemon.main import Shutdown, run_bounded
+from mselastic.store.embedded import free_port, port_holder
+
+
+def test_a_step_that_never_ends_or_ignores_its_cancellation_is_left_and_named() -> None:
+    async def go() -> tuple[list[str], float]:
+        shutdown = Shutdown()
+
+        async def deaf() -> None:  # (a cancelled gather waiting on a shielded kill behaves so)
+            while True:
+                try:
+                    await asyncio.sleep(10)
+                except asyncio.CancelledError:
+                    continue
+
+        async def fails() -> None:
+            raise RuntimeError("boom")
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await shutdown.step("a step that never ends", asyncio.sleep(3600), 0.1)
+        await shutdown.step("a deaf step", deaf(), 0.1)
+        await shutdown.step("a step that fails", fails(), 0.1)
+        await shutdown.step("a quick step", asyncio.sleep(0), 0.1)
+        return shutdown.overran, loop.time() - t0
+
+    said: list[tuple[list[str], float]] = []
+
+    async def record() -> None:
+        said.append(await go())
+
+    t0 = time.monotonic()
+    run_bounded(record(), end_s=0.2)  # (asyncio.run would wait for the deaf step for ever)
+    (overran, took), = said
+    assert overran == ["a step that never ends", "a deaf step", "a step that fails (failed)"], overran
+    assert took < 1.0 and time.monotonic() - t0 < 2.0, took
+
+
+def test_the_port_holder_is_named_and_a_lingering_port_is_free() -> None:
+    port = free_port()
+    assert port_holder("127.0.0.1", port) == ""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert f"(pid {os.getpid()})" in port_holder("127.0.0.1", port)
+        # A connection through it, closed by the client: the port lingers in TIME_WAIT once the
+        # listener goes, which etcd (SO_REUSEADDR) binds over, and so does the check.
+        c = socket.create_connection(("127.0.0.1", port))
+        conn, _ = s.accept()
+        conn.close()
+        c.close()
+    assert port_holder("127.0.0.1", port) == ""
