@@ -278,7 +278,8 @@ class NodeAgent:
                 await self._workers_gone(SHUTDOWN_MARGIN_S)
         if self.state is NodeState.DRAINING:
             await self.reports.flush(SHUTDOWN_REPORT_S)
-        if self._left or self._keeping:  # (kept alive by nobody: a successor takes it over, else it expires)
+        # (Those left are among them. Kept alive by nobody: a successor takes it over, else it expires.)
+        if self._keeping:
             lease.abandon()
         else:
             await lease.release()

@@ -461,12 +461,8 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         stop.set()
         notify.stopping()
         how = signals[0].name if signals else "an error"
-        why_not = how
-        if how == "SIGTERM":
-            try:
-                why_not = await asyncio.wait_for(hand_over_refused(agent.cfg.cgroups), notify.JOBS_S + 2)
-            except asyncio.TimeoutError:
-                why_not = "systemd did not say what the SIGTERM is for"
+        # (hand_over_refused is bounded: systemctl gets notify.JOBS_S)
+        why_not = await hand_over_refused(agent.cfg.cgroups) if how == "SIGTERM" else how
         # (The workers' stop: their grace, the steps to the one they stop at, a kill; then elasticd's own.)
         workers_s = s.shutdown_grace_s + SHUTDOWN_MARGIN_S + STEPS_TO_GO_MAX_S + 30
         if not why_not:
