@@ -35,6 +35,7 @@ from mselastic.agent.standbys.pools import WarmPools
 from mselastic.agent.reports import Reports
 from mselastic.agent.devices.health import DeviceHealth, unfit
 from mselastic.agent.generation.launch import release_standby_group, spawn_standby
+from mselastic.agent.generation.launch_env import LaunchEnv
 from mselastic.agent.containment.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.generation.supervisor import Generation, Phase
 from mselastic.agent.containment.users import WorkerUser
@@ -201,8 +202,8 @@ class NodeAgent:
                     break
                 await self._killed()  # a fence decided before the registration went through ends first
                 if not self._cgroups_swept.is_set() and self.cfg.cgroups is not None:
-                    await self.cfg.cgroups.sweep({g.launch.group.rel for g in self.generations.values()
-                                                  if g.launch.group is not None and not g.done.is_set()})
+                    await self.cfg.cgroups.sweep({rel for g in self.generations.values() if not g.done.is_set()
+                                                  for rel in g.groups_kept()})
                     self._cgroups_swept.set()
                 self._cover = self._lease
                 self._to(NodeState.HOLDING)
@@ -761,8 +762,11 @@ class NodeAgent:
             async with self._lock(job):
                 gen = self.generations.get(job)
                 if gen is not None and gen.can_be_left():
+                    server = gen.launch.server()  # (warm: the ranks' parent, which runs on too)
                     await gen.leave()
                     self._left.add(job)
+                    if server is not None:
+                        await self.standbys.leave(job, server)
         await self.shut_down(grace_s)  # (those that ended or failed meanwhile)
 
     async def shut_down(self, grace_s: float, spare: Collection[str] = ()) -> list[int]:
@@ -801,8 +805,14 @@ class NodeAgent:
         for a scheduler (this node may be node_rank 0 next time)."""
         if self.cfg.warm_standbys:
             self.standbys.keep(gen.plan.job, gen.launch_env.launch_key(), gen.member.local_workers + 1,
-                               functools.partial(spawn_standby, gen.launch_env),
+                               functools.partial(self._spawn_standby, gen.launch_env),
                                functools.partial(release_standby_group, gen.launch_env))
+
+    async def _spawn_standby(self, env: LaunchEnv, marker: str, fd: int) -> asyncio.subprocess.Process:
+        """A standby (a fork server) for ``env``'s job, once the cgroups an earlier elasticd left are
+        swept (an adopted generation trains before that: a pool started for it then was swept away)."""
+        await self._cgroups_swept.wait()
+        return await spawn_standby(env, marker, fd)
 
     def _running(self, job: str) -> bool:
         current = self.generations.get(job)
@@ -842,8 +852,8 @@ class NodeAgent:
         """At elasticd's exit (its workers stopped): kill what is left in this node's cgroups and
         remove them; not when this elasticd never registered the node id (another holds it)."""
         if self.cfg.cgroups is not None and self._cgroups_swept.is_set():
-            await self.cfg.cgroups.close(keep={g.launch.group.rel for job, g in self.generations.items()
-                                               if job in self._left and g.launch.group is not None})
+            await self.cfg.cgroups.close(keep={rel for job, g in self.generations.items() if job in self._left
+                                               for rel in g.groups_kept()})
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())

@@ -67,7 +67,7 @@ class AgentService(pb_grpc.AgentServicer):
         for g in self.agent.status():
             gens.append(pb.LocalGeneration(
                 job=g.plan.job, generation=g.plan.generation, state=generation_state_to_pb(g.state),
-                failure=g.reason, steps_per_s=g.steps_per_s(), warm=g.warm,
+                failure=g.reason, steps_per_s=g.steps_per_s(), warm=g.warm, adoptions=g.adoptions,
                 ranks=[pb.RankStatus(rank=r.rank, pid=r.pid, step=r.step, loss=r.loss, finished=r.finished)
                        for r in g.ranks.values()]))
         shown = {(g.job, g.generation) for g in gens}

@@ -48,13 +48,17 @@ STANDBY_READY = "mselastic-standby-ready"
 STANDBY_FORKS = "mselastic-standby-forks"
 ENV_STANDBY_SLOT = "MSELASTIC_ENV_SLOT"
 STANDBY_SLOT_BYTES = 4096
+#: Where a standby fork server also writes how each process it forked ended (one JSON object a
+#: line, ``{"exit": pid, "code": c}``): what a successor of elasticd reads of the warm ranks it
+#: adopts, their parent being the server (see ``mselastic.trainer.standby.serve``).
+ENV_STANDBY_EXITS = "MSELASTIC_STANDBY_EXITS"
 
 #: Variables the agent sets for every worker; a job spec may not override them.
 DAEMON_VARS = frozenset({
     ENV_JOB, ENV_GENERATION, ENV_RESTART_COUNT, ENV_NODE_ID, ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_INTERVAL,
     ENV_KEEP_CHECKPOINTS, ENV_STOP_CHECK_INTERVAL, ENV_TOTAL_STEPS, ENV_GLOBAL_BATCH, ENV_MICRO_BATCHES,
     ENV_HEARTBEAT, ENV_RUN_ID, ENV_STOP_FILE, ENV_STANDBY_SLOT, ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_INTERVAL,
-    ENV_BATCH_START,
+    ENV_BATCH_START, ENV_STANDBY_EXITS,
 })
 
 def default_sockets() -> list[str]:

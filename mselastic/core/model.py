@@ -277,6 +277,9 @@ class GenerationReport:
     devices: tuple[int, ...] = ()
     #: For a DEVICE failure: the device the failed rank's evidence named (-1: none).
     failed_device: int = -1
+    #: How many times an elasticd took this generation over from an earlier one of its node (a
+    #: restart or crash of elasticd; see agent.generation.adopt).
+    adoptions: int = 0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,18 @@ def with_parent_death(cmd: list[str], switch: list[str] | None = None) -> list[s
     return [setpriv, *(switch or []), "--pdeathsig", "KILL", "--", *cmd]
 
 
+def as_user(cmd: list[str], switch: list[str] | None = None) -> list[str]:
+    """``cmd`` run as the user ``switch`` names (setpriv's options, as for :func:`with_parent_death`),
+    without a parent-death signal: a process that outlives elasticd (a standby fork server whose
+    forks are a generation's ranks, adopted by the next elasticd)."""
+    if not switch:
+        return cmd
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise RuntimeError("setpriv (util-linux) not found: install util-linux")
+    return [setpriv, *switch, "--", *cmd]
+
+
 def die_with_parent(signum: int = signal.SIGKILL, parent: int = 0) -> None:
     """Ask for ``signum`` when this process's parent dies (call in the process itself). ``parent``:
     the pid it must be (a process just forked knows its parent's; read after the fork, a parent

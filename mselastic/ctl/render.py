@@ -95,7 +95,8 @@ def nodes_table(res: pb.StatusResponse) -> str:
         return "No nodes registered."
     table = grid(["NODE", "ADDRESS", "SLOTS", "STATUS", "LEADER", "JOBS", "VERSION"],
                  [[n.node_id, n.agent_address, f"{n.used_slots}/{n.slots}", node_state(n), "*" if n.leader else "",
-                   ",".join(n.running_jobs) or "-", n.version] for n in res.nodes])
+                   ",".join(j + (" (adopted)" if j in n.adopted_jobs else "") for j in n.running_jobs) or "-",
+                   n.version] for n in res.nodes])
     devices = [[n.node_id, d.id, n.device_kind, d.job or "-", d.rank if d.job else "-", device_health(d)]
                for n in res.nodes for d in n.devices]
     if devices:

@@ -244,6 +244,7 @@ class ControlService(pb_grpc.ControlServicer):
                                leader=n.node_id == leader, cordoned=n.cordoned, draining=n.draining,
                                used_slots=used.get(n.node_id, 0),
                                running_jobs=sorted(j for j, v in cluster.jobs.items() if v.running_on(n.node_id)),
+                               adopted_jobs=sorted(j for j, v in cluster.jobs.items() if v.adopted_on(n.node_id)),
                                device_kind=n.device_kind, devices=devices_pb(n, users, cluster),
                                lease_ttl_s=n.lease_ttl_s)
                    for n in cluster.nodes],

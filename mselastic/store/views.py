@@ -46,6 +46,12 @@ class JobView:
         died with its elasticd, whose successor closed them."""
         return any(not reps[node_id].state.terminal for reps in self.reports.values() if node_id in reps)
 
+    def adopted_on(self, node_id: str) -> bool:
+        """A generation of this job not over on the node was taken over there by an elasticd from an
+        earlier one (a restart or crash of elasticd), by its last report."""
+        return any(not reps[node_id].state.terminal and reps[node_id].adoptions
+                   for reps in self.reports.values() if node_id in reps)
+
     @property
     def step(self) -> int:
         return max((r.step for r in self.current_reports().values()), default=-1)

@@ -24,7 +24,11 @@ standby for each request (a file descriptor passed with it becomes the standby's
 output and error), reaps them and tells the agent how each ended. A forked standby takes a
 session of its own and the parent-death signal (its server; the server dies with elasticd),
 writes its own marker into the kernel's view of its environment, and reseeds numpy (Python's
-``random`` reseeds itself after a fork): the state a process msrun starts would have. The
+``random`` reseeds itself after a fork): the state a process msrun starts would have. The server
+does not die with elasticd: once elasticd's end of its socket closes (a restart, a crash) it
+forks no more, its idle standbys exit (their input ends too), and it stays while a rank it forked
+runs, recording how each ends in a file of the job's (``contract.ENV_STANDBY_EXITS``) for the
+elasticd that adopts the generation; then it exits. The
 server's other threads are not copied. Importing MindSpore 2.10 on CPU starts one: numpy's
 OpenBLAS thread server (``blas_thread_server``, seen with gdb), which shuts its threads down
 before a fork and starts them again when needed (its ``pthread_atfork`` handler). The scheduler,
@@ -60,8 +64,8 @@ import sys
 import threading
 from typing import Any
 
-from mselastic.core.contract import (ENV_GENERATION, ENV_JOB, ENV_RUN_ID, ENV_STANDBY_SLOT, STANDBY_FORKS,
-                                     STANDBY_READY)
+from mselastic.core.contract import (ENV_GENERATION, ENV_JOB, ENV_RUN_ID, ENV_STANDBY_EXITS, ENV_STANDBY_SLOT,
+                                     STANDBY_FORKS, STANDBY_READY)
 from mselastic.core.pdeathsig import die_with_parent
 from mselastic.core.threads import each_thread
 
@@ -218,17 +222,21 @@ def _renice(nice: int) -> None:
         print(f"mselastic standby: thread {tid} not set to nice {nice}: {e}", file=sys.stderr, flush=True)
 
 
-def serve(control: socket.socket) -> tuple[int, str, int]:
+def serve(control: socket.socket, exits: int = -1) -> tuple[int, str, int]:
     """The fork server's loop: fork a standby for each request of the agent, and tell it when one
-    exits (this process is their parent, so it reaps them); exit when the agent closes ``control``.
+    exits (this process is their parent, so it reaps them).
 
     A request is one message: a JSON object ``{"fork": marker}`` with one file descriptor (the new
     standby's end of a socket pair: its standard input, output and error). Each answer is a line
     ``STANDBY_FORKS {"forked": pid, "marker": marker}`` (or ``{"error": why, "marker": marker}``),
     and ``{"exit": pid, "code": c}`` when a child ended (``c`` as asyncio gives it: negative for a
-    signal). A request it cannot serve (a fork refused for want of memory or processes, a malformed
+    signal), that also to ``exits`` (a file of the job's, ``contract.ENV_STANDBY_EXITS``: -1 none).
+    A request it cannot serve (a fork refused for want of memory or processes, a malformed
     message) is answered with an error: the loop never raises, since the ranks it forked die with
-    it. Returns only in a forked child: its descriptor, its marker and this server's pid."""
+    it. Once the agent has closed ``control`` (elasticd restarting, or gone) the server forks no
+    more and stays while a child runs (a warm rank the next elasticd adopts; an idle standby sees
+    its own input end and exits), reaping them into ``exits``; then it exits. Returns only in a
+    forked child: its descriptor, its marker and this server's pid."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -238,28 +246,38 @@ def serve(control: socket.socket) -> tuple[int, str, int]:
     sel.register(control, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
     server = os.getpid()
+    agent: list[socket.socket] = [control]  # (emptied once the agent is gone)
     while True:
         for key, _ in sel.select():
             if key.fileobj is not control:
                 with contextlib.suppress(BlockingIOError):
                     while os.read(wake_r, 512):
                         pass
-                _reap(control)
+                if not _reap(agent, exits) and not agent:
+                    sys.exit(0)  # the agent is gone and no child is left
                 continue
             fds: list[int] = []
             marker = ""
             try:
                 msg, fds, _, _ = socket.recv_fds(control, 4096, 1)
                 if not msg:
-                    sys.exit(0)  # the agent is done with us (our children die with us: see _child)
+                    raise EOFError
                 marker = str(json.loads(msg)["fork"])
                 if len(fds) != 1:
                     raise ValueError(f"expected one file descriptor, got {len(fds)}")
                 pid = os.fork()
+            except (EOFError, ConnectionError):
+                # The agent is done with us, or gone: its standbys' ends are closed too (they exit),
+                # the ranks run on for the next elasticd (ours is their death signal).
+                sel.unregister(control)
+                agent.clear()
+                if not _reap(agent, exits):
+                    sys.exit(0)
+                continue
             except (OSError, ValueError, KeyError, TypeError) as e:
                 for fd in fds:
                     os.close(fd)
-                _tell(control, {"error": f"{type(e).__name__}: {e}", "marker": marker})
+                _tell(agent, exits, {"error": f"{type(e).__name__}: {e}", "marker": marker})
                 continue
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -267,32 +285,59 @@ def serve(control: socket.socket) -> tuple[int, str, int]:
                 sel.close()
                 os.close(wake_r)
                 os.close(wake_w)
+                if exits >= 0:
+                    os.close(exits)
                 control.detach()  # (fd 0 is about to be the child's own socket)
                 return fds[0], marker, server
             os.close(fds[0])
-            _tell(control, {"forked": pid, "marker": marker})
+            _tell(agent, exits, {"forked": pid, "marker": marker})
 
 
-def _reap(control: socket.socket) -> None:
+def _reap(agent: list[socket.socket], exits: int) -> bool:
+    """Reap every child that has ended and tell of each; whether any child is left."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return False
         if pid == 0:
-            return
-        _tell(control, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            return True
+        what = {"exit": pid, "code": os.waitstatus_to_exitcode(status)}
+        if exits >= 0:
+            with contextlib.suppress(OSError):  # (one write, appended whole)
+                os.write(exits, (json.dumps(what) + "\n").encode())
+        _tell(agent, -1, what)
 
 
-def _tell(control: socket.socket, what: dict[str, Any]) -> None:
-    control.sendall(f"{STANDBY_FORKS} {json.dumps(what)}\n".encode())
+def _tell(agent: list[socket.socket], exits: int, what: dict[str, Any]) -> None:
+    """One line to the agent, while it is there (a broken connection: it is gone, see :func:`serve`)."""
+    if not agent:
+        return
+    try:
+        agent[0].sendall(f"{STANDBY_FORKS} {json.dumps(what)}\n".encode())
+    except OSError:
+        agent.clear()
+
+
+def open_exits() -> int:
+    """The file the server records its children's ends in (``contract.ENV_STANDBY_EXITS``; -1: none
+    given, or it cannot be opened: the agent still hears of them while it runs)."""
+    path = os.environ.pop(ENV_STANDBY_EXITS, "")
+    if not path:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        print(f"mselastic standby: {path} not opened ({e}): a successor of elasticd cannot read how the ranks "
+              f"ended", file=sys.stderr, flush=True)
+        return -1
 
 
 def _child(fd: int, marker: str, server: int) -> None:
     """Just forked: become a standby of our own (a session, the death signal, standard streams,
     the marker, fresh random state), as one started on its own would be."""
     os.setsid()
-    die_with_parent(parent=server)  # the fork server's end is ours; it dies with elasticd
+    die_with_parent(parent=server)  # the fork server's end is ours (it outlives elasticd while we run)
     for target in (0, 1, 2):
         os.dup2(fd, target)
     os.close(fd)
@@ -314,7 +359,7 @@ def main() -> None:
         __import__(name)
     _adopt_c_environment()
     print(STANDBY_READY, os.getpid(), flush=True)
-    fd, marker, server = serve(socket.socket(fileno=0))
+    fd, marker, server = serve(socket.socket(fileno=0), open_exits())
     _child(fd, marker, server)
     print(STANDBY_READY, os.getpid(), flush=True)
     line = sys.stdin.readline()

@@ -200,7 +200,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class LocalGeneration(_message.Message):
-    __slots__ = ("job", "generation", "state", "ranks", "failure", "steps_per_s", "warm")
+    __slots__ = ("job", "generation", "state", "ranks", "failure", "steps_per_s", "warm", "adoptions")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class LocalGeneration(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
+    ADOPTIONS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     state: GenerationState
@@ -215,7 +216,8 @@ class LocalGeneration(_message.Message):
     failure: str
     steps_per_s: float
     warm: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., steps_per_s: _Optional[float] = ..., warm: _Optional[bool] = ...) -> None: ...
+    adoptions: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., state: _Optional[_Union[GenerationState, str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., steps_per_s: _Optional[float] = ..., warm: _Optional[bool] = ..., adoptions: _Optional[int] = ...) -> None: ...
 
 class StandbyStatus(_message.Message):
     __slots__ = ("job", "pid", "ready")
@@ -294,7 +296,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., detected_at: _Optional[float] = ..., recover_s: _Optional[float] = ..., cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs", "used_slots", "device_kind", "devices", "lease_ttl_s")
+    __slots__ = ("node_id", "agent_address", "slots", "version", "leader", "cordoned", "draining", "running_jobs", "used_slots", "device_kind", "devices", "lease_ttl_s", "adopted_jobs")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +309,7 @@ class NodeInfo(_message.Message):
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_JOBS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_address: str
     slots: int
@@ -319,7 +322,8 @@ class NodeInfo(_message.Message):
     device_kind: str
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     lease_ttl_s: int
-    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ..., used_slots: _Optional[int] = ..., device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+    adopted_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., slots: _Optional[int] = ..., version: _Optional[str] = ..., leader: _Optional[bool] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., running_jobs: _Optional[_Iterable[str]] = ..., used_slots: _Optional[int] = ..., device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., lease_ttl_s: _Optional[int] = ..., adopted_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("id", "job", "rank", "unhealthy", "unhealthy_since", "unhealthy_until")

@@ -17,7 +17,8 @@ from mselastic.core.kinds import RelaunchReason
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.store.embedded import free_port
 from tests.harness import DATA_DIR, Etcd, Pace, Processes, Sampler, elasticctl, elasticd_cmd, generation_processes, \
-    holds_for, lenet_spec, lines_in, local_socket, longest_step_gap, start_node, still_running, wait_for, worker_pids
+    holds_for, lenet_spec, lines_in, local_socket, longest_step_gap, standby_processes, start_node, still_running, \
+    wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
 JOB = "lenet"  # the harness helpers assume this job name
@@ -203,8 +204,82 @@ def test_elasticd_restarted_under_a_job_adopts_its_generation(
     with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
         log = f.read()
     assert log.count("generation adopted: msrun pid") == len(RESTARTS), log[-3000:]
+    assert etcd.report(JOB, 1, "n0").adoptions == len(RESTARTS)  # type: ignore[union-attr]
     assert log.count("generation left to its shim") == RESTARTS.count(signal.SIGTERM)
     wait_for("nothing of the generation left", lambda: not generation_processes(procs, 1), 15)
+
+
+WARM_RESTARTS = (signal.SIGTERM, signal.SIGKILL, signal.SIGTERM)
+
+
+def test_a_warm_generation_outlives_restarts_of_elasticd_and_a_rank_lost_after_is_a_failure(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+    """#45, warm generations: a rank SIGKILLed, the relaunch handed to standbys (generation 2, warm:
+    its ranks the children of the job's fork server, not msrun's). Then elasticd restarted three
+    times under it (SIGTERM, SIGKILL, SIGTERM, each followed by the same command): the fork server
+    and the guard outlive elasticd, the successor adopts the ranks (the same pids, generation 2
+    all along, no gap between two steps longer than 2 x the step time + 1 s). A rank SIGKILLed
+    after the last adoption is a failure like any other (the successor reads its end from the
+    kernel and its code from the fork server's record: killed by SIGKILL), relaunched, and the job
+    succeeds with the two restarts counted; no standby, fork server or rank is left."""
+    tmp = str(tmp_path)
+    work, port = os.path.join(tmp, "work"), free_port()
+    cmd = elasticd_cmd("n0", etcd.endpoint, port, work, namespace, warm_standbys=True)
+    procs.start("elasticd-n0", cmd)
+    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
+    endpoint = "unix:" + local_socket(work)
+    pace = Pace(tmp, 0.3)
+    out = os.path.join(tmp, "out")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=150,
+                      args=["--data", digits, "--out", out, "--lr", "0.05", "--record-samples", *pace.args])
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("generation 1 training, and three standbys and their fork server",
+             lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 3 and len(standby_processes(procs)) == 4, 180, 0.2)
+    os.kill(worker_pids(procs, 1)[1], signal.SIGKILL)
+    second = wait_for("generation 2 training", lambda: (r := etcd.report(JOB, 2, "n0")) and r.step >= 3 and r, 90, 0.2)
+    assert second.warm, second
+    pids = worker_pids(procs, 2)
+    server = {psutil.Process(pid).ppid() for pid in pids.values()}
+    assert len(pids) == 2 and len(server) == 1, (pids, server)
+
+    with Sampler(functools.partial(lines_in, os.path.join(out, "samples_g2_r0.jsonl")), every_s=0.1) as sampler:
+        for i, sig in enumerate(WARM_RESTARTS):
+            still_running(etcd, JOB, f"{sig.name} {i + 1}")
+            daemon = procs.started[-1]
+            os.kill(daemon.pid, sig)
+            assert daemon.wait(timeout=30) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
+            holds_for("the warm generation training without elasticd", lambda: worker_pids(procs, 2) == pids, 1.0)
+            left = etcd.report(JOB, 2, "n0")
+            assert left is not None and left.state is GenerationState.RUNNING, left
+            procs.start("elasticd-n0", cmd)
+            wait_for("progress reported by the successor",
+                     lambda: (r := etcd.report(JOB, 2, "n0")) and r.step > left.step + 3, 60, 0.2)
+            assert worker_pids(procs, 2) == pids
+            assert {psutil.Process(pid).ppid() for pid in pids.values()} == server  # (the first elasticd's)
+            assert (p := etcd.plan(JOB)) is not None and p.generation == 2
+    gap = longest_step_gap(sampler.samples)
+    print(f"warm adoption: rank 0's longest gap between two steps through {len(WARM_RESTARTS)} restarts of "
+          f"elasticd ({', '.join(s.name for s in WARM_RESTARTS)}): {gap:.2f}s (steps paced at 0.3 s)")
+    assert gap <= 2 * 0.3 + 1.0, gap
+    assert etcd.report(JOB, 2, "n0").adoptions == len(WARM_RESTARTS)  # type: ignore[union-attr]
+    shown = elasticctl("nodes", endpoint=endpoint)  # (what an operator sees)
+    assert shown.returncode == 0 and "lenet (adopted)" in shown.stdout, shown
+    os.kill(pids[0], signal.SIGKILL)
+    failed = wait_for("generation 2 to fail", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal and r,
+                      60, 0.1)
+    assert failed.state is GenerationState.FAILED and failed.failed_rank == 0, failed
+    assert failed.cause is FailureCause.RANK_EXITED and "killed by SIGKILL" in failed.reason, failed
+    wait_for("generation 3 training", lambda: (r := etcd.report(JOB, 3, "n0")) and r.first_step_at, 120, 0.2)
+    pace.release()
+    status = wait_for("the job to end", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 180, 0.5)
+    assert status.state is JobState.SUCCEEDED and status.generation == 3 and status.restart_count == 2, status
+    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+        log = f.read()
+    assert log.count("generation adopted: warm ranks") == len(WARM_RESTARTS), log[-3000:]
+    assert log.count("generation left to its shim") == WARM_RESTARTS.count(signal.SIGTERM)
+    wait_for("no standby or fork server left", lambda: not standby_processes(procs), 30)
+    wait_for("nothing of generations 2 and 3 left",
+             lambda: not generation_processes(procs, 2) and not generation_processes(procs, 3), 15)
 
 
 def test_elasticd_stopped_with_its_jobs_and_started_again_is_a_planned_relaunch_not_a_failure(

@@ -16,6 +16,7 @@ import time
 
 import psutil
 
+from mselastic.agent.containment import procs as agent_procs
 from mselastic.agent.generation import shim
 from mselastic.core import fencing
 from mselastic.core.contract import ENV_RUN_ID
@@ -225,7 +226,7 @@ def test_a_successor_finds_what_it_may_adopt_and_kills_the_rest(procs: Processes
 def test_a_child_disowned_outlives_its_asyncio_transport_and_the_loop(procs: Processes, tmp_path: str) -> None:
     """elasticd leaving a generation to its shim (a restart) closes asyncio's handle on the shim:
     asyncio kills a child it has not seen exit when its transport is closed or collected, so the
-    handle is disowned first (shim.disown, which reaches into asyncio's transport: this fails if a
+    handle is disowned first (agent_procs.disown, which reaches into asyncio's transport: this fails if a
     Python changes it). Without it the child is killed: the test can fail."""
     import asyncio
     import gc
@@ -235,7 +236,7 @@ def test_a_child_disowned_outlives_its_asyncio_transport_and_the_loop(procs: Pro
                                                     env=dict(os.environ, **{TEST_MARK: procs.mark}),
                                                     start_new_session=True)
         if disown:
-            shim.disown(proc)
+            agent_procs.disown(proc)
         else:
             proc._transport.close()  # type: ignore[attr-defined]  # (as closing it, or collecting it, does)
         return proc.pid

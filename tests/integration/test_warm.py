@@ -35,7 +35,7 @@ from mselastic.v1 import elastic_pb2 as pb
 from tests.builders import local_plan
 from tests.harness import REFUSED, REPO, TEST_MARK, Etcd, agent_status, Processes, check_history, elasticctl, \
     lenet_spec, ms_stamps, standby_processes, start_node, thread_policies, thread_stats, wait_for, \
-    generation_processes, worker_pids
+    generation_processes, holds_for, worker_pids
 
 JOB = "lenet"
 
@@ -562,3 +562,90 @@ def test_a_standby_lowers_its_priority_only_when_it_can_raise_it_back(sys_nice: 
     assert lines[0] == expected, out.stdout
     if sys_nice:
         assert lines[1] == "[0]", out.stdout  # the thread started at 19 is back at 0 too
+
+
+LEFT_AGENT = """
+import asyncio, functools, json, os, sys, time
+from mselastic.agent.generation.launch import spawn_standby
+from mselastic.agent.generation.supervisor import Generation
+from mselastic.agent.standbys.pools import StandbyPool
+from tests.integration.test_warm import dump_spec, plan
+
+tmp, script = sys.argv[1], sys.argv[2]
+
+async def main():
+    gen = Generation(plan(1, 1), dump_spec(tmp, ""), "n0", tmp, lambda g, u: None)
+    os.makedirs(gen.log_dir, exist_ok=True)
+    pool = StandbyPool("j", "n0", "k", functools.partial(spawn_standby, gen.launch_env))
+    pool.fill(2)
+    while len(pool.ready()) < 2:
+        await asyncio.sleep(0.05)
+    rank, idle = pool.take(1)[0], pool.ready()[0]
+    await rank.hand_over({}, [script, os.path.join(tmp, "go")], tmp, os.path.join(tmp, "rank.log"))
+    while not os.path.exists(os.path.join(tmp, "started")):
+        await asyncio.sleep(0.05)
+    print(json.dumps(dict(server=pool.server.pid, rank=rank.pid, idle=idle.pid,
+                          exits=gen.launch_env.standby_exits(pool.server.marker))), flush=True)
+    await asyncio.sleep(600)  # (SIGKILLed: elasticd crashing)
+
+asyncio.run(main())
+"""
+
+RANK = """
+import os, sys, time
+open(os.path.join(os.path.dirname(sys.argv[1]), "started"), "w").close()
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_fork_server_outlives_a_crashed_elasticd_while_a_rank_it_forked_runs(
+        procs: Processes, tmp_path: os.PathLike[str]) -> None:
+    """#45, warm generations outliving elasticd: an elasticd's side of a real fork server (its pool,
+    two standbys forked, one handed a script, as a warm launch does) SIGKILLed. Its idle standby
+    exits (its input ends), the server stays, the rank trains on; the next elasticd adopts the
+    rank (an Orphan: its end by pidfd, its code the server's record, the kernel's zombie status
+    gone by then); the rank's exit code 3 is what the adopter reads, and the server, its last
+    child gone, exits by itself. Without the change the rank dies with the server, and the server
+    with elasticd: the test fails."""
+    from mselastic.agent.standbys.forkserver import Orphan
+
+    tmp = str(tmp_path)
+    script = os.path.join(tmp, "rank.py")
+    with open(script, "w") as f:
+        f.write(RANK)
+    daemon = procs.start("agent-side", [sys.executable, "-c", LEFT_AGENT, tmp, script])
+    said = wait_for("the rank handed over", lambda: _last_json(procs, "agent-side"), 180, 0.2)
+    server, rank, idle = (psutil.Process(said[k]) for k in ("server", "rank", "idle"))
+    assert rank.ppid() == server.pid and idle.ppid() == server.pid
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.wait(10)
+    wait_for("the idle standby gone (its input ended)", lambda: not _running(idle), 10)
+    holds_for("the server and the rank running without elasticd", lambda: _running(server) and _running(rank), 1.0)
+
+    async def adopt() -> int:
+        orphan = Orphan(rank.pid, rank.create_time(), said["exits"], (server.pid, server.create_time()))
+        open(os.path.join(tmp, "go"), "w").close()
+        return await asyncio.wait_for(orphan.wait(), 20)
+
+    assert asyncio.run(adopt()) == 3
+    wait_for("the server gone, its last child ended", lambda: not _running(server), 10)
+    with open(said["exits"]) as f:
+        assert {"exit": rank.pid, "code": 3} in [json.loads(line) for line in f]
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _last_json(procs: Processes, name: str) -> dict[str, Any] | None:
+    with open(os.path.join(procs.log_dir, name + ".log")) as f:
+        for line in reversed(f.read().splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+    return None

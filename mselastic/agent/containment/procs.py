@@ -254,3 +254,15 @@ def running(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def disown(proc: asyncio.subprocess.Process) -> None:
+    """Let ``proc``, a child started through asyncio, run on after elasticd: asyncio's transport
+    kills a child it has not seen exit when it is closed or collected (BaseSubprocessTransport's
+    close, also at interpreter exit), so the transport is told the child is done with first, then
+    closed (its pipes). ``proc.returncode`` then reads -1. (Private to asyncio: a test in
+    tests/integration/test_shim.py fails if a Python changes it.)"""
+    transport = proc._transport  # type: ignore[attr-defined]
+    if transport.get_returncode() is None:
+        transport._returncode = -1
+    transport.close()

@@ -1,10 +1,12 @@
 """What an elasticd finds at its start that an earlier elasticd of this node left running (#45).
 
-Every generation started cold has a shim (:mod:`mselastic.agent.generation.shim`), msrun's parent, which does
-not die with elasticd: after a crash its generation trains on, fenced by the shim on the deadline
-the dead elasticd last wrote. A successor with the same ``work_dir`` and node id finds the
+Every generation has a shim (:mod:`mselastic.agent.generation.shim`) that does not die with
+elasticd: started cold, msrun's parent; warm, a guard beside ranks that are the children of the
+job's fork server, which outlives elasticd while they run (``mselastic.trainer.standby.serve``).
+After a crash the generation trains on, fenced by the shim on the deadline the dead elasticd last
+wrote. A successor with the same ``work_dir`` and node id finds the
 generation's record in its shim folder and adopts it (``NodeAgent._adopt``) when the shim and msrun
-still run, the deadline has not passed, and etcd still has the generation as the job's committed
+(warm: the shim; ranks that ended meanwhile are failures seen at once) still run, the deadline has not passed, and etcd still has the generation as the job's committed
 plan with this node a member; anything else it finds there is killed and its files removed, as
 the generations of an earlier elasticd were before shims.
 """
@@ -31,8 +33,9 @@ class Found:
 
     record: shim.Record
     paths: shim.Paths
-    #: msrun and its shim, both still running, the deadline not passed (None: not adoptable).
-    child: shim.Child | None
+    #: msrun and its shim, both still running, the deadline not passed (None: not adoptable), or
+    #: (warm) its guard running and the ranks it names.
+    child: shim.Child | shim.WarmRecord | None
     why_not: str = ""
 
     @property
@@ -88,11 +91,13 @@ def find(shim_dir: str, work_dir: str, node_id: str, namespace: str = "") -> lis
                 found.append(Found(record, paths, None, f"its elasticd, with work_dir {record.work_dir}, is gone, and "
                                                         f"this one runs with work_dir {work_dir}"))
             continue  # (else another elasticd's on this machine, alive)
-        child, why = shim.Child.read(paths), ""
+        child: shim.Child | shim.WarmRecord | None = shim.Child.read(paths) or shim.WarmRecord.read(paths)
+        why = ""
         if child is None:
-            why = "it has no msrun under its shim (started warm, or by an earlier release)"
+            why = "it has neither msrun under its shim nor a warm record (started by an earlier release, or " \
+                  "its elasticd ended while it started)"
         elif not child.alive():
-            why = "its shim or msrun is gone"
+            why = "its shim or msrun is gone" if isinstance(child, shim.Child) else "its shim is gone"
         else:
             try:
                 over = fencing.clock() - shim.read_deadline(paths)
@@ -106,10 +111,13 @@ def find(shim_dir: str, work_dir: str, node_id: str, namespace: str = "") -> lis
 
 def discard(found: Found) -> list[int]:
     """Kill what is left of a generation not adopted (its shim first: it might fence or exit as
-    msrun did meanwhile) and remove its files; the pids left."""
-    child = found.child or shim.Child.read(found.paths)
+    msrun did meanwhile; warm, the fork server of its ranks too: it forks for that elasticd alone)
+    and remove its files; the pids left."""
+    child = found.child or shim.Child.read(found.paths) or shim.WarmRecord.read(found.paths)
     if child is not None:
         shim.signal_pinned(child.shim, child.shim_start, signal.SIGKILL)
+    if isinstance(child, shim.WarmRecord):
+        shim.signal_pinned(child.server, child.server_start, signal.SIGKILL)
     left = shim.kill(found.record)
     for path in found.paths.all():
         with contextlib.suppress(FileNotFoundError):

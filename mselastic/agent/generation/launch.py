@@ -27,11 +27,11 @@ from mselastic.agent.containment.cgroups import CgroupError, Group, join_prefix
 from mselastic.agent.generation.launch_env import LaunchEnv
 from mselastic.agent.generation.preflight import LaunchError
 from mselastic.agent.generation.ranks import RankState
-from mselastic.agent.generation.shim import AdoptedShim, Handle
-from mselastic.agent.standbys.forkserver import Forked, Proc, Standby
+from mselastic.agent.generation.shim import AdoptedShim, Handle, WarmRecord
+from mselastic.agent.standbys.forkserver import Forked, ForkServer, Orphan, Proc, Standby
 from mselastic.agent.containment.users import WorkerUser, batch_prefix
 from mselastic.core.model import Member
-from mselastic.core.pdeathsig import with_parent_death
+from mselastic.core.pdeathsig import as_user, with_parent_death
 from mselastic.core.states import FailureCause
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _write_and_close(fd: int, data: bytes) -> None:
 # mselastic.trainer.context._unraced). The measurements: docs/journal/2026-12.md, "... SCHED_BATCH".
 async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str, str], user: WorkerUser | None,
                           cwd: str, *, batch: bool = True, group: Group | None = None, shim: Handle | None = None,
-                          **io: Any) -> asyncio.subprocess.Process:
+                          outlives_elasticd: bool = False, **io: Any) -> asyncio.subprocess.Process:
     """Start ``cmd`` as the worker user, in a session of its own, dying with elasticd (msrun, a
     standby). ``job_env`` (the job spec's variables) is added after the user switch: it reaches the
     process through a pipe that ``mselastic.agent.containment.envexec`` reads, so nothing runs as root with it
@@ -62,7 +62,8 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     anything of the job's (:func:`mselastic.agent.containment.cgroups.join_prefix`, which also makes it, and
     all it starts, the OOM killer's choice before elasticd). ``shim``: started through the
     generation's shim, which becomes its parent (``io``'s stdout goes to the process; the
-    shim's stdout is a pipe on which it says the pid: :meth:`Handle.parent`). ``io``: stdin,
+    shim's stdout is a pipe on which it says the pid: :meth:`Handle.parent`). ``outlives_elasticd``:
+    without the parent-death signal (a fork server: see :func:`spawn_standby`). ``io``: stdin,
     stdout, stderr as for asyncio's subprocesses. Raises OSError or RuntimeError when it cannot
     be started."""
     if batch:
@@ -92,7 +93,7 @@ async def spawn_as_worker(cmd: list[str], env: dict[str, str], job_env: dict[str
     try:
         proc = await asyncio.create_subprocess_exec(
             *prefix, *join_prefix([group] if group else []),
-            *with_parent_death(cmd, who.setpriv_args() if who else None),
+            *(as_user if outlives_elasticd else with_parent_death)(cmd, who.setpriv_args() if who else None),
             env=spawn_env, cwd=cwd, start_new_session=True, pass_fds=pass_fds, **io)
         started = True
     finally:
@@ -118,16 +119,18 @@ async def spawn_standby(env: LaunchEnv, marker: str, fd: int) -> asyncio.subproc
     """Start a standby worker for ``env``'s job (see ``mselastic.trainer.standby``): as the worker
     user, with the job's environment and ``marker``, in the script's folder; ``fd`` (its end of a
     socket pair) as its standard input, output and error; in a cgroup of the job's of its own, where
-    the standbys it forks (a fork server) stay until a generation takes them."""
-    group = _pool_group(env, marker)
+    the standbys it forks (a fork server) stay until a generation takes them. It does not die with
+    elasticd (the ranks it forked die with it): it ends when elasticd's end of its socket closes and
+    no process it forked is left (see ``mselastic.trainer.standby.serve``)."""
+    group = pool_group(env, marker)
     if group is not None:
         group.make()
     return await spawn_as_worker([sys.executable, "-m", "mselastic.trainer.standby"], env.standby_env(marker),
                                  env.job_env(), env.user, env.cwd, batch=env.batch_scheduling, group=group,
-                                 stdin=fd, stdout=fd, stderr=fd)
+                                 outlives_elasticd=True, stdin=fd, stdout=fd, stderr=fd)
 
 
-def _pool_group(env: LaunchEnv, marker: str) -> Group | None:
+def pool_group(env: LaunchEnv, marker: str) -> Group | None:
     return env.job_group.child("pool-" + marker.rpartition(".")[2]) if env.job_group else None
 
 
@@ -136,7 +139,7 @@ async def release_standby_group(env: LaunchEnv, marker: str) -> None:
     (a process the job's own code started in it and detached: its import runs the job's
     ``sitecustomize``, say) and remove the group. Its standbys are gone by then: a taken one was
     moved into its generation's group, the rest died with the server."""
-    group = _pool_group(env, marker)
+    group = pool_group(env, marker)
     if group is not None:
         left = await group.stop()
         if left:
@@ -262,7 +265,12 @@ class Launch:
         self.msrun: asyncio.subprocess.Process | UnderShim | None = None
         #: The generation's shim: msrun's parent, when it has not been started to guard alone.
         self.shim: Handle | None = None
-        self.warm_ranks: dict[int, Standby] = {}
+        #: Warm: the process each local rank is (a standby handed it, or one an earlier elasticd
+        #: handed it, adopted: :meth:`adopt_warm`), and the scheduler's on node_rank 0.
+        self.warm_ranks: dict[int, Proc] = {}
+        self.scheduler: Proc | None = None
+        #: Markers of an adopted generation's processes (its record's).
+        self.adopted_markers: set[str] = set()
         #: msrun.log, opened by root before anything of the generation runs (see :func:`open_own`).
         self.log: Any = None
         #: The generation's cgroup (None: no cgroups here): its processes, whatever they do.
@@ -378,6 +386,7 @@ class Launch:
                 await scheduler.hand_over({**common, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}, argv, env.cwd, path)
             except OSError as e:
                 raise StandbyGone(f"standby pid {scheduler.pid} could not take the scheduler's part: {e}") from None
+            self.scheduler = scheduler.proc
             lines.append(f"Start scheduler process (warm: standby pid {scheduler.pid}), log file:{path}.")
             # The workers go once it listens (a worker that meets no scheduler retries only half a
             # second later), or after a while anyway: they retry, and startup_timeout_s bounds it all.
@@ -399,7 +408,7 @@ class Launch:
                     raise
                 raise StandbyGone(f"standby pid {standby.pid} could not take rank {rs.rank}'s part: {e}") from None
             rs.pid, rs.create_time = standby.pid, psutil.Process(standby.pid).create_time()
-            self.warm_ranks[rs.rank] = standby
+            self.warm_ranks[rs.rank] = standby.proc
             lines.append(f"Start worker process with rank id:{rs.rank} (warm: standby pid {standby.pid}), "
                          f"log file:{path}.")
         if self.log is not None:  # (closed: stopped meanwhile)
@@ -438,13 +447,42 @@ class Launch:
         return await procs.stop_generation(self.markers(), self.live(), grace_s=grace_s)
 
     def launched(self) -> list[Proc]:
-        """The processes elasticd started for this generation: msrun, or the standbys it took over."""
-        return [self.msrun] if self.msrun is not None else [sb.proc for sb in self.standbys]
+        """The processes elasticd started for this generation: msrun, or the standbys it took over
+        (adopted: the processes they became)."""
+        if self.msrun is not None:
+            return [self.msrun]
+        if self.standbys:
+            return [sb.proc for sb in self.standbys]
+        return [*self.warm_ranks.values(), *([self.scheduler] if self.scheduler is not None else [])]
 
     def markers(self) -> set[str]:
         """Every marker a process of this generation carries in its environment (a standby's own
         is there too, were its handover's rewrite of the kernel's copy not to have happened)."""
-        return {self.run_id} | {sb.marker for sb in self.standbys}
+        return {self.run_id} | {sb.marker for sb in self.standbys} | self.adopted_markers
+
+    def server(self) -> ForkServer | None:
+        """The fork server whose children the warm ranks are (None: cold, or adopted)."""
+        return next((p.server for p in self.launched() if isinstance(p, Forked) and p.server is not None), None)
+
+    def adopt_warm(self, warm: WarmRecord, markers: Iterable[str]) -> None:
+        """Take over the warm ranks (and scheduler) an earlier elasticd handed this generation to,
+        each as an :class:`Orphan` (raises OSError when one is gone already: not adopted)."""
+        self.path, self.adopted_markers = Path.WARM, set(markers)
+        server = (warm.server, warm.server_start)
+        try:
+            for rank, (pid, start) in sorted(warm.ranks.items()):
+                self.warm_ranks[rank] = Orphan(pid, start, warm.exits, server)
+            if warm.scheduler is not None:
+                self.scheduler = Orphan(*warm.scheduler, warm.exits, server)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Stop watching the warm ranks, leaving them running (the generation is left to its shim)."""
+        for proc in self.launched():
+            if isinstance(proc, (Forked, Orphan)):
+                proc.release()
 
     def live(self) -> list[psutil.Process]:
         """The launched processes still running."""
@@ -455,18 +493,14 @@ class Launch:
                     live.append(psutil.Process(proc.pid))
         return live
 
-    def warm_scheduler(self) -> Standby | None:
-        """The standby that became this generation's scheduler (warm, node_rank 0), once handed over."""
-        if self.member.node_rank != 0 or not self.warm_ranks:
-            return None
-        return self.standbys[0]
+    def warm_scheduler(self) -> Proc | None:
+        """The process that became this generation's scheduler (warm, node_rank 0), once handed over."""
+        return self.scheduler if self.warm_ranks else None
 
     def handles(self) -> list[Any]:
         """The processes whose exit elasticd is told of (asyncio's wait): msrun, or the warm ranks
         and scheduler."""
-        handles: list[Any] = [self.msrun, *(sb.proc for sb in self.warm_ranks.values())]
-        if (scheduler := self.warm_scheduler()) is not None:
-            handles.append(scheduler.proc)
+        handles: list[Any] = [self.msrun, *self.warm_ranks.values(), self.warm_scheduler()]
         return [h for h in handles if h is not None]
 
     def exit_code(self) -> int | None:
@@ -474,7 +508,7 @@ class Launch:
         None while they run."""
         if self.msrun is not None:
             return self.msrun.returncode
-        codes = [sb.proc.returncode for sb in self.warm_ranks.values()]
+        codes = [proc.returncode for proc in self.warm_ranks.values()]
         if not codes or any(c is None for c in codes):
             return None
         return next((c for c in codes if c), 0)
@@ -485,8 +519,8 @@ class Launch:
         has ended; until then it is a zombie too); msrun's, as the kernel says before msrun reaps it."""
         for rs in ranks:
             if rs.pid and rs.exit_code is None:
-                standby = self.warm_ranks.get(rs.rank)
-                code = standby.proc.returncode if standby is not None else None
+                proc = self.warm_ranks.get(rs.rank)
+                code = proc.returncode if proc is not None else None
                 rs.exit_code = code if code is not None else procs.exit_status(rs.pid, rs.create_time)
 
     async def only_the_scheduler_waits(self, ranks: list[RankState], master_port: int) -> bool:

@@ -136,9 +136,15 @@ class LaunchEnv:
         env = {k: v for k, v in base.items() if k not in PER_GENERATION_ENV}
         if "HOME" in base:  # (a switched user's: the job's log folder until its handover)
             env["HOME"] = os.path.dirname(self.log_dir)
+        env[contract.ENV_STANDBY_EXITS] = self.standby_exits(marker)
         env[contract.ENV_RUN_ID] = marker
         env[contract.ENV_STANDBY_SLOT] = "x" * contract.STANDBY_SLOT_BYTES
         return env
+
+    def standby_exits(self, marker: str) -> str:
+        """Where the fork server started with ``marker`` records how the processes it forked ended
+        (see ``mselastic.trainer.standby.serve``): the job's log folder, the worker user's."""
+        return os.path.join(os.path.dirname(self.log_dir), f".standby-{marker.rpartition('.')[2]}.exits")
 
     def launch_key(self) -> str:
         """What a standby was started with that a generation could change: equal keys, equal starts."""

@@ -16,7 +16,7 @@ import psutil
 
 from mselastic.agent.containment import procs
 from mselastic.agent.generation import verdict
-from mselastic.agent.standbys.forkserver import Standby
+from mselastic.agent.standbys.forkserver import Proc
 from mselastic.agent.generation.ranks import RankState
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def learn_pid(msrun_pid: int, rs: RankState, pid: int, seen: set[int]) -> None:
             seen.add(pid)
 
 
-def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, scheduler: Standby | None,
+def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, scheduler: Proc | None,
          cold: bool, msrun_exits: Callable[[], dict[int, int]], drain: Callable[[], None]) -> verdict.Look:
     """Look at the ranks once, at ``now`` (monotonic): which are dead (a rank's last beat,
     finished, a planned exit or fatal, comes just before it exits, and its exit wakes the watch
@@ -192,7 +192,7 @@ def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, 
     if gone:
         drain()
         gone = dead()
-    scheduler_exit = scheduler.proc.returncode if scheduler is not None else None
+    scheduler_exit = scheduler.returncode if scheduler is not None else None
     if scheduler_exit is not None:
         drain()  # (a rank's finished beat may be queued)
     saw = msrun_exits() if any(ranks[r].exit_code is None for r in gone) else {}

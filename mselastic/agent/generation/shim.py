@@ -26,7 +26,8 @@ as long as its shim. On the warm path (standbys of the fork server, no msrun) it
 A shim that is msrun's parent outlives elasticd (no parent-death signal of its own): after a
 crash its generation trains on, fenced by the shim on the last deadline written, and a successor
 adopts it (:mod:`mselastic.agent.generation.adopt`; ``.child`` says who to adopt). A shim that only guards
-(warm: the ranks are the fork server's children, and die with elasticd) dies with elasticd. Run
+(warm: the ranks are the children of the job's fork server, which outlives elasticd while they
+run) outlives elasticd too, and the successor adopts by ``.warm`` (:class:`WarmRecord`). Run
 as ``python -I -m
 mselastic.agent.generation.shim RECORD [--stdout-fd N] [--pass-fd N] [--cwd DIR] [-- CMD...]`` (``-I``: it
 runs as root, and nothing of the job's folders may come first on its import path); SIGTERM ends
@@ -55,7 +56,6 @@ from mselastic.agent.containment import procs
 from mselastic.agent.generation import stop
 from mselastic.agent.containment.cgroups import Group, Layout
 from mselastic.core import fencing
-from mselastic.core.pdeathsig import with_parent_death
 
 log = logging.getLogger("mselastic.agent.generation.shim")  # (the same name when run as __main__)
 
@@ -133,8 +133,12 @@ class Paths:
     def child(self) -> str:
         return self.base + ".child"
 
+    @property
+    def warm(self) -> str:
+        return self.base + ".warm"
+
     def all(self) -> list[str]:
-        return [self.record, self.deadline, self.fenced, self.exit, self.child]
+        return [self.record, self.deadline, self.fenced, self.exit, self.child, self.warm]
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -188,6 +192,46 @@ class Child:
         return all(same(pid, start) for pid, start in ((self.shim, self.shim_start), (self.pid, self.start)))
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmRecord:
+    """What elasticd wrote of a warm generation once its ranks were handed it and its shim guards
+    it (``.warm``): the shim; the fork server whose children the ranks are (it outlives elasticd
+    while they run), its cgroup (relative: a successor's sweep keeps it) and the file it records
+    their ends in; each local rank's process and node_rank 0's scheduler's. Each process by pid
+    and start time. A successor adopts the generation by it (:mod:`mselastic.agent.generation.adopt`)."""
+
+    shim: int
+    shim_start: float
+    server: int
+    server_start: float
+    exits: str
+    ranks: dict[int, tuple[int, float]]
+    scheduler: tuple[int, float] | None = None
+    server_group: str = ""
+
+    def write(self, paths: Paths) -> None:
+        raw = dict(dataclasses.asdict(self), version=RECORD_VERSION, ranks={str(r): list(p) for r, p in self.ranks.items()})
+        write_atomically(paths.warm, json.dumps(raw, sort_keys=True))
+
+    @classmethod
+    def read(cls, paths: Paths) -> "WarmRecord | None":
+        try:
+            raw = json.loads(open(paths.warm).read())
+            if raw.pop("version") != RECORD_VERSION:
+                return None
+            sched = raw.get("scheduler")
+            return cls(int(raw["shim"]), float(raw["shim_start"]), int(raw["server"]), float(raw["server_start"]),
+                       str(raw["exits"]), {int(r): (int(p[0]), float(p[1])) for r, p in raw["ranks"].items()},
+                       (int(sched[0]), float(sched[1])) if sched else None, str(raw.get("server_group", "")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return None
+
+    def alive(self) -> bool:
+        """Its shim still runs (the same process); the ranks may have ended meanwhile (a failure
+        the successor sees at once)."""
+        return same(self.shim, self.shim_start)
+
+
 def exited(pidfd: int) -> bool:
     """The process of ``pidfd`` has ended (poll, not select: a busy daemon's descriptors pass 1024)."""
     p = select.poll()
@@ -226,13 +270,13 @@ class AdoptedShim:
     process's child, so watched through a pidfd; its code is msrun's, from ``.exit`` (none there:
     killed, -SIGKILL)."""
 
-    def __init__(self, child: Child, paths: Paths) -> None:
-        self.pid, self.paths = child.shim, paths
-        self._fd = os.pidfd_open(child.shim)
+    def __init__(self, pid: int, start: float, paths: Paths) -> None:
+        self.pid, self.paths = pid, paths
+        self._fd = os.pidfd_open(pid)
         self._code: int | None = None
-        if not same(child.shim, child.shim_start):  # (pinned first: the number may be another's by now)
+        if not same(pid, start):  # (pinned first: the number may be another's by now)
             os.close(self._fd)
-            raise ProcessLookupError(f"the shim (pid {child.shim}) is gone")
+            raise ProcessLookupError(f"the shim (pid {pid}) is gone")
 
     @property
     def returncode(self) -> int | None:
@@ -294,7 +338,15 @@ class Handle:
     def adopt(self, child: Child) -> AdoptedShim:
         """The shim an earlier elasticd started for this generation, msrun's parent (raises
         OSError when it is gone meanwhile)."""
-        self.proc, self._parent = AdoptedShim(child, self.paths), True
+        self.proc, self._parent = AdoptedShim(child.shim, child.shim_start, self.paths), True
+        with contextlib.suppress(OSError, ValueError):
+            self._until = read_deadline(self.paths)
+        return self.proc
+
+    def adopt_guard(self, warm: WarmRecord) -> AdoptedShim:
+        """The shim an earlier elasticd started to guard this (warm) generation (raises OSError
+        when it is gone meanwhile)."""
+        self.proc, self._parent = AdoptedShim(warm.shim, warm.shim_start, self.paths), False
         with contextlib.suppress(OSError, ValueError):
             self._until = read_deadline(self.paths)
         return self.proc
@@ -310,9 +362,10 @@ class Handle:
 
     async def guard(self) -> None:
         """Start the shim alone (the warm path: it need not be up before the launch; it finds the
-        generation's processes by their cgroup and markers when it fences)."""
-        self.proc = await asyncio.create_subprocess_exec(*with_parent_death(self.command()),
-                                                         stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        generation's processes by their cgroup and markers when it fences). It outlives elasticd,
+        as the ranks do (their fork server does: see :class:`WarmRecord`)."""
+        self.proc = await asyncio.create_subprocess_exec(*self.command(), stdin=asyncio.subprocess.DEVNULL,
+                                                         start_new_session=True)
 
     async def parent(self, proc: asyncio.subprocess.Process) -> int:
         """``proc``, the shim started with a command (stdout a pipe): the child's pid, once it
@@ -356,7 +409,7 @@ class Handle:
         if isinstance(self.proc, AdoptedShim):
             self.proc.close()
         elif self.proc is not None:
-            disown(self.proc)
+            procs.disown(self.proc)
 
     def end(self) -> None:
         """The generation is over: the shim is asked to end (SIGTERM; asyncio reaps it), and its
@@ -371,18 +424,6 @@ class Handle:
         for path in self.paths.all():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-
-
-def disown(proc: asyncio.subprocess.Process) -> None:
-    """Let ``proc``, a child started through asyncio, run on after elasticd: asyncio's transport
-    kills a child it has not seen exit when it is closed or collected (BaseSubprocessTransport's
-    close, also at interpreter exit), so the transport is told the child is done with first, then
-    closed (its pipes). ``proc.returncode`` then reads -1. (Private to asyncio: a test in
-    tests/integration/test_shim.py fails if a Python changes it.)"""
-    transport = proc._transport  # type: ignore[attr-defined]
-    if transport.get_returncode() is None:
-        transport._returncode = -1
-    transport.close()
 
 
 def kill(record: Record) -> list[int]:

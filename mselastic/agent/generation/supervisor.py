@@ -34,7 +34,7 @@ from mselastic.agent.generation.beats import BeatSocket, Senders
 from mselastic.agent.containment.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
 from mselastic.agent.devices.health import evidence
 from mselastic.agent.containment.jobfiles import Unreadable, bounded
-from mselastic.agent.generation.launch import MSRUN, Launch, Path, UnderShim, open_own
+from mselastic.agent.generation.launch import MSRUN, Launch, Path, UnderShim, open_own, pool_group
 from mselastic.agent.generation.launch_env import LaunchEnv, heartbeat_socket
 from mselastic.agent.generation.preflight import LaunchError, port_free, preflight
 from mselastic.agent.generation.ranks import JOINED, RankState
@@ -163,6 +163,8 @@ class Generation:
         self.job_group: Group | None = None
         #: Taken over from an earlier elasticd (agent.generation.adopt): the ranks' beats of the gap are lost.
         self.adopted = False
+        #: How many times an elasticd took it over (the report's, counted on).
+        self.adoptions = 0
         #: The generation's shim (see agent.generation.shim): the fence where the workers are, on the deadline
         #: ``fence_deadline()`` says (the node's lease plus the outage grace; 0: none yet). Its files
         #: in ``shim_dir`` (elasticd's own folder on /run; "": beside the log folder).
@@ -170,6 +172,9 @@ class Generation:
         self._fence_deadline, self._lease_ttl_s = fence_deadline, lease_ttl_s
         #: Called once the shim fenced the generation (the node fences as its own deadline says).
         self.on_fenced: Callable[[str], None] = lambda why: None
+        #: Warm: the cgroup (relative) of the fork server whose children the ranks are, once the
+        #: generation can be left to its shim ("": none): kept while the generation is.
+        self.server_group = ""
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -288,16 +293,20 @@ class Generation:
         self._beats = BeatSocket(self.heartbeat, senders, self._received, self._ctx,
                                  owner=(self.user.uid, self.user.gid) if self.user and self.user.switch else None)
 
-    def adopt(self, record: shim.Record, child: shim.Child, report: GenerationReport | None) -> None:
+    def adopt(self, record: shim.Record, child: shim.Child | shim.WarmRecord, report: GenerationReport | None) -> None:
         """Take over this generation from the elasticd that started it (see agent.generation.adopt): msrun
         under its shim, ``child``, still runs, and so do its ranks (found among msrun's children
-        at the first look); what they did meanwhile is in their beats to come, what the earlier
-        elasticd knew in its ``report``, the step they were told to stop at in the stop file.
-        Raises OSError (or RuntimeError) when a handle cannot be had (the shim gone meanwhile, the
-        log, the heartbeat socket), with nothing of this object left open: the caller kills it."""
+        at the first look); or (warm, ``child`` a WarmRecord) its guard and the ranks it names,
+        children of that elasticd's fork server (a rank that ended meanwhile is seen at the first
+        look, its code the server's record). What they did meanwhile is in their beats to come, what
+        the earlier elasticd knew in its ``report``, the step they were told to stop at in the stop
+        file. Raises OSError (or RuntimeError, ValueError) when a handle cannot be had (the shim
+        gone meanwhile, the log, the heartbeat socket), with nothing of this object left open: the
+        caller kills it."""
         try:
             self._adopt(record, child, report)
         except BaseException:
+            self.launch.release()
             self.launch.close()
             if isinstance(self.shim.proc, shim.AdoptedShim):
                 self.shim.proc.close()
@@ -307,13 +316,26 @@ class Generation:
             self.done.set()
             raise
 
-    def _adopt(self, record: shim.Record, child: shim.Child, report: GenerationReport | None) -> None:
+    def _adopt(self, record: shim.Record, child: shim.Child | shim.WarmRecord,
+               report: GenerationReport | None) -> None:
         group = record.group()  # (the one it runs in, whatever this elasticd's cgroups setting)
         if group is not None and self.cgroups is not None:
             with contextlib.suppress(CgroupError):
                 self.job_group = self.cgroups.job(self.spec.name, self.limits)
         self.launch.group, self.launch.shim, self.adopted = group, self.shim, True
-        self.launch.msrun = UnderShim(self.shim.adopt(child), child.pid)
+        if isinstance(child, shim.WarmRecord):
+            if set(child.ranks) != set(self.ranks):
+                raise ValueError(f"its record names ranks {sorted(child.ranks)}, the plan has {sorted(self.ranks)} here")
+            self.shim.adopt_guard(child)
+            self.launch.adopt_warm(child, record.markers)
+            for rank, (pid, start) in child.ranks.items():
+                self.ranks[rank].pid, self.ranks[rank].create_time = pid, start
+            self.server_group = child.server_group
+            what = (f"warm ranks {sorted(p for p, _ in child.ranks.values())} (fork server pid {child.server}) "
+                    f"under its shim (pid {child.shim})")
+        else:
+            self.launch.msrun = UnderShim(self.shim.adopt(child), child.pid)
+            what = f"msrun pid {child.pid} under its shim (pid {child.shim})"
         self.launch.log = open_own(os.path.join(self.log_dir, "msrun.log"))
         self._open_beats()
         with contextlib.suppress(OSError):  # (a step the ranks may have read is never moved)
@@ -327,11 +349,11 @@ class Generation:
                 rs.step, rs.resumed_step = report.step, report.resumed_steps.get(str(rs.rank), -1)
         if report is not None:
             self.first_step_at, self.resumed_step = report.first_step_at, report.resumed_step
+        self.adoptions = (report.adoptions if report is not None else 0) + 1
         self.started_mono, self.phase = now, Phase.WATCHING
         if self.first_step_at:
             self.state = GenerationState.RUNNING
-        log.info("generation adopted: msrun pid %d under its shim (pid %d), started by an earlier elasticd",
-                 child.pid, child.shim, extra=self._ctx)
+        log.info("generation adopted: %s, started by an earlier elasticd", what, extra=self._ctx)
         self._task = asyncio.create_task(self.watch(), name=f"watch-{self.run_id}")
 
     async def _run(self) -> None:
@@ -346,9 +368,31 @@ class Generation:
             except (OSError, RuntimeError) as e:
                 await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
                 return
+            self._record_warm()
         if not self.stopping:
             self.phase = Phase.WATCHING
             await self.watch()
+
+    def _record_warm(self) -> None:
+        """Warm, once handed over and guarded: write what a successor of elasticd adopts the
+        generation by (:class:`shim.WarmRecord`). Without it the generation cannot be left: a
+        restart of elasticd stops it, as before."""
+        server, sched = self.launch.server(), self.launch.scheduler
+        if server is None or self.shim.proc is None or self.shim.proc.returncode is not None:
+            return
+        try:
+            record = shim.WarmRecord(
+                self.shim.proc.pid, psutil.Process(self.shim.proc.pid).create_time(), server.pid, server.start_time(),
+                self.launch_env.standby_exits(server.marker),
+                {rs.rank: (rs.pid, rs.create_time) for rs in self.ranks.values() if rs.rank in self.launch.warm_ranks},
+                (sched.pid, psutil.Process(sched.pid).create_time()) if sched is not None else None,
+                g.rel if (g := pool_group(self.launch_env, server.marker)) is not None else "")
+            record.write(self.shim.paths)
+        except (OSError, psutil.Error) as e:
+            log.warning("the warm generation's record not written (%s): a restart of elasticd will stop it", e,
+                        extra=self._ctx)
+            return
+        self.server_group = record.server_group
 
     async def _warm_launch(self) -> bool:
         """Hand the generation to its standbys (see :meth:`Launch.warm`: it may go cold instead).
@@ -501,12 +545,24 @@ class Generation:
             self._beats.read()
 
     def can_be_left(self) -> bool:
-        """Whether the generation can go on without elasticd: msrun under its shim (started cold, or
-        adopted so), watched, neither stopping nor over, and not fenced."""
-        return (self.phase is Phase.WATCHING and not self.stopping and not self.state.terminal
-                and isinstance(self.launch.msrun, UnderShim) and self.launch.msrun.returncode is None
-                and not os.path.exists(self.shim.paths.exit)  # (msrun's end, not yet seen by asyncio)
-                and self.shim.fenced() is None)
+        """Whether the generation can go on without elasticd: watched, neither stopping nor over,
+        not fenced, and either msrun under its shim (started cold, or adopted so) or (warm) every
+        rank running, its shim guarding and its record written (:meth:`_record_warm`)."""
+        if self.phase is not Phase.WATCHING or self.stopping or self.state.terminal or self.shim.fenced() is not None:
+            return False
+        if self.launch.msrun is not None:
+            return (isinstance(self.launch.msrun, UnderShim) and self.launch.msrun.returncode is None
+                    and not os.path.exists(self.shim.paths.exit))  # (msrun's end, not yet seen by asyncio)
+        handles = self.launch.handles()
+        return (self.warm and bool(self.launch.warm_ranks) and all(p.returncode is None for p in handles)
+                and all(procs.alive(rs.pid, rs.create_time) for rs in self.ranks.values())
+                and self.shim.proc is not None and self.shim.proc.returncode is None
+                and os.path.exists(self.shim.paths.warm))
+
+    def groups_kept(self) -> set[str]:
+        """The cgroups (relative) a restart of elasticd keeps for this generation: its own and,
+        warm, its fork server's (the ranks' parent)."""
+        return {g for g in (self.launch.group.rel if self.launch.group is not None else "", self.server_group) if g}
 
     async def leave(self) -> None:
         """Leave the generation to its shim (elasticd is restarting: see agent.generation.adopt): nothing of it
@@ -517,10 +573,12 @@ class Generation:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drain_beats()
         self.shim.leave()
+        what = (f"msrun pid {self.launch.msrun.pid}" if self.launch.msrun is not None else
+                f"warm ranks {sorted(p.pid for p in self.launch.warm_ranks.values())}")
+        self.launch.release()
         self._drop_handles(Phase.LEFT)
-        log.info("generation left to its shim (pid %d), msrun pid %d: the next elasticd adopts it",
-                 self.shim.proc.pid if self.shim.proc is not None else -1,
-                 self.launch.msrun.pid if self.launch.msrun is not None else -1, extra=self._ctx)
+        log.info("generation left to its shim (pid %d), %s: the next elasticd adopts it",
+                 self.shim.proc.pid if self.shim.proc is not None else -1, what, extra=self._ctx)
 
     def _close(self) -> None:
         with contextlib.suppress(OSError):
@@ -838,4 +896,4 @@ class Generation:
             stopped_at=self.stopped_at, first_step_at=self.first_step_at, resumed_step=self.resumed_step,
             resume_note=self.resume_note, step=max(steps), loss=loss, exit_step=self.exit_step, cause=self.cause,
             resumed_steps={str(r.rank): r.resumed_step for r in self.ranks.values() if r.resumed_step >= 0},
-            warm=self.warm, devices=self.member.devices, failed_device=self.failed_device)
+            warm=self.warm, devices=self.member.devices, failed_device=self.failed_device, adoptions=self.adoptions)

@@ -32,12 +32,15 @@ import logging
 import os
 import signal
 import socket
+import stat
 import time
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import psutil
 
+from mselastic.agent.containment import procs
 from mselastic.agent.containment.cgroups import exited
+from mselastic.agent.containment.jobfiles import Unreadable, bounded
 from mselastic.core.contract import STANDBY_FORKS, STANDBY_READY
 
 log = logging.getLogger(__name__)
@@ -211,8 +214,11 @@ class Forked:
     word (a pidfd: readable once it has exited, and the only handle signals go through, so a pid
     taken over by another process is never signalled); its exit code is the server's."""
 
-    def __init__(self, pid: int, pidfd: int, server_alive: Callable[[], bool]) -> None:
+    def __init__(self, pid: int, pidfd: int, server_alive: Callable[[], bool],
+                 server: "ForkServer | None" = None) -> None:
         self.pid, self._pidfd, self._server_alive = pid, pidfd, server_alive
+        #: The fork server that forked it (its parent).
+        self.server = server
         self.returncode: int | None = None
         self._code: int | None = None
         self._ended = False
@@ -267,6 +273,16 @@ class Forked:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
+    def release(self) -> None:
+        """Stop watching it, leaving it running (elasticd restarts: its generation is left to its
+        shim, and it to the next elasticd, which adopts it as an :class:`Orphan`)."""
+        if self.returncode is None and not self._ended:
+            self._loop.remove_reader(self._pidfd)
+            self._ended = True
+            os.close(self._pidfd)
+            self.returncode = -1  # (never reported: its generation is no longer this elasticd's)
+            self._exited.set()
+
     def discard(self) -> None:
         """Forget it without waiting for its end (its server is being stopped, and it with it)."""
         if self.returncode is None:
@@ -286,8 +302,11 @@ class ForkServer:
     pid it names must be its own child, of its own user, opened as a pidfd at once; an answer
     names the request it answers; a line it sends that does not parse is dropped."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket, release: Release | None = None) -> None:
-        self.proc, self._sock, self._release = proc, sock, release
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket, release: Release | None = None,
+                 marker: str = "") -> None:
+        self.proc, self._sock, self._release, self.marker = proc, sock, release, marker
+        #: Left to run on without elasticd (:meth:`leave`): never stopped by this elasticd.
+        self.left = False
         try:  # (signals go through it: once reaped, its pid may be another process's)
             self._pidfd: int | None = os.pidfd_open(proc.pid)
         except OSError:
@@ -314,7 +333,7 @@ class ForkServer:
     async def start(cls, spawn: Spawner, marker: str, release: Release | None = None) -> "ForkServer":
         proc, ours = await _spawn_on_socket(spawn, marker)
         ours.setblocking(False)
-        return cls(proc, ours, release)
+        return cls(proc, ours, release, marker)
 
     @property
     def pid(self) -> int:
@@ -395,7 +414,7 @@ class ForkServer:
             return f"named pid {pid}: {e}"
         for gone in [c for c in self.children.values() if c.returncode is not None]:
             del self.children[gone.pid]
-        child = self.children[pid] = Forked(pid, pidfd, self._running_now)
+        child = self.children[pid] = Forked(pid, pidfd, self._running_now, self)
         return child
 
     async def await_ready(self, timeout_s: float) -> bool:
@@ -424,8 +443,35 @@ class ForkServer:
             raise RuntimeError(f"fork server pid {self.pid}: {got}")
         return got
 
+    def start_time(self) -> float:
+        """Its start time, as psutil gives it (0.0: gone)."""
+        try:
+            return psutil.Process(self.pid).create_time()
+        except psutil.Error:
+            return 0.0
+
+    async def leave(self) -> None:
+        """elasticd restarts and leaves a generation whose ranks this server forked to its shim:
+        the server runs on (it outlives elasticd, see ``mselastic.trainer.standby.serve``): elasticd
+        stops watching it and closes its end of the socket (the server forks no more and exits once
+        the ranks have ended, recording how), and asyncio is told not to kill it."""
+        self.left = True
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close()
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self.proc.returncode is None:
+            procs.disown(self.proc)
+        for child in self.children.values():
+            child.release()
+
     async def close(self) -> None:
-        """End it (its standbys with it: their death signal) and reap it."""
+        """End it (its standbys with it: their death signal) and reap it; not one left (:meth:`leave`)."""
+        if self.left:
+            return
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
         self._sock.close()  # (after its reader: the loop no longer watches the descriptor)
@@ -453,3 +499,119 @@ class ForkServer:
         """Close it once ``children`` (standbys that are ranks now) have ended."""
         await asyncio.gather(*(c.wait() for c in children))
         await self.close()
+
+
+#: How long an adopted rank's end waits for its code in its fork server's record while the server
+#: runs (it reaps at once, at nice 19): then it counts as killed.
+EXIT_RECORD_S = 5.0
+#: The part of a fork server's record read for one code (its lines are short; it is the job's file).
+EXIT_RECORD_BYTES = 1 << 16
+
+
+def recorded_exit(path: str, pid: int, offset: int) -> int | None:
+    """The last code ``path`` (a fork server's record of its children's ends, a file of the job's:
+    never through a symlink, never blocking, a bounded read) gives ``pid`` after ``offset``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"{path} is not a regular file")
+        start = max(offset, st.st_size - EXIT_RECORD_BYTES)
+        data = os.pread(fd, st.st_size - start, start)
+    finally:
+        os.close(fd)
+    code = None
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+            what = json.loads(line)
+            if int(what["exit"]) == pid:
+                code = int(what["code"])
+    return code
+
+
+def record_size(path: str) -> int:
+    """How much of a fork server's record there is now (0: none yet, or not a regular file)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+class Orphan:
+    """A warm rank (or scheduler) an earlier elasticd handed its generation to, adopted by this
+    one. Its parent is that elasticd's fork server, which outlives elasticd while it has children
+    and records how each ends (``exits``: see ``mselastic.trainer.standby.serve``). Its end is the
+    kernel's word (a pidfd, opened and pinned to its start time); its code, the kernel's while it
+    is a zombie, else the server's record (read past what it held at the adoption: a pid the
+    server forked earlier may be there too), else, the server gone or silent for
+    :data:`EXIT_RECORD_S`, killed (-SIGKILL)."""
+
+    def __init__(self, pid: int, start: float, exits: str, server: tuple[int, float]) -> None:
+        self.pid, self.start, self._exits, self._server = pid, start, exits, server
+        self._pidfd = os.pidfd_open(pid)  # (raises when it is gone)
+        if not procs.alive(pid, start):
+            os.close(self._pidfd)
+            raise ProcessLookupError(f"pid {pid} is not the process adopted (it ended, or the pid is another's)")
+        self.returncode: int | None = None
+        self._offset = record_size(exits)
+        self._exited = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._pidfd, self._on_end)
+        self._settling: asyncio.Task[None] | None = None
+
+    @property
+    def pidfd(self) -> int:
+        return self._pidfd
+
+    def ended_now(self) -> bool:
+        return self.returncode is not None or exited(self._pidfd)
+
+    def _on_end(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        code = procs.exit_status(self.pid, self.start)  # (a zombie still: its server has not reaped it)
+        if code is not None:
+            self._finish(code)
+        elif self._settling is None:
+            self._settling = asyncio.create_task(self._settle(), name=f"orphan-exit-{self.pid}")
+
+    async def _settle(self) -> None:
+        deadline = time.monotonic() + EXIT_RECORD_S
+        while self.returncode is None:
+            try:
+                code = await bounded(recorded_exit, self._exits, self.pid, self._offset)
+            except OSError:
+                code = None
+            if code is not None:
+                self._finish(code)
+            elif time.monotonic() > deadline or not procs.alive(*self._server):
+                self._finish(-signal.SIGKILL)
+            else:
+                await asyncio.sleep(0.05)
+
+    def _finish(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set()
+            os.close(self._pidfd)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def release(self) -> None:
+        """Stop watching it, leaving it running (elasticd restarts again)."""
+        if self.returncode is None:
+            if self._settling is None:
+                self._loop.remove_reader(self._pidfd)
+            else:
+                self._settling.cancel()
+            self.returncode = -1
+            self._exited.set()
+            os.close(self._pidfd)

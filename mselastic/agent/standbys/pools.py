@@ -163,10 +163,11 @@ class StandbyPool:
         self.standbys = [s for s in self.standbys if s not in taken]
         return taken
 
-    async def close(self) -> None:
+    async def close(self, spare: ForkServer | None = None) -> None:
         """Stop every standby (and any filling), and the fork server once no standby it forked runs:
         one a generation took dies with it (its death signal), so that waits in the background for
-        such a rank to end, as its generation ends it."""
+        such a rank to end, as its generation ends it. ``spare``: a server left to run on (its
+        ranks' generation was left to its shim: :meth:`WarmPools.leave`)."""
         self._closed = True
         if self._filling is not None:
             self._filling.cancel()
@@ -174,7 +175,7 @@ class StandbyPool:
         standbys, self.standbys = self.standbys, []
         await asyncio.gather(*(s.kill() for s in standbys))
         server, self.server = self.server, None
-        if server is None:
+        if server is None or server is spare:
             return
         if not server.running():
             await server.close()
@@ -240,6 +241,18 @@ class WarmPools:
     def describe(self) -> list[tuple[str, dict[str, Any]]]:
         """(job, standby) for every standby, by job."""
         return [(job, s) for job, pool in sorted(self.pools.items()) for s in pool.describe()]
+
+    async def leave(self, job: str, server: ForkServer) -> None:
+        """elasticd restarts and left a generation of ``job`` to its shim whose ranks ``server``
+        forked: the job's idle standbys are stopped, the server left to run on (it exits once those
+        ranks have, see ForkServer.leave); the next elasticd starts a pool of its own."""
+        pending = self._retiring.pop(job, None)
+        if pending is not None:
+            pending.cancel()
+        pool = self.pools.pop(job, None)
+        if pool is not None:
+            await pool.close(spare=server)
+        await server.leave()
 
     async def close(self) -> None:
         """Stop every standby (elasticd is shutting down)."""
