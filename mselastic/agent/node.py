@@ -34,7 +34,7 @@ from mselastic.agent.peers import Peers, reaches_etcd
 from mselastic.agent.standbys.pools import WarmPools
 from mselastic.agent.reports import Reports
 from mselastic.agent.devices.health import DeviceHealth, unfit
-from mselastic.agent.generation.launch import release_standby_group, spawn_standby
+from mselastic.agent.generation.launch import release_standby_group, remove_exits, spawn_standby
 from mselastic.agent.generation.launch_env import LaunchEnv
 from mselastic.agent.containment.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.generation.supervisor import Generation, Phase
@@ -112,6 +112,8 @@ class NodeAgent:
         #: Standby workers per job (see mselastic.agent.standbys.pools).
         self.standbys = WarmPools(cfg.node_id)
         self._background: set[asyncio.Task[None]] = set()
+        #: Adopted warm generations whose earlier fork server is being cleaned up after them.
+        self._cleaning: set[Generation] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._ended: set[str] = set()  # jobs the leader said end here (a final Stop): nothing relaunches them
         #: This node's reports in etcd, written when a generation changes.
@@ -872,8 +874,26 @@ class NodeAgent:
             if current is None or current is gen or current.done.is_set():
                 self._let_go(gen.plan.job)
 
+    async def _old_server_gone(self, gen: Generation) -> None:
+        """An adopted warm generation is over: the fork server an earlier elasticd left for its ranks
+        (it exits once they have) is past use; what is left in its cgroup is stopped, the group
+        removed, and its record of ends with it."""
+        await gen.done.wait()
+        if self.cfg.cgroups is not None and gen.server_group:
+            left = await self.cfg.cgroups.root.child(gen.server_group).stop()
+            if left:
+                log.warning("the old fork server's cgroup %s: pids %s left", gen.server_group, left,
+                            extra=dict(self._ctx, job=gen.plan.job, generation=gen.plan.generation))
+        if gen.server_exits:
+            await remove_exits(gen.server_exits)
+        self._cleaning.discard(gen)
+
     def _changed(self, gen: Generation, urgent: bool = True) -> None:
         self.reports.changed(gen, urgent)
+        if urgent and gen.state.terminal and gen.adopted and (gen.server_group or gen.server_exits) \
+                and gen not in self._cleaning:
+            self._cleaning.add(gen)
+            self._spawn(self._old_server_gone(gen))
         if urgent:
             if gen.state is GenerationState.RUNNING:
                 self._keep_standbys(gen)

@@ -26,9 +26,10 @@ session of its own and the parent-death signal (its server; the server dies with
 writes its own marker into the kernel's view of its environment, and reseeds numpy (Python's
 ``random`` reseeds itself after a fork): the state a process msrun starts would have. The server
 does not die with elasticd: once elasticd's end of its socket closes (a restart, a crash) it
-forks no more, its idle standbys exit (their input ends too), and it stays while a rank it forked
-runs, recording how each ends in a file of the job's (``contract.ENV_STANDBY_EXITS``) for the
-elasticd that adopts the generation; then it exits. The
+forks no more, kills what it forked but the ranks elasticd told it to keep (those of a generation
+a successor can adopt), and stays while one of those runs, recording how each ends in a file of
+the job's (``contract.ENV_STANDBY_EXITS``) for the elasticd that adopts the generation; then it
+exits. The
 server's other threads are not copied. Importing MindSpore 2.10 on CPU starts one: numpy's
 OpenBLAS thread server (``blas_thread_server``, seen with gdb), which shuts its threads down
 before a fork and starts them again when needed (its ``pthread_atfork`` handler). The scheduler,
@@ -231,12 +232,16 @@ def serve(control: socket.socket, exits: int = -1) -> tuple[int, str, int]:
     ``STANDBY_FORKS {"forked": pid, "marker": marker}`` (or ``{"error": why, "marker": marker}``),
     and ``{"exit": pid, "code": c}`` when a child ended (``c`` as asyncio gives it: negative for a
     signal), that also to ``exits`` (a file of the job's, ``contract.ENV_STANDBY_EXITS``: -1 none).
-    A request it cannot serve (a fork refused for want of memory or processes, a malformed
-    message) is answered with an error: the loop never raises, since the ranks it forked die with
-    it. Once the agent has closed ``control`` (elasticd restarting, or gone) the server forks no
-    more and stays while a child runs (a warm rank the next elasticd adopts; an idle standby sees
-    its own input end and exits), reaping them into ``exits``; then it exits. Returns only in a
-    forked child: its descriptor, its marker and this server's pid."""
+    ``{"keep": [pid, ...], "marker": m}`` (no descriptor; answered ``{"kept": n, "marker": m}``)
+    names children that are ranks of a generation a successor of elasticd may adopt (its record
+    is written). A request it cannot serve (a fork refused for want of memory or processes, a
+    malformed message) is answered with an error: the loop never raises, since the ranks it forked
+    die with it. Once the agent has closed ``control`` (elasticd restarting, or gone) the server
+    forks no more, SIGKILLs every child it forked that it was not told to keep (a generation whose
+    record was never written has no guard either: it must not train on unfenced), and stays while
+    a kept one runs, reaping it into ``exits``; then it exits (whatever else the job's code
+    started in it aside). Returns only in a forked child: its descriptor, its marker and this
+    server's pid."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -247,14 +252,17 @@ def serve(control: socket.socket, exits: int = -1) -> tuple[int, str, int]:
     sel.register(wake_r, selectors.EVENT_READ)
     server = os.getpid()
     agent: list[socket.socket] = [control]  # (emptied once the agent is gone)
+    forked: set[int] = set()  # (children it forked, not reaped yet: a pid no other process can have)
+    keep: set[int] = set()
     while True:
         for key, _ in sel.select():
             if key.fileobj is not control:
                 with contextlib.suppress(BlockingIOError):
                     while os.read(wake_r, 512):
                         pass
-                if not _reap(agent, exits) and not agent:
-                    sys.exit(0)  # the agent is gone and no child is left
+                _reap(agent, exits, forked)
+                if not agent and not forked & keep:
+                    sys.exit(0)  # the agent is gone and no rank it kept is left
                 continue
             fds: list[int] = []
             marker = ""
@@ -262,19 +270,32 @@ def serve(control: socket.socket, exits: int = -1) -> tuple[int, str, int]:
                 msg, fds, _, _ = socket.recv_fds(control, 4096, 1)
                 if not msg:
                     raise EOFError
-                marker = str(json.loads(msg)["fork"])
+                what = json.loads(msg)
+                marker = str(what.get("marker", what.get("fork", "")))
+                if "keep" in what:
+                    for fd in fds:
+                        os.close(fd)
+                    keep |= {int(pid) for pid in what["keep"]} & forked
+                    _tell(agent, exits, {"kept": len(keep), "marker": marker})
+                    continue
+                marker = str(what["fork"])
                 if len(fds) != 1:
                     raise ValueError(f"expected one file descriptor, got {len(fds)}")
                 pid = os.fork()
             except (EOFError, ConnectionError):
-                # The agent is done with us, or gone: its standbys' ends are closed too (they exit),
-                # the ranks run on for the next elasticd (ours is their death signal).
+                # The agent is done with us, or gone: its idle standbys' ends are closed too (they
+                # would exit), the ranks it kept run on for the next elasticd (ours is their death
+                # signal); the rest go now.
                 sel.unregister(control)
                 agent.clear()
-                if not _reap(agent, exits):
+                for pid in forked - keep:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)  # (not reaped yet: still ours)
+                _reap(agent, exits, forked)
+                if not forked & keep:
                     sys.exit(0)
                 continue
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 for fd in fds:
                     os.close(fd)
                 _tell(agent, exits, {"error": f"{type(e).__name__}: {e}", "marker": marker})
@@ -289,19 +310,23 @@ def serve(control: socket.socket, exits: int = -1) -> tuple[int, str, int]:
                     os.close(exits)
                 control.detach()  # (fd 0 is about to be the child's own socket)
                 return fds[0], marker, server
+            forked.add(pid)
             os.close(fds[0])
             _tell(agent, exits, {"forked": pid, "marker": marker})
 
 
-def _reap(agent: list[socket.socket], exits: int) -> bool:
-    """Reap every child that has ended and tell of each; whether any child is left."""
+def _reap(agent: list[socket.socket], exits: int, forked: set[int]) -> None:
+    """Reap every child that has ended, and tell of each it forked."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return False
+            return
         if pid == 0:
-            return True
+            return
+        if pid not in forked:
+            continue  # (a process the job's code started in the server)
+        forked.discard(pid)
         what = {"exit": pid, "code": os.waitstatus_to_exitcode(status)}
         if exits >= 0:
             with contextlib.suppress(OSError):  # (one write, appended whole)

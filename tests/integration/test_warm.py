@@ -577,15 +577,18 @@ async def main():
     gen = Generation(plan(1, 1), dump_spec(tmp, ""), "n0", tmp, lambda g, u: None)
     os.makedirs(gen.log_dir, exist_ok=True)
     pool = StandbyPool("j", "n0", "k", functools.partial(spawn_standby, gen.launch_env))
-    pool.fill(2)
-    while len(pool.ready()) < 2:
+    pool.fill(4)
+    while len(pool.ready()) < 4:
         await asyncio.sleep(0.05)
-    rank, idle = pool.take(1)[0], pool.ready()[0]
-    await rank.hand_over({}, [script, os.path.join(tmp, "go")], tmp, os.path.join(tmp, "rank.log"))
-    while not os.path.exists(os.path.join(tmp, "started")):
+    ranks = dict(zip("abc", pool.take(3)))
+    for name, (rank, code) in zip("abc", [(r, c) for r, c in zip(ranks.values(), (3, 5, 4))]):
+        await rank.hand_over({}, [script, os.path.join(tmp, "go-" + name), str(code)], tmp,
+                             os.path.join(tmp, f"rank-{name}.log"))
+    while not all(os.path.exists(os.path.join(tmp, "started-" + name)) for name in "abc"):
         await asyncio.sleep(0.05)
-    print(json.dumps(dict(server=pool.server.pid, rank=rank.pid, idle=idle.pid,
-                          exits=gen.launch_env.standby_exits(pool.server.marker))), flush=True)
+    await pool.server.keep([ranks["a"].pid, ranks["c"].pid])  # (b: a generation never recorded)
+    print(json.dumps(dict(server=pool.server.pid, idle=pool.ready()[0].pid, exits=gen.launch_env.standby_exits(
+        pool.server.marker), **{name: r.pid for name, r in ranks.items()})), flush=True)
     await asyncio.sleep(600)  # (SIGKILLed: elasticd crashing)
 
 asyncio.run(main())
@@ -593,23 +596,26 @@ asyncio.run(main())
 
 RANK = """
 import os, sys, time
-open(os.path.join(os.path.dirname(sys.argv[1]), "started"), "w").close()
-while not os.path.exists(sys.argv[1]):
+go, code = sys.argv[1], int(sys.argv[2])
+open(go.replace("go-", "started-"), "w").close()
+while not os.path.exists(go):
     time.sleep(0.05)
-sys.exit(3)
+sys.exit(code)
 """
 
 
 @pytest.mark.slow
-def test_a_fork_server_outlives_a_crashed_elasticd_while_a_rank_it_forked_runs(
+def test_a_fork_server_outlives_a_crashed_elasticd_while_a_rank_it_kept_runs(
         procs: Processes, tmp_path: os.PathLike[str]) -> None:
     """#45, warm generations outliving elasticd: an elasticd's side of a real fork server (its pool,
-    two standbys forked, one handed a script, as a warm launch does) SIGKILLed. Its idle standby
-    exits (its input ends), the server stays, the rank trains on; the next elasticd adopts the
-    rank (an Orphan: its end by pidfd, its code the server's record, the kernel's zombie status
-    gone by then); the rank's exit code 3 is what the adopter reads, and the server, its last
-    child gone, exits by itself. Without the change the rank dies with the server, and the server
-    with elasticd: the test fails."""
+    four standbys forked, three handed a script as a warm launch does, two of them named to keep:
+    their generation's record written) SIGKILLed. The rank not kept is killed at once (a generation
+    whose record was never written has no guard: it must not train on), the idle standby exits,
+    the server stays, the kept ranks train on. One ends (code 3) before the next elasticd adopts
+    it: adopted as ended, its code read from the server's record. The other is adopted alive (an
+    Orphan: its end by pidfd) and ends with code 4, which the adopter reads; the server, its last
+    kept child gone, exits by itself. Before the change the ranks died with the server, and the
+    server with elasticd: the test fails."""
     from mselastic.agent.standbys.forkserver import Orphan
 
     tmp = str(tmp_path)
@@ -617,23 +623,30 @@ def test_a_fork_server_outlives_a_crashed_elasticd_while_a_rank_it_forked_runs(
     with open(script, "w") as f:
         f.write(RANK)
     daemon = procs.start("agent-side", [sys.executable, "-c", LEFT_AGENT, tmp, script])
-    said = wait_for("the rank handed over", lambda: _last_json(procs, "agent-side"), 180, 0.2)
-    server, rank, idle = (psutil.Process(said[k]) for k in ("server", "rank", "idle"))
-    assert rank.ppid() == server.pid and idle.ppid() == server.pid
+    said = wait_for("the ranks handed over and kept", lambda: _last_json(procs, "agent-side"), 180, 0.2)
+    server, idle, a, b, c = (psutil.Process(said[k]) for k in ("server", "idle", "a", "b", "c"))
+    assert all(p.ppid() == server.pid for p in (idle, a, b, c))
     os.kill(daemon.pid, signal.SIGKILL)
     daemon.wait(10)
-    wait_for("the idle standby gone (its input ended)", lambda: not _running(idle), 10)
-    holds_for("the server and the rank running without elasticd", lambda: _running(server) and _running(rank), 1.0)
+    wait_for("the idle standby and the rank not kept gone", lambda: not _running(idle) and not _running(b), 10)
+    holds_for("the server and the kept ranks running without elasticd",
+              lambda: _running(server) and _running(a) and _running(c), 1.0)
+    open(os.path.join(tmp, "go-a"), "w").close()
+    wait_for("rank a ended and reaped by its server", lambda: not psutil.pid_exists(a.pid), 10)
 
-    async def adopt() -> int:
-        orphan = Orphan(rank.pid, rank.create_time(), said["exits"], (server.pid, server.create_time()))
-        open(os.path.join(tmp, "go"), "w").close()
-        return await asyncio.wait_for(orphan.wait(), 20)
+    async def adopt() -> tuple[int, int]:
+        ended = Orphan(a.pid, a.create_time(), said["exits"], (server.pid, server.create_time()))
+        alive = Orphan(c.pid, c.create_time(), said["exits"], (server.pid, server.create_time()))
+        assert alive.returncode is None
+        open(os.path.join(tmp, "go-c"), "w").close()
+        return await asyncio.wait_for(ended.wait(), 20), await asyncio.wait_for(alive.wait(), 20)
 
-    assert asyncio.run(adopt()) == 3
-    wait_for("the server gone, its last child ended", lambda: not _running(server), 10)
+    assert asyncio.run(adopt()) == (3, 4)
+    wait_for("the server gone, its last kept child ended", lambda: not _running(server), 10)
     with open(said["exits"]) as f:
-        assert {"exit": rank.pid, "code": 3} in [json.loads(line) for line in f]
+        ends = [json.loads(line) for line in f]
+    assert {"exit": a.pid, "code": 3} in ends and {"exit": c.pid, "code": 4} in ends, ends
+    assert {"exit": b.pid, "code": -signal.SIGKILL} in ends, ends
 
 
 def _running(p: psutil.Process) -> bool:

@@ -118,6 +118,8 @@ def discard(found: Found) -> list[int]:
         shim.signal_pinned(child.shim, child.shim_start, signal.SIGKILL)
     if isinstance(child, shim.WarmRecord):
         shim.signal_pinned(child.server, child.server_start, signal.SIGKILL)
+    elif child is None and (guard := shim.guard_of(found.paths)) is not None:  # (its elasticd ended before .warm)
+        shim.signal_pinned(*guard, signal.SIGKILL)
     left = shim.kill(found.record)
     for path in found.paths.all():
         with contextlib.suppress(FileNotFoundError):

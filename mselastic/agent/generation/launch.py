@@ -24,6 +24,7 @@ import tenacity
 from mselastic.agent.containment import procs
 from mselastic.agent.generation import observe
 from mselastic.agent.containment.cgroups import CgroupError, Group, join_prefix
+from mselastic.agent.containment.jobfiles import bounded
 from mselastic.agent.generation.launch_env import LaunchEnv
 from mselastic.agent.generation.preflight import LaunchError
 from mselastic.agent.generation.ranks import RankState
@@ -144,6 +145,14 @@ async def release_standby_group(env: LaunchEnv, marker: str) -> None:
         left = await group.stop()
         if left:
             log.warning("standby cgroup %s: pids %s still there after SIGKILL", group.rel, left)
+    await remove_exits(env.standby_exits(marker))
+
+
+async def remove_exits(path: str) -> None:
+    """Remove a fork server's record of its children's ends once it has ended (a file of the job's
+    folder: off the event loop, bounded; not there, or storage not answering: left)."""
+    with contextlib.suppress(OSError):
+        await bounded(os.unlink, path)
 
 
 def scheduler_host(addr: str) -> str:
@@ -461,8 +470,10 @@ class Launch:
         return {self.run_id} | {sb.marker for sb in self.standbys} | self.adopted_markers
 
     def server(self) -> ForkServer | None:
-        """The fork server whose children the warm ranks are (None: cold, or adopted)."""
-        return next((p.server for p in self.launched() if isinstance(p, Forked) and p.server is not None), None)
+        """The fork server whose children the warm ranks and scheduler are (None: cold, adopted, or
+        forked by two servers: the pool's replaced between two standbys)."""
+        servers = {p.server if isinstance(p, Forked) else None for p in self.launched()}
+        return servers.pop() if len(servers) == 1 else None
 
     def adopt_warm(self, warm: WarmRecord, markers: Iterable[str]) -> None:
         """Take over the warm ranks (and scheduler) an earlier elasticd handed this generation to,

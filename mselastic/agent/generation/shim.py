@@ -137,8 +137,12 @@ class Paths:
     def warm(self) -> str:
         return self.base + ".warm"
 
+    @property
+    def guard(self) -> str:
+        return self.base + ".guard"
+
     def all(self) -> list[str]:
-        return [self.record, self.deadline, self.fenced, self.exit, self.child, self.warm]
+        return [self.record, self.deadline, self.fenced, self.exit, self.child, self.warm, self.guard]
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -230,6 +234,15 @@ class WarmRecord:
         """Its shim still runs (the same process); the ranks may have ended meanwhile (a failure
         the successor sees at once)."""
         return same(self.shim, self.shim_start)
+
+
+def guard_of(paths: Paths) -> tuple[int, float] | None:
+    """The guard shim of a warm generation, as it wrote itself (``.guard``): pid and start time."""
+    try:
+        raw = json.loads(open(paths.guard).read())
+        return (int(raw["shim"]), float(raw["shim_start"])) if raw.get("version") == RECORD_VERSION else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def exited(pidfd: int) -> bool:
@@ -561,6 +574,11 @@ def main(argv: list[str]) -> int:
             return 127
     else:  # (SIGTERM ends a shim that guards alone)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:  # (who it is, for a successor that finds no .warm record: it kills the guard too)
+            write_atomically(Paths(args.record.removesuffix(".shim.json")).guard, json.dumps(
+                {"version": RECORD_VERSION, "shim": os.getpid(), "shim_start": psutil.Process().create_time()}))
+        except (OSError, psutil.Error) as e:
+            log.error("the guard's record not written (%s)", e, extra=ctx)
     return watch(record, Paths(args.record.removesuffix(".shim.json")), ctx, child)
 
 

@@ -175,6 +175,10 @@ class Generation:
         #: Warm: the cgroup (relative) of the fork server whose children the ranks are, once the
         #: generation can be left to its shim ("": none): kept while the generation is.
         self.server_group = ""
+        #: Warm: its record written and its ranks kept by their fork server (or adopted so).
+        self._recorded = False
+        #: Adopted warm: the record of ends of the earlier elasticd's fork server ("": none).
+        self.server_exits = ""
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -330,7 +334,7 @@ class Generation:
             self.launch.adopt_warm(child, record.markers)
             for rank, (pid, start) in child.ranks.items():
                 self.ranks[rank].pid, self.ranks[rank].create_time = pid, start
-            self.server_group = child.server_group
+            self.server_group, self._recorded, self.server_exits = child.server_group, True, child.exits
             what = (f"warm ranks {sorted(p for p, _ in child.ranks.values())} (fork server pid {child.server}) "
                     f"under its shim (pid {child.shim})")
         else:
@@ -368,15 +372,16 @@ class Generation:
             except (OSError, RuntimeError) as e:
                 await self._fail(-1, f"the generation's shim could not be started: {e}", FailureCause.LAUNCH_NODE)
                 return
-            self._record_warm()
+            await self._record_warm()
         if not self.stopping:
             self.phase = Phase.WATCHING
             await self.watch()
 
-    def _record_warm(self) -> None:
+    async def _record_warm(self) -> None:
         """Warm, once handed over and guarded: write what a successor of elasticd adopts the
-        generation by (:class:`shim.WarmRecord`). Without it the generation cannot be left: a
-        restart of elasticd stops it, as before."""
+        generation by (:class:`shim.WarmRecord`), then tell the fork server to keep the ranks when
+        elasticd is gone (until then it kills them as elasticd's end closes: unguarded, they must not
+        train on). Without both the generation cannot be left: a restart of elasticd stops it."""
         server, sched = self.launch.server(), self.launch.scheduler
         if server is None or self.shim.proc is None or self.shim.proc.returncode is not None:
             return
@@ -388,11 +393,14 @@ class Generation:
                 (sched.pid, psutil.Process(sched.pid).create_time()) if sched is not None else None,
                 g.rel if (g := pool_group(self.launch_env, server.marker)) is not None else "")
             record.write(self.shim.paths)
-        except (OSError, psutil.Error) as e:
+            await server.keep([p.pid for p in self.launch.launched()])
+        except (OSError, RuntimeError, psutil.Error) as e:
             log.warning("the warm generation's record not written (%s): a restart of elasticd will stop it", e,
                         extra=self._ctx)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shim.paths.warm)
             return
-        self.server_group = record.server_group
+        self.server_group, self._recorded = record.server_group, True
 
     async def _warm_launch(self) -> bool:
         """Hand the generation to its standbys (see :meth:`Launch.warm`: it may go cold instead).
@@ -554,10 +562,11 @@ class Generation:
             return (isinstance(self.launch.msrun, UnderShim) and self.launch.msrun.returncode is None
                     and not os.path.exists(self.shim.paths.exit))  # (msrun's end, not yet seen by asyncio)
         handles = self.launch.handles()
-        return (self.warm and bool(self.launch.warm_ranks) and all(p.returncode is None for p in handles)
+        return (self.warm and self._recorded and bool(self.launch.warm_ranks)
+                and all(p.returncode is None for p in handles)
                 and all(procs.alive(rs.pid, rs.create_time) for rs in self.ranks.values())
                 and self.shim.proc is not None and self.shim.proc.returncode is None
-                and os.path.exists(self.shim.paths.warm))
+                and (self.adopted or self.launch.server() is not None))
 
     def groups_kept(self) -> set[str]:
         """The cgroups (relative) a restart of elasticd keeps for this generation: its own and,

@@ -34,6 +34,7 @@ import signal
 import socket
 import stat
 import time
+import uuid
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import psutil
@@ -280,8 +281,9 @@ class Forked:
             self._loop.remove_reader(self._pidfd)
             self._ended = True
             os.close(self._pidfd)
-            self.returncode = -1  # (never reported: its generation is no longer this elasticd's)
-            self._exited.set()
+            # (Never reported, nor its wait woken: its generation is no longer this elasticd's, and a
+            # wait that woke would stop its server: close_after.)
+            self.returncode = -1
 
     def discard(self) -> None:
         """Forget it without waiting for its end (its server is being stopped, and it with it)."""
@@ -397,6 +399,7 @@ class ForkServer:
         if waiting is None or waiting.done():
             raise ValueError("an answer to no request of ours")
         waiting.set_result(self._adopt(int(what["forked"])) if "forked" in what else str(what.get("error", what)))
+        # ({"kept": n} answers a keep: any answer will do)
 
     def _adopt(self, pid: int) -> Forked | str:
         """The child it says it forked, once the kernel agrees: alive, its child, its user."""
@@ -467,6 +470,25 @@ class ForkServer:
             procs.disown(self.proc)
         for child in self.children.values():
             child.release()
+
+    async def keep(self, pids: list[int]) -> None:
+        """Tell it that ``pids`` (its children, ranks of a generation whose record a successor of
+        elasticd adopts it by is written) run on once elasticd's end of its socket closes; it kills
+        the others it forked then (see ``mselastic.trainer.standby.serve``). Raises RuntimeError when
+        it does not answer."""
+        marker = f"keep-{uuid.uuid4().hex[:8]}"
+        async with self._lock:
+            if not self.alive:
+                raise RuntimeError(f"fork server pid {self.pid} exited")
+            waiting = self._asked[marker] = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.get_running_loop().sock_sendall(self._sock, json.dumps({"keep": pids,
+                                                                                      "marker": marker}).encode())
+                await asyncio.wait_for(asyncio.shield(waiting), FORK_ANSWER_S)
+            except (OSError, asyncio.TimeoutError) as e:
+                raise RuntimeError(f"fork server pid {self.pid} did not take the ranks to keep: {e!r}") from None
+            finally:
+                del self._asked[marker]
 
     async def close(self) -> None:
         """End it (its standbys with it: their death signal) and reap it; not one left (:meth:`leave`)."""
@@ -549,23 +571,38 @@ class Orphan:
 
     def __init__(self, pid: int, start: float, exits: str, server: tuple[int, float]) -> None:
         self.pid, self.start, self._exits, self._server = pid, start, exits, server
-        self._pidfd = os.pidfd_open(pid)  # (raises when it is gone)
-        if not procs.alive(pid, start):
-            os.close(self._pidfd)
-            raise ProcessLookupError(f"pid {pid} is not the process adopted (it ended, or the pid is another's)")
         self.returncode: int | None = None
-        self._offset = record_size(exits)
         self._exited = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._pidfd, self._on_end)
         self._settling: asyncio.Task[None] | None = None
+        self._offset = record_size(exits)  # (first: an end recorded from here on is this process's)
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd = -1
+        if self._pidfd >= 0 and procs.alive(pid, start):
+            self._loop.add_reader(self._pidfd, self._on_end)
+            return
+        # It ended while no elasticd ran (a failure like any other, seen at the first look; or it
+        # finished): its code is the kernel's while it is a zombie, else the server's record, read
+        # whole (its line is the last for that pid: the server forks no more once elasticd is gone).
+        code = procs.exit_status(pid, start)
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if code is not None:
+            self.returncode = code
+            self._exited.set()
+        else:
+            self._offset = 0
+            self._settling = asyncio.create_task(self._settle(), name=f"orphan-exit-{pid}")
 
     @property
     def pidfd(self) -> int:
         return self._pidfd
 
     def ended_now(self) -> bool:
-        return self.returncode is not None or exited(self._pidfd)
+        return self.returncode is not None or self._pidfd < 0 or exited(self._pidfd)
 
     def _on_end(self) -> None:
         self._loop.remove_reader(self._pidfd)
@@ -593,7 +630,12 @@ class Orphan:
         if self.returncode is None:
             self.returncode = code
             self._exited.set()
+            self._close()
+
+    def _close(self) -> None:
+        if self._pidfd >= 0:
             os.close(self._pidfd)
+            self._pidfd = -1
 
     async def wait(self) -> int:
         await self._exited.wait()
@@ -601,17 +643,16 @@ class Orphan:
         return self.returncode
 
     def kill(self) -> None:
-        if self.returncode is None:
+        if self.returncode is None and self._pidfd >= 0:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def release(self) -> None:
         """Stop watching it, leaving it running (elasticd restarts again)."""
         if self.returncode is None:
-            if self._settling is None:
-                self._loop.remove_reader(self._pidfd)
-            else:
+            if self._settling is not None:
                 self._settling.cancel()
+            elif self._pidfd >= 0:
+                self._loop.remove_reader(self._pidfd)
             self.returncode = -1
-            self._exited.set()
-            os.close(self._pidfd)
+            self._close()
