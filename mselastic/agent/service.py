@@ -10,10 +10,10 @@ import stat
 from typing import AsyncIterator
 
 import grpc
-import tenacity
 
 from mselastic.agent.node import LaunchRefused, LaunchUnfit, NodeAgent, Restarting
 from mselastic.wire import abort, generation_state_to_pb, plan_from_pb
+from mselastic.core import retries
 from mselastic.core.model import MalformedRecord
 from mselastic.core.spec import MAX_SECONDS, SpecError, is_job_name
 from mselastic.store.etcd import TemporaryError
@@ -148,8 +148,7 @@ class AgentService(pb_grpc.AgentServicer):
             gen = self.agent.generations.get(job)
             coming = gen is None or gen.plan.generation < generation or self._running(job, generation)
             return coming and not os.path.exists(path)
-        await tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(LOG_WAIT_S), wait=tenacity.wait_fixed(0.2),
-                                     retry=tenacity.retry_if_result(bool), retry_error_callback=lambda _: True)(waiting)
+        await retries.polling(LOG_WAIT_S, every_s=0.2, quietly=True)(waiting)
 
     def _running(self, job: str, generation: int) -> bool:
         gen = self.agent.generations.get(job)

@@ -341,6 +341,9 @@ class JobStatus:
     resumed_through: int = 0
     #: ``elasticctl restart`` asked for a planned relaunch of this generation.
     restart_requested: int = 0
+    #: STOPPED by an operator: the grace period the stop asked for (0: the spec's); the leader's
+    #: reconcile pass stops the members with it.
+    stop_grace_s: float = 0.0
 
     @staticmethod
     def _convert(d: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,7 @@ import grpc
 import tenacity
 
 from mselastic.wire import plan_from_pb
+from mselastic.core import retries
 from mselastic.core.contract import default_sockets
 from mselastic.core.kinds import EventKind
 from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, load_toml
@@ -106,8 +107,7 @@ class Client:
         """``method(stub)`` returns the bound RPC; while no leader is elected yet, retry."""
         timeout = timeout_s or self.timeout_s
         try:
-            return tenacity.Retrying(stop=tenacity.stop_after_delay(self.timeout_s), wait=tenacity.wait_fixed(0.5),
-                                     retry=tenacity.retry_if_exception_type(_NoLeaderYet), reraise=True)(
+            return retries.until_no_error(_NoLeaderYet, self.timeout_s, every_s=0.5, sync=True)(
                 self._call_any, method, timeout)
         except _NoLeaderYet:
             raise CtlError(f"no leader elected after {self.timeout_s:.0f}s; is etcd reachable from the daemons?",
@@ -567,8 +567,7 @@ def _wait_drained(c: Client, a: argparse.Namespace) -> None:
         return left
 
     try:
-        tenacity.Retrying(stop=tenacity.stop_after_delay(a.wait_s), wait=tenacity.wait_fixed(1.0),
-                          retry=tenacity.retry_if_result(bool))(jobs_on_node)
+        retries.polling(a.wait_s, every_s=1.0, sync=True)(jobs_on_node)
     except tenacity.RetryError as e:
         left = e.last_attempt.result()
         why = "; ".join(f"{j.job}: {j.note or j.message}" for j in left)

@@ -27,6 +27,10 @@ from mselastic.store.views import JobView
 
 log = logging.getLogger(__name__)
 
+#: How long after a job ended the members of its current plan that have not reported on it are
+#: stopped too (their Launch may be on the wire); later, only what the reports say still runs.
+FRESH_END_S = 60.0
+
 
 class Limits(Protocol):
     """What the applier needs of the leader's settings (``CoordinatorConfig`` has them: see there)."""
@@ -73,7 +77,7 @@ class Applier:
         if view.status.state.terminal:
             await self.history.note_recovery(term, view)  # a job may end before its recovery was recorded
             await self.history.note_stopped_at(term, view)
-            await self._restop(view, view.spec.stop_grace_period_s)
+            await self._restop(view, view.status.stop_grace_s or view.spec.stop_grace_period_s)
             return
         if d.action is Action.LAUNCH:
             assert d.plan is not None
@@ -219,22 +223,38 @@ class Applier:
                 memo.denied[key] = (now, why)
 
     async def _restop(self, view: JobView, grace_s: float) -> None:
-        """A job that is over but whose generation still starts, runs or stops somewhere (by the
-        reports): its Stop was lost (an agent was unreachable for a moment). Send it again, to those
-        nodes only, at most every ``repush_after_s``."""
+        """A job that is over (an operator's stop records only that: Control.StopJob) but whose
+        generation still starts, runs or stops somewhere (by the reports), or whose current plan's
+        member has not reported yet (its Launch may be on the wire) just after it ended: stop it
+        there, and again at most every ``repush_after_s`` while its report says it is not over (the
+        Stop was lost: an agent unreachable for a moment)."""
         now, restopped = time.monotonic(), self._memo(view.name).restopped
-        for generation, reps in view.reports.items():
-            nodes = {}
-            for node_id, rep in reps.items():
+        reports = dict(view.reports)
+        if view.plan is not None and time.time() - view.status.updated_at < FRESH_END_S:
+            reports.setdefault(view.plan.generation, {})
+        for generation, reps in sorted(reports.items()):
+            nodes, again = {}, []
+            members = view.plan.members if view.plan is not None and generation == view.plan.generation else ()
+            unreported = [m.node_id for m in members if m.node_id not in reps]
+            for node_id in [*reps, *unreported]:
+                rep = reps.get(node_id)
                 member = view.plan.member(node_id) if view.plan else None
                 key = (generation, node_id)
-                if rep.state.terminal or member is None or now - restopped.get(key, 0.0) < self.cfg.repush_after_s:
+                if (rep is not None and rep.state.terminal) or member is None or (rep is None and key in restopped) \
+                        or now - restopped.get(key, -self.cfg.repush_after_s) < self.cfg.repush_after_s:
                     continue
+                if key in restopped:
+                    again.append(node_id)
                 restopped[key] = now
                 nodes[node_id] = member.agent_address
             if nodes:
-                log.warning("stopping generation %d again on %s: the job is %s", generation, ", ".join(sorted(nodes)),
-                            view.status.state.value, extra=dict(job=view.name, generation=generation))
+                ctx = dict(job=view.name, generation=generation)
+                if again:
+                    log.warning("stopping generation %d again on %s: the job is %s", generation,
+                                ", ".join(sorted(again)), view.status.state.value, extra=ctx)
+                if set(nodes) - set(again):
+                    log.info("stopping generation %d on %s: the job is %s", generation,
+                             ", ".join(sorted(set(nodes) - set(again))), view.status.state.value, extra=ctx)
                 await self.agents.stop(view.name, generation, grace_s, nodes, final=True)
 
     def _mark_pushed(self, plan: Plan, only: set[str] | None = None) -> None:

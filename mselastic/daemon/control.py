@@ -11,18 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
 import tenacity
 
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
 from mselastic.agent.containment.jobfiles import READ_S, Unreadable, bounded, read_small
+from mselastic.core import retries
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.devices import format_ids
 from mselastic.core.kinds import EventKind
@@ -208,6 +210,33 @@ class _UidTaken(Exception):
     """The uid a submit chose was taken by another submit meanwhile."""
 
 
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def _store_errors_mapped(handler: Handler) -> Handler:
+    """``handler`` (an RPC of the Control service) with the store's errors answered as gRPC codes:
+    etcd not answering (TemporaryError) UNAVAILABLE, a write refused as this leader is deposed
+    (Fenced) FAILED_PRECONDITION; each says to retry, and nothing was written."""
+    @functools.wraps(handler)
+    async def mapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except TemporaryError as e:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        except Fenced:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
+    return mapped  # type: ignore[return-value]
+
+
+def store_errors_mapped(cls: type) -> type:
+    """Every RPC of ``cls`` (the generated servicer's methods it defines) through :func:`_store_errors_mapped`."""
+    rpcs = {name for name in vars(pb_grpc.ControlServicer) if not name.startswith("_")}
+    for name in rpcs & set(vars(cls)):
+        setattr(cls, name, _store_errors_mapped(getattr(cls, name)))
+    return cls
+
+
+@store_errors_mapped
 class ControlService(pb_grpc.ControlServicer):
     def __init__(self, store: Store, coordinator: Coordinator, allow_env: frozenset[str] = frozenset(),
                  etcd_members: Callable[[], list[tuple[str, str, str]]] = list, job_uids: range | None = None) -> None:
@@ -219,7 +248,6 @@ class ControlService(pb_grpc.ControlServicer):
         self.etcd_members = etcd_members
         #: Loader and interpreter variables a job's env may set anyway (elasticd's allow_env).
         self.allow_env = allow_env
-        self._telling: set[asyncio.Task[Any]] = set()  # nodes being told a deleted job is gone
         #: The jobs' checkpointed steps, as the jobs table shows them while a generation starts.
         self.steps = CheckpointSteps()
 
@@ -228,8 +256,6 @@ class ControlService(pb_grpc.ControlServicer):
             cluster = await read_cluster(self.store, request.job)
         except BadName as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         if request.job and request.job not in cluster.jobs:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
         leader = cluster.leader.node_id if cluster.leader else ""
@@ -266,10 +292,7 @@ class ControlService(pb_grpc.ControlServicer):
 
     async def _require_leader(self, context: grpc.aio.ServicerContext) -> None:
         if self.coordinator.term is None:
-            try:
-                kv = await self.store.get(self.store.keys.leader)
-            except TemporaryError as e:
-                await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+            kv = await self.store.get(self.store.keys.leader)
             where = LeaderRecord.from_json(kv.value).control_address if kv else "(none elected yet)"
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, NOT_LEADER_PREFIX + where)
 
@@ -291,8 +314,6 @@ class ControlService(pb_grpc.ControlServicer):
             # A job deleted under this name: continue after its last generation (agents refuse older ones).
             deleted = await self.store.get(k.deleted(spec.name))
             floor = DeletedJob.from_json(deleted.value).generation if deleted else 0
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         except MalformedRecord as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"bad record at {k.deleted(spec.name)}: {e}")
         status = JobStatus(JobState.PENDING, generation=floor, message="submitted", updated_at=time.time())
@@ -304,8 +325,7 @@ class ControlService(pb_grpc.ControlServicer):
         claim = k.checkpoint_dir(spec.checkpoint_dir)
         try:
             unchanged = tx.mod(k.deleted(spec.name).encode()) == (deleted.mod_revision if deleted else 0)
-            async for attempt in tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(5), reraise=True,
-                                                        retry=tenacity.retry_if_exception_type(_UidTaken)):
+            async for attempt in retries.on_conflict(_UidTaken, attempts=5):
                 with attempt:
                     uid_compare, uid_puts = await self._uid_for(spec.name, context)
                     ok = await self.store.txn([tx.create(k.spec(spec.name).encode()) == 0, unchanged,
@@ -321,8 +341,6 @@ class ControlService(pb_grpc.ControlServicer):
             holder = None if ok else await self.store.get(claim)
         except _UidTaken:
             await abort(context, grpc.StatusCode.ABORTED, "other jobs were submitted meanwhile; submit again")
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         if not ok and holder is not None and holder.value.decode(errors="replace") != spec.name:
             other = holder.value.decode(errors="replace")
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -362,10 +380,7 @@ class ControlService(pb_grpc.ControlServicer):
         """Refuse a job no registered node is large enough for, a checkpoint_dir another job uses,
         one already past total_steps (unless ``force``), and, when this node is the only one, a
         script or checkpoint_dir it cannot see. Returns what to warn about."""
-        try:
-            others = await read_cluster(self.store)
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        others = await read_cluster(self.store)
         workers = [n for n in others.nodes if n.slots > 0]  # (a node of 0 slots only coordinates)
         if workers and all(n.slots < spec.workers_per_node for n in workers):
             sizes = ", ".join(f"{n.node_id}: {n.slots}" for n in workers[:8])
@@ -411,11 +426,8 @@ class ControlService(pb_grpc.ControlServicer):
         coordinator wrote meanwhile, read again and retry (a stop or restart is never lost, nor
         undone by a pass that decided on the older status). Returns the job as written."""
         term = await self._term(context)
-        retrying = tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(20), reraise=True,
-                                          wait=tenacity.wait_random(0.01, 0.1),
-                                          retry=tenacity.retry_if_exception_type(Conflict))
         try:
-            async for attempt in retrying:
+            async for attempt in retries.on_conflict(Conflict, attempts=20, jitter_s=(0.01, 0.1)):
                 with attempt:
                     view = await self._job(job, context)
                     changed = change(view)
@@ -428,8 +440,6 @@ class ControlService(pb_grpc.ControlServicer):
             await abort(context, grpc.StatusCode.ABORTED, f"job {job} kept changing under this request; retry")
         except Fenced:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         raise AssertionError("unreachable")
 
     async def StopJob(self, request: pb.StopJobRequest, context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
@@ -443,27 +453,29 @@ class ControlService(pb_grpc.ControlServicer):
                 return None
             status = next_status(view.status, JobState.STOPPED, "stopped by operator", time.time(), plan=view.plan,
                                  failure=view.status.last_failure)
-            return status, Event(at=time.time(), kind=EventKind.STOPPED, generation=view.status.generation,
-                                 message="stopped by operator")
+            return dataclasses.replace(status, stop_grace_s=request.grace_period_s), Event(
+                at=time.time(), kind=EventKind.STOPPED, generation=view.status.generation, message="stopped by operator")
         before = await self._job(request.job, context)
         if before.status.state.terminal:
             return pb.StopJobResponse(state=job_state_to_pb(before.status.state))
-        view = await self._change_status(request.job, context, stopped)
-        # The plan as of the status written: a relaunch committed before the stop is stopped too, and
+        # The intent is recorded (STOPPED, with the grace asked for); the reconcile pass it wakes
+        # stops the members (Applier._restop), and sends the Stop again where it was lost. The
+        # plan as of the status written: a relaunch committed before the stop is stopped too, and
         # one the coordinator decided before it can no longer commit (its status compare fails).
+        view = await self._change_status(request.job, context, stopped)
         if view.plan is not None and view.status.state is JobState.STOPPED:
             grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
-            await self.coordinator.agents.stop(view.name, view.plan.generation, grace,
-                                               {m.node_id: m.agent_address for m in view.plan.members}, final=True)
-            await self._stop_noted(request.job, [m.node_id for m in view.plan.members])
+            await self._stop_noted(request.job, [m.node_id for m in view.plan.members], grace)
         return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
 
-    async def _stop_noted(self, job: str, nodes: list[str]) -> None:
-        """The agents of ``nodes`` have stopped the ranks; their reports reach etcd and the leader
-        notes the step they checkpointed at (the step a resubmission resumes from) a moment later.
-        Wait for that note, ``STOP_NOTE_WAIT_S`` at most, so that what the stop's caller reads next
-        (events, status) says it; not at all when a member's node is not registered (it never
-        reports) or etcd does not answer (the stop is done: only the note is late)."""
+    async def _stop_noted(self, job: str, nodes: list[str], grace_s: float) -> None:
+        """The leader's pass stops the ranks on ``nodes`` (they checkpoint within ``grace_s``); their
+        reports reach etcd and the leader notes the step they checkpointed at (the step a
+        resubmission resumes from) a moment later. Wait for that note, the grace and
+        ``STOP_NOTE_WAIT_S`` at most, so that what the stop's caller reads next (events, status)
+        says it; not at all when a member's node is not registered (it never reports) or etcd does
+        not answer (the stop is recorded: only the note is late)."""
+        within_s = grace_s + STOP_NOTE_WAIT_S
         async def unnoted() -> bool:
             kv = await self.store.get(self.store.keys.status(job))
             if kv is None:
@@ -474,13 +486,12 @@ class ControlService(pb_grpc.ControlServicer):
         async def noted() -> None:
             registered = await asyncio.gather(*(self.store.get(self.store.keys.node(n)) for n in nodes))
             if all(registered):
-                await tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(STOP_NOTE_WAIT_S),
-                                             wait=tenacity.wait_fixed(0.1), retry=tenacity.retry_if_result(bool))(unnoted)
+                await retries.polling(within_s, every_s=0.1)(unnoted)
 
         self.coordinator.wake()
         with contextlib.suppress(tenacity.RetryError, asyncio.TimeoutError, TemporaryError, PermanentError,
                                  MalformedRecord):
-            await asyncio.wait_for(noted(), STOP_NOTE_WAIT_S + 1)
+            await asyncio.wait_for(noted(), within_s + 1)
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.
@@ -498,15 +509,16 @@ class ControlService(pb_grpc.ControlServicer):
                             f"no node named {request.node_id!r} is registered (see elasticctl status)")
             if request.HasField("device"):
                 return await self._cordon_device(request, cluster, context)
+            term = await self._term(context)
             if request.cordon:
                 rec = CordonRecord(request.node_id, request.drain, time.time(), request.reason)
-                await self.store.put(key, rec.to_json())
+                written = await term.put(self.store, key, rec.to_json())
             else:
-                await self.store.delete(key)
+                written = await term.delete(self.store, key)
+            if not written:
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
         except BadName as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         log.info("node %s %s", request.node_id,
                  "draining" if request.drain else "cordoned" if request.cordon else "uncordoned",
                  extra=dict(node=request.node_id))
@@ -526,12 +538,15 @@ class ControlService(pb_grpc.ControlServicer):
         if request.drain:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a device is cordoned or uncordoned, not drained")
         key = self.store.keys.device_cordon(request.node_id, request.device)
+        term = await self._term(context)
         if request.cordon:
             rec = DeviceCordon(request.node_id, request.device, request.reason or "cordoned by an operator",
                                time.time())
-            await self.store.put(key, rec.to_json())
+            written = await term.put(self.store, key, rec.to_json())
         else:
-            await self.store.delete(key)
+            written = await term.delete(self.store, key)
+        if not written:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "leadership lost; retry")
         log.info("node %s device %d %s", request.node_id, request.device,
                  "cordoned" if request.cordon else "uncordoned", extra=dict(node=request.node_id))
         self.coordinator.wake()
@@ -546,8 +561,6 @@ class ControlService(pb_grpc.ControlServicer):
             cluster = await read_cluster(self.store, job)
         except BadName as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
         view = cluster.jobs.get(job)
         if view is None:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no job named {job!r} (see elasticctl jobs)")
@@ -556,10 +569,7 @@ class ControlService(pb_grpc.ControlServicer):
 
     async def Events(self, request: pb.EventsRequest, context: grpc.aio.ServicerContext) -> pb.EventsResponse:
         await self._job(request.job, context)
-        try:
-            _, kvs = await self.store.get_prefix(self.store.keys.events(request.job))
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        _, kvs = await self.store.get_prefix(self.store.keys.events(request.job))
         events: list[pb.Event] = []
         for kv in kvs:
             try:
@@ -575,10 +585,7 @@ class ControlService(pb_grpc.ControlServicer):
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
         view = await self._job(request.job, context)
-        try:
-            _, kvs = await self.store.get_prefix(self.store.keys.plans(request.job))
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        _, kvs = await self.store.get_prefix(self.store.keys.plans(request.job))
         plans = []
         for kv in kvs:
             try:
@@ -611,20 +618,17 @@ class ControlService(pb_grpc.ControlServicer):
         k, tx = self.store.keys, self.store.tx
         last = max(view.status.generation, view.plan.generation if view.plan else 0)
         prefixes = [k.job(view.name), k.job_reports(view.name), k.plans(view.name), k.events(view.name)]
-        try:
-            spec_kv = await self.store.get(k.spec(view.name))
-            uid_kv = await self.store.get(k.job_uid(view.name))
-            # Its uid released in the same transaction, remembered for the name (see _uid_for).
-            release = [tx.put(k.uid_claim(int(uid_kv.value)).encode(), f"-{view.name}".encode())] \
-                if uid_kv is not None and uid_kv.value.isdigit() else []
-            ok = await self.store.txn(
-                [(await self._term(context)).guard(self.store),
-                 tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0),
-                 *([tx.mod(k.job_uid(view.name).encode()) == uid_kv.mod_revision] if uid_kv and release else [])],
-                [*(tx.delete(p.encode(), k.range_end(p).encode()) for p in prefixes), *release,
-                 tx.put(k.deleted(view.name).encode(), DeletedJob(last, time.time()).to_json().encode())])
-        except TemporaryError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {e}")
+        spec_kv = await self.store.get(k.spec(view.name))
+        uid_kv = await self.store.get(k.job_uid(view.name))
+        # Its uid released in the same transaction, remembered for the name (see _uid_for).
+        release = [tx.put(k.uid_claim(int(uid_kv.value)).encode(), f"-{view.name}".encode())] \
+            if uid_kv is not None and uid_kv.value.isdigit() else []
+        ok = await self.store.txn(
+            [(await self._term(context)).guard(self.store),
+             tx.mod(k.spec(view.name).encode()) == (spec_kv.mod_revision if spec_kv else 0),
+             *([tx.mod(k.job_uid(view.name).encode()) == uid_kv.mod_revision] if uid_kv and release else [])],
+            [*(tx.delete(p.encode(), k.range_end(p).encode()) for p in prefixes), *release,
+             tx.put(k.deleted(view.name).encode(), DeletedJob(last, time.time()).to_json().encode())])
         if not ok:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"job {view.name} changed meanwhile; retry")
         if view.spec is not None:  # the directory is free for another job now (its files stay)
@@ -632,12 +636,7 @@ class ControlService(pb_grpc.ControlServicer):
             with contextlib.suppress(TemporaryError):
                 await self.store.txn([tx.value(claim) == view.name.encode()], [tx.delete(claim)])
         self.coordinator.forget(view.name)
-        # Every node lets the job's standbys and snapshot folder go (a node that misses this sweeps
-        # the folder after SNAPSHOT_KEEP_S; its standbys went when the generation ended).
-        task = asyncio.create_task(self.coordinator.agents.stop(  # (up to its last generation: not a new job's)
-            view.name, last, 0.0, {n.node_id: n.agent_address for n in cluster.nodes}, final=True))
-        self._telling.add(task)  # (in the background: an unreachable node does not hold the answer)
-        task.add_done_callback(self._telling.discard)
+        self.coordinator.wake()  # (its pass tells every node the job is gone: Coordinator._gone)
         log.info("job %s deleted after generation %d", view.name, last, extra=dict(job=view.name, generation=last))
         return pb.DeleteJobResponse(generation=last)
 

@@ -36,7 +36,8 @@ from mselastic import metrics
 from mselastic.core import devices, fencing
 from mselastic.core.waits import first
 from mselastic.core.kinds import EventKind
-from mselastic.core.model import CordonRecord, Event, JobStatus, LeaderRecord, MalformedRecord, NodeRecord, Plan
+from mselastic.core.model import (CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord,
+                                  NodeRecord, Plan)
 from mselastic.core.planner import Action, Decision, PortRange, decide
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
@@ -122,6 +123,8 @@ class Coordinator:
         self._inflight: dict[str, Plan] = {}
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
         self._queued: set[str] = set()
+        #: The jobs the last pass saw (one gone since was deleted: every node is told it ended).
+        self._known: set[str] = set()
         #: The members this leader cannot count on, and the jobs held for them.
         self.presence = Presence(cfg.node_id, cfg.lease_ttl_s, self.agents, self._wake.set, cfg.peer_evidence)
         self.statuses = Statuses(store)
@@ -266,6 +269,9 @@ class Coordinator:
         # (its task still runs, or it backs off) keeps the place it had in the last pass.
         queue_head = ""
         queued: set[str] = set()
+        for job in self._known - set(cluster.jobs):
+            self._start(job, self._gone(job, {n.node_id: n.agent_address for n in cluster.nodes}))
+        self._known = set(cluster.jobs)
         for view in cluster.jobs.values():
             self.history.note_first_step(view, mono)
             if view.name in excused:
@@ -413,6 +419,16 @@ class Coordinator:
                                     lambda st: None if st.state.terminal else
                                     dataclasses.replace(st, message=message, updated_at=time.time()),
                                     [term.guard(self.store)])
+
+    async def _gone(self, job: str, nodes: dict[str, str]) -> None:
+        """``job`` was deleted (``deleted/<job>`` says up to which generation): every node lets its
+        standbys and snapshot folder go (a node that misses this sweeps the folder after
+        SNAPSHOT_KEEP_S; its standbys went when the generation ended). Up to its last generation:
+        never a new job's of the same name."""
+        kv = await self.store.get(self.store.keys.deleted(job))
+        if kv is None:
+            return
+        await self.agents.stop(job, DeletedJob.from_json(kv.value).generation, 0.0, nodes, final=True)
 
     def forget(self, job: str) -> None:
         """A deleted job: drop what this leader keeps about it, and its metrics."""

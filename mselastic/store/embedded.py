@@ -20,8 +20,8 @@ import subprocess
 import sys
 
 import psutil
-import tenacity
 
+from mselastic.core import retries
 from mselastic.core.pdeathsig import with_parent_death
 from mselastic.store import versions
 
@@ -163,8 +163,7 @@ class EmbeddedEtcd:
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
-        for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s),
-                                         wait=tenacity.wait_fixed(0.1), reraise=True):
+        for attempt in retries.until_no_error(Exception, timeout_s, every_s=0.1, sync=True):
             with attempt:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.data_dir}/etcd.log")

@@ -136,6 +136,14 @@ class Term:
         transaction fails it and writes nothing."""
         return store.tx.create(store.keys.leader.encode()) == self.create_revision
 
+    async def put(self, store: Store, key: str, value: str) -> bool:
+        """Write ``key`` as this leader: False, and nothing written, once it is deposed."""
+        return await store.txn([self.guard(store)], [store.tx.put(key.encode(), value.encode())])
+
+    async def delete(self, store: Store, key: str) -> bool:
+        """Delete ``key`` as this leader: False, and nothing deleted, once it is deposed."""
+        return await store.txn([self.guard(store)], [store.tx.delete(key.encode())])
+
 
 class Election:
     """Campaign for ``store.keys.leader`` with ``value``; one winner at a time."""

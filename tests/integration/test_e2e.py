@@ -282,6 +282,48 @@ def test_a_warm_generation_outlives_restarts_of_elasticd_and_a_rank_lost_after_i
              lambda: not generation_processes(procs, 2) and not generation_processes(procs, 3), 15)
 
 
+def test_a_stop_lost_on_the_wire_is_sent_again_by_the_leaders_reconcile_pass_alone(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
+    """#48: `elasticctl stop` records the intent (STOPPED, with its grace) and the leader's reconcile
+    pass stops the members. The member's elasticd (n1; the leader, n0, has no slots) is frozen
+    (SIGSTOP) across the stop, longer than the Stop call's deadline (its lease TTL, 20 s, keeps it
+    registered): the first Stop is lost. Once it runs again, the pass sends the Stop again by
+    itself (its log says so), and the generation is stopped there: STOPPED in its report, its
+    processes gone, the job STOPPED."""
+    tmp = str(tmp_path)
+    procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, free_port(), os.path.join(tmp, "w0"), namespace,
+                                            slots=0, insecure=True))
+    wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+    n1 = procs.start("elasticd-n1", elasticd_cmd("n1", etcd.endpoint, free_port(), os.path.join(tmp, "w1"), namespace,
+                                                 lease_ttl_s=20, insecure=True))
+    wait_for("n1 registered", lambda: etcd.get(etcd.keys.node("n1")), 30)
+    endpoint = "unix:" + local_socket(os.path.join(tmp, "w0"))
+    out = os.path.join(tmp, "out")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=400,
+                      args=["--data", digits, "--out", out, "--lr", "0.05", "--step-sleep-s", "0.2"])
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    wait_for("training on n1", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 3, 120, 0.2)
+    pids = worker_pids(procs, 1)
+    os.kill(n1.pid, signal.SIGSTOP)
+    try:
+        stopped = elasticctl("stop", JOB, "--grace-period-s", "1", endpoint=endpoint)
+        assert stopped.returncode == 0, stopped
+        assert (s := etcd.status(JOB)) is not None and s.state is JobState.STOPPED and s.stop_grace_s == 1.0, s
+        # The Stop call's deadline (the grace and the 10 s push timeout) passes while n1 is frozen.
+        holds_for("the ranks untouched while n1 is frozen", lambda: worker_pids(procs, 1) == pids, 12.0, 0.5)
+    finally:
+        os.kill(n1.pid, signal.SIGCONT)
+    report = wait_for("generation 1 stopped on n1", lambda: (r := etcd.report(JOB, 1, "n1"))
+                      and r.state.terminal and r, 60, 0.2)
+    assert report.state is GenerationState.STOPPED, report
+    wait_for("nothing of the generation left", lambda: not generation_processes(procs, 1), 15)
+    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+        leader = f.read()
+    assert "stopping generation 1 on n1: the job is STOPPED" in leader, leader[-3000:]
+    assert "stopping generation 1 again on n1: the job is STOPPED" in leader, leader[-3000:]
+    assert (s := etcd.status(JOB)) is not None and s.state is JobState.STOPPED
+
+
 def test_elasticd_stopped_with_its_jobs_and_started_again_is_a_planned_relaunch_not_a_failure(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
     """Two stops of elasticd with its jobs under a running job (a real SIGINT, Ctrl-C, then

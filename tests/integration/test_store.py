@@ -74,6 +74,38 @@ def test_exactly_one_leader_and_a_deposed_leader_cannot_commit(etcd_server: Embe
     asyncio.run(scenario())
 
 
+def test_a_cordon_written_by_a_deposed_leader_is_refused(etcd_server: EmbeddedEtcd, namespace: str) -> None:
+    """#48: cordon and uncordon go through the leader's guard like every shared write (they were a
+    bare put after a separate leadership check: check-then-act). A leader deposed after its check
+    (its lease gone, another elected) writes no cordon and deletes none; the new leader does."""
+    from mselastic.core.model import CordonRecord
+
+    async def scenario() -> None:
+        a, b = Store(etcd_server.endpoint, Keys(namespace)), Store(etcd_server.endpoint, Keys(namespace))
+        stop = asyncio.Event()
+        term_a = await Election(a, "a", TTL).campaign(stop)
+        assert term_a is not None
+        key = a.keys.cordon("n1")
+        record = CordonRecord("n1", False, time.time(), "maintenance").to_json()
+        assert await term_a.put(a, key, record)  # (leading: written)
+        contender = asyncio.create_task(Election(b, "b", TTL).campaign(stop))
+        term_a.lease._task.cancel()  # type: ignore[union-attr]
+        await a.revoke(term_a.lease.id)
+        term_b = await asyncio.wait_for(contender, TTL + 1)
+        assert term_b is not None
+        assert not await term_a.delete(a, key)  # deposed: the uncordon is refused ...
+        assert (await b.get(key)) is not None
+        await b.delete(key)
+        assert not await term_a.put(a, key, record)  # ... and so is a cordon
+        assert (await b.get(key)) is None
+        assert await term_b.put(b, key, record) and (await b.get(key)) is not None
+        await term_b.lease.release()
+        for s in (a, b):
+            await s.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_restart_request_racing_a_note_written_from_an_older_read_is_kept(etcd_server: EmbeddedEtcd,
                                                                              namespace: str) -> None:
     """The write the Control service makes for `elasticctl restart` and a note the coordinator

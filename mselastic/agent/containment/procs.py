@@ -30,7 +30,7 @@ import dataclasses
 import os
 import signal
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 
@@ -159,6 +159,46 @@ def alive(pid: int, create_time: float) -> bool:
     ``create_time`` guards against a reused pid."""
     fields = _stat(pid, create_time)
     return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+async def wait_ended(processes: list[tuple[int, float]], timeout_s: float,
+                     on_end: Callable[[], None] = lambda: None) -> None:
+    """Wait until each of ``processes`` (pid, start time) has exited, ``timeout_s`` at most: on the
+    kernel's word (a pidfd turns readable when its process exits), ``on_end()`` called at each end
+    (a zombie's exit status is there to read until its parent reaps it)."""
+    loop = asyncio.get_running_loop()
+    pending: dict[int, int] = {}
+    for pid, start in processes:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue  # (gone already)
+        if alive(pid, start):  # (pinned: the pid is still that process)
+            pending[fd] = pid
+        else:
+            os.close(fd)
+    if not pending:
+        return
+    all_ended = asyncio.Event()
+
+    def ended(fd: int) -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        del pending[fd]
+        on_end()
+        if not pending:
+            all_ended.set()
+
+    for fd in pending:
+        loop.add_reader(fd, ended, fd)
+    try:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(all_ended.wait(), timeout_s)
+    finally:
+        for fd in list(pending):
+            loop.remove_reader(fd)
+            os.close(fd)
+        pending.clear()
 
 
 def gone(pid: int) -> bool:

@@ -24,13 +24,13 @@ import signal
 import time
 from typing import Awaitable, Callable
 
-import tenacity
 
 from mselastic.agent.devices import detect as inventory
 from mselastic.agent.devices import xid as xids
 from mselastic.agent.containment.cgroups import Group, join_prefix
 from mselastic.agent.containment.jobfiles import bounded, read_tail
 from mselastic.agent.containment.users import WorkerUser, inherited_env, setpriv
+from mselastic.core import retries
 from mselastic.core.devices import LOG_TAIL_BYTES, device_error, format_ids, visible_env
 from mselastic.core.model import DeviceCordon, MalformedRecord, Member
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
@@ -241,9 +241,7 @@ class DeviceHealth:
         try:
             if record.job and not await self._may_blame(record.job, record.device, record.since):
                 return False
-            async for attempt in tenacity.AsyncRetrying(stop=tenacity.stop_after_delay(60), reraise=True,
-                                                        wait=tenacity.wait_exponential(0.5, max=5),
-                                                        retry=tenacity.retry_if_exception_type(TemporaryError)):
+            async for attempt in retries.backing_off(TemporaryError, first_s=0.5, max_s=5, within_s=60):
                 with attempt:
                     await self._aside(record)
         except (TemporaryError, PermanentError) as e:

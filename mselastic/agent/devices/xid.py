@@ -22,6 +22,8 @@ from typing import Awaitable, Callable
 
 import tenacity
 
+from mselastic.core import retries
+
 log = logging.getLogger(__name__)
 
 #: Xids that a job's own code causes on a sound GPU (graphics engine exception, GPU memory page
@@ -111,11 +113,10 @@ async def watch(kind: str, ids: tuple[int, ...], on_xid: Callable[[int, int], Aw
                     state.next_action.sleep if state.next_action else 0)
 
     while not stop.is_set():  # (a reading that lasted starts the backoff over: a new retrier)
-        with contextlib.suppress(tenacity.RetryError):
+        with contextlib.suppress(Ended):  # (asked to stop meanwhile)
             try:
-                async for attempt in tenacity.AsyncRetrying(wait=tenacity.wait_exponential(1, max=60),
-                                                            retry=tenacity.retry_if_exception_type(Ended),
-                                                            stop=lambda _: stop.is_set(), before_sleep=said):
+                async for attempt in retries.backing_off(Ended, first_s=1, max_s=60, done=stop.is_set,
+                                                         before_sleep=said):
                     with attempt:
                         await _read(pynvml, ids, on_xid, stop)
                 return  # (asked to stop, or no driver)

@@ -19,7 +19,6 @@ import time
 from typing import Any, Callable, Iterable
 
 import psutil
-import tenacity
 
 from mselastic.agent.containment import procs
 from mselastic.agent.generation import observe
@@ -31,6 +30,7 @@ from mselastic.agent.generation.ranks import RankState
 from mselastic.agent.generation.shim import AdoptedShim, Handle, WarmRecord
 from mselastic.agent.standbys.forkserver import Forked, ForkServer, Orphan, Proc, Standby
 from mselastic.agent.containment.users import WorkerUser, batch_prefix
+from mselastic.core import retries
 from mselastic.core.model import Member
 from mselastic.core.pdeathsig import as_user, with_parent_death
 from mselastic.core.states import FailureCause
@@ -200,16 +200,6 @@ async def listening(port: int, proc: Proc, within_s: float) -> bool:
     return False
 
 
-class _stop_when(tenacity.stop.stop_base):
-    """tenacity's stop condition: ``done()`` says so (a generation stopped meanwhile)."""
-
-    def __init__(self, done: Callable[[], bool]) -> None:
-        self.done = done
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return self.done()
-
-
 async def reachable(host: str, port: int, within_s: float, stopping: Callable[[], bool]) -> bool:
     """Wait until a TCP connection to ``host:port`` (node 0's scheduler) opens, at most
     ``within_s`` and while ``stopping()`` is false. The connection is closed at once, with
@@ -222,10 +212,8 @@ async def reachable(host: str, port: int, within_s: float, stopping: Callable[[]
             await writer.wait_closed()
 
     try:
-        await tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_delay(within_s) | _stop_when(stopping),
-            wait=tenacity.wait_random(0.02, 0.1), reraise=True,
-            retry=tenacity.retry_if_exception_type((OSError, asyncio.TimeoutError)))(connect)
+        await retries.until_no_error((OSError, asyncio.TimeoutError), within_s, jitter_s=(0.02, 0.1),
+                                     done=stopping)(connect)
         return True
     except (OSError, asyncio.TimeoutError):
         return False

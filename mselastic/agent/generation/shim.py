@@ -287,6 +287,7 @@ class AdoptedShim:
         self.pid, self.paths = pid, paths
         self._fd = os.pidfd_open(pid)
         self._code: int | None = None
+        self._waiters: list[asyncio.Future[None]] = []
         if not same(pid, start):  # (pinned first: the number may be another's by now)
             os.close(self._fd)
             raise ProcessLookupError(f"the shim (pid {pid}) is gone")
@@ -298,14 +299,33 @@ class AdoptedShim:
                 self._code = int(json.loads(open(self.paths.exit).read())["code"])
             except (OSError, ValueError, KeyError, TypeError):
                 self._code = -signal.SIGKILL
+            if self._waiters:
+                self._ended()
             os.close(self._fd)
             self._fd = -1
         return self._code
 
     async def wait(self) -> int:
-        while (code := self.returncode) is None:
-            await asyncio.sleep(0.05)
+        """Until it has ended (its pidfd readable: the kernel's word) or :meth:`close`, then its code."""
+        if self._code is None and self._fd >= 0:
+            loop = asyncio.get_running_loop()
+            if not self._waiters:
+                loop.add_reader(self._fd, self._ended)
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
+        code = self.returncode
+        assert code is not None
         return code
+
+    def _ended(self) -> None:
+        """Its pidfd turned readable, or it is closed: every wait goes on."""
+        if self._fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._fd)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _send(self, signum: int) -> None:
         if self._fd >= 0:
@@ -316,10 +336,12 @@ class AdoptedShim:
         self._send(signal.SIGTERM)
 
     def close(self) -> None:
-        """Its pidfd closed (the generation is over): a wait still to come returns at once."""
+        """Its pidfd closed (the generation is over): a wait under way or still to come returns at once."""
         if self._fd >= 0 and self.returncode is None:  # (what .exit says, if it has ended)
             self._code = -signal.SIGKILL  # (else as it will be: the generation was torn down)
         if self._fd >= 0:
+            if self._waiters:
+                self._ended()
             os.close(self._fd)
             self._fd = -1
 

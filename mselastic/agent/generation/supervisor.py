@@ -530,12 +530,11 @@ class Generation:
                  f" at step {self.stop_at}" if self.stop_at else "", extra=self._ctx)
 
     async def _wait_ranks_gone(self, timeout_s: float) -> list[int]:
-        """Wait for the ranks to exit, noting their exit codes; returns the ranks still running."""
+        """Wait for the ranks to exit, noting each one's exit code as it does (its pidfd turns
+        readable as it exits: a zombie whose status is there to read before msrun reaps it);
+        returns the ranks still running."""
         ranks = [rs for rs in self.ranks.values() if rs.pid]
-        deadline = time.monotonic() + timeout_s
-        while any(procs.alive(rs.pid, rs.create_time) for rs in ranks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # msrun reaps within a second: look often to see the exit codes
-            self._note_exit_codes()
+        await procs.wait_ended([(rs.pid, rs.create_time) for rs in ranks], timeout_s, on_end=self._note_exit_codes)
         self._note_exit_codes()
         return [rs.rank for rs in ranks if procs.alive(rs.pid, rs.create_time)]
 
