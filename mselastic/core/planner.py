@@ -2,13 +2,16 @@
 
 A pure function (no etcd, no clock, no processes), so every rule is a row in a
 table test. The coordinator reads the state from etcd, calls :func:`decide`,
-and applies the one :class:`Decision` it returns.
+and applies the one decision it returns: a :data:`Decision`, one small class per
+action, whole when made (a launch's plan with its members' devices).
 
 Rules, in order:
 1. A job in a terminal state: nothing.
 2. No plan yet: launch generation 1 on the oldest eligible nodes, as many as
    give the largest valid world size (see :mod:`mselastic.core.batching`) within
    ``min_nodes``..``max_nodes``; otherwise wait. Nodes left out are named in the reason.
+2a. A member whose agent has refused the current plan's pushes for ``denied_push_fail_s``
+   (a setting it lacks), without reporting on it: fail the job, naming it.
 3. A member reported FAILED (or STOPPED: its ranks exited on a SIGTERM the
    coordinator did not send), or a member's registration is gone (lease expired):
    relaunch as generation g+1 on the surviving members in their old order, new
@@ -38,8 +41,9 @@ import dataclasses
 import enum
 import functools
 import zlib
-from typing import Callable, Iterable, Mapping
+from typing import Callable, ClassVar, Iterable, Mapping
 
+from mselastic.core import devices
 from mselastic.core.kinds import RelaunchReason
 from mselastic.core.model import GenerationReport, JobStatus, Member, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
@@ -74,25 +78,102 @@ class Action(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
-    action: Action
-    reason: str = ""
-    plan: Plan | None = None
-    #: For a relaunch or failure caused by a fault: the report that showed it.
+class Blame:
+    """What a decision that follows a fault says of it: the report that showed it, or the members
+    lost; the node failure counts and quarantine after it (None: unchanged), and the generation
+    whose failure those counts include."""
+
     fault: GenerationReport | None = None
-    #: For a relaunch caused by lost nodes.
     lost_nodes: tuple[str, ...] = ()
-    #: Updated failure counts and quarantine when this decision blames a node (None: unchanged).
     node_failures: Mapping[str, int] | None = None
     quarantined_until: Mapping[str, float] | None = None
-    #: The generation whose failure these counts include.
     failures_counted_through: int = 0
-    #: For LAUNCH (and a FAIL that a relaunch would have been): why.
+
+
+class _Blamed:
+    """The blame's parts, read off a decision that carries one."""
+
+    blame: Blame
+
+    @property
+    def fault(self) -> GenerationReport | None:
+        return self.blame.fault
+
+    @property
+    def lost_nodes(self) -> tuple[str, ...]:
+        return self.blame.lost_nodes
+
+    @property
+    def node_failures(self) -> Mapping[str, int] | None:
+        return self.blame.node_failures
+
+    @property
+    def quarantined_until(self) -> Mapping[str, float] | None:
+        return self.blame.quarantined_until
+
+    @property
+    def failures_counted_through(self) -> int:
+        return self.blame.failures_counted_through
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch(_Blamed):
+    """Commit ``plan`` as the next generation (after a fault: ``blame``), for ``kind``."""
+
+    action: ClassVar[Action] = Action.LAUNCH
+    reason: str
+    plan: Plan
+    kind: RelaunchReason = RelaunchReason.INITIAL
+    blame: Blame = Blame()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail(_Blamed):
+    """The job fails; ``kind``: the relaunch it would have been (None: none)."""
+
+    action: ClassVar[Action] = Action.FAIL
+    reason: str
     kind: RelaunchReason | None = None
-    #: For NOTHING: what the job waits for or leaves out, for its status.
+    blame: Blame = Blame()
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait(_Blamed):
+    """Not enough nodes: the job stays PENDING or RESTARTING (after a fault: ``blame``)."""
+
+    action: ClassVar[Action] = Action.WAIT
+    reason: str
+    blame: Blame = Blame()
+
+
+@dataclasses.dataclass(frozen=True)
+class Succeed:
+    """Every member finished: the job succeeded."""
+
+    action: ClassVar[Action] = Action.SUCCEED
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Nothing:
+    """Nothing to do; ``note``: what the job waits for or leaves out (a pending scale-up since
+    ``scale_up_since``), for its status; ``reason``: why not, where it is worth a log line."""
+
+    action: ClassVar[Action] = Action.NOTHING
+    reason: str = ""
     note: str = ""
     scale_up_nodes: tuple[str, ...] = ()
     scale_up_since: float = 0.0
+
+
+#: The planner's decision for one job: one small class per action (as torch's rendezvous actions
+#: or kubelet's pod actions), each with what that action needs and nothing else.
+Decision = Launch | Fail | Wait | Succeed | Nothing
+
+
+def blame_of(d: Decision) -> Blame:
+    """The blame a decision carries (none: an empty one)."""
+    return d.blame if isinstance(d, (Launch, Fail, Wait)) else Blame()
 
 
 def master_port(job: str, generation: int, previous: int | None, ports: PortRange, salt: int = 0) -> int:
@@ -162,14 +243,18 @@ class Situation:
     busy: str
     #: False while another job waits for slots: no scale-up into free ones (first come, first served).
     may_grow: bool = True
+    #: Members of the current plan whose agent refuses its pushes for good (a setting it lacks):
+    #: node id -> (for how long, why); after ``refused_fail_s`` the job fails.
+    refused: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+    refused_fail_s: float = float("inf")
 
-    def wait(self, reason: str, blame: Decision = Decision(Action.WAIT)) -> Decision:
-        """WAIT, or FAIL once the wait has lasted too long; ``blame`` carries the fault history."""
+    def wait(self, reason: str, blame: Blame = Blame(), kind: RelaunchReason | None = None) -> Decision:
+        """WAIT, or FAIL (as ``kind``) once the wait has lasted too long; ``blame`` carries the fault history."""
         reason = "; ".join(filter(None, [reason, self.busy]))
         if self.st.waiting_since and self.now - self.st.waiting_since > self.spec.min_nodes_timeout_s:
             reason = f"{reason} for more than min_nodes_timeout_s={self.spec.min_nodes_timeout_s:g}"
-            return dataclasses.replace(blame, action=Action.FAIL, reason=reason)
-        return dataclasses.replace(blame, action=Action.WAIT, reason=reason)
+            return Fail(reason, kind, blame)
+        return Wait(reason, blame)
 
     @functools.cached_property
     def failed(self) -> list[GenerationReport]:
@@ -215,28 +300,53 @@ def decide(
     free_slots: Mapping[str, int] | None = None,
     busy: str = "",
     may_grow: bool = True,
+    devices: Mapping[str, NodeRecord] | None = None,
+    devices_held: Mapping[str, Mapping[int, str]] | None = None,
+    refused: Mapping[str, tuple[float, str]] | None = None,
+    refused_fail_s: float = float("inf"),
 ) -> Decision:
     """The next step for one job. ``reports`` are the current generation's, by node id;
     ``salt`` varies the master port (see :func:`master_port`); ``now`` times the waits
     against ``status`` (the job's status as stored: waiting since, node failure counts
     and quarantine, the pending scale-up). ``free_slots``: per node, the slots no other
     job holds; ``busy`` says who holds the others, added to the reason of a wait.
-    ``may_grow`` False (another job is queued for slots): no scale-up.
+    ``may_grow`` False (another job is queued for slots): no scale-up. ``devices`` (the usable
+    nodes, by id) and ``devices_held`` (per node, the device ids other jobs hold): a launch's plan
+    comes with each member's devices assigned (:func:`mselastic.core.devices.assign`), or, a node
+    short of free devices, no launch this time; without them, no devices are assigned.
+    ``refused``: members of the current plan whose agent refuses its pushes for good, for how
+    long and why; one refusing for ``refused_fail_s`` fails the job.
 
     The rules are the steps of :data:`STEPS`, in order: the first that applies decides."""
     if state.terminal:
-        return Decision(Action.NOTHING)
+        return Nothing()
     st = status or JobStatus(state)
     nodes = list(nodes)
     quarantine = {n: t for n, t in st.quarantined_until.items() if t > now}
     alive = [n for n in eligible(nodes, spec, free_slots) if n.node_id not in quarantine]
     current = [r for r in reports.values() if plan is not None and r.generation == plan.generation]
-    s = Situation(spec, plan, st, nodes, alive, quarantine, current, ports, salt, now, busy, may_grow)
+    s = Situation(spec, plan, st, nodes, alive, quarantine, current, ports, salt, now, busy, may_grow,
+                  refused or {}, refused_fail_s)
     for step in STEPS:
         d = step(s)
         if d is not None:
-            return d
-    return Decision(Action.NOTHING)
+            return _with_devices(d, plan, devices, devices_held)
+    return Nothing()
+
+
+#: The reason of a launch put off for want of free devices (the coordinator logs it).
+NO_DEVICES = "no launch this pass"
+
+
+def _with_devices(d: Decision, previous: Plan | None, nodes: Mapping[str, NodeRecord] | None,
+                  held: Mapping[str, Mapping[int, str]] | None) -> Decision:
+    """A launch's plan with its members' devices (the decision made whole where it is made)."""
+    if not isinstance(d, Launch) or nodes is None or held is None:
+        return d
+    try:
+        return dataclasses.replace(d, plan=devices.assign(d.plan, nodes, held, previous))
+    except devices.NoDevices as e:  # (should not be: the free slots counted the devices)
+        return Nothing(reason=f"{NO_DEVICES}: {e}")
 
 
 def first_launch(s: Situation) -> Decision | None:
@@ -249,7 +359,20 @@ def first_launch(s: Situation) -> Decision | None:
         return s.wait(_short(s.spec, len(s.alive)))
     reason = "; ".join(filter(None, ["initial launch", idle_note(s.spec, s.alive[n:], n)]))
     first = make_plan(s.spec, s.alive[:n], s.st.generation + 1, 0, reason, None, s.ports, s.salt)
-    return Decision(Action.LAUNCH, reason, first, kind=RelaunchReason.INITIAL)
+    return Launch(reason, first, RelaunchReason.INITIAL)
+
+
+def refused_for_good(s: Situation) -> Decision | None:
+    """A member's agent has refused the current plan's pushes for ``refused_fail_s`` (a setting it
+    lacks: a job uid outside its range, devices it does not have) and has not reported on it: the
+    same on every push, so the job fails, saying what to fix; no node is blamed."""
+    assert s.plan is not None
+    said = {r.node_id for r in s.current}
+    for node_id, (for_s, why) in sorted(s.refused.items()):
+        if node_id not in said and s.plan.member(node_id) is not None and for_s >= s.refused_fail_s:
+            return Fail(f"node {node_id} refused generation {s.plan.generation} for {for_s:.0f} s ({why}); "
+                        f"resubmit once its configuration is fixed")
+    return None
 
 
 def launch_error(s: Situation) -> Decision | None:
@@ -265,10 +388,10 @@ def launch_error(s: Situation) -> Decision | None:
     if any(r.cause is not FailureCause.LAUNCH_SPEC for r in said.values()):
         return None
     if len(said) < len(s.plan.members):
-        return Decision(Action.NOTHING, note=f"node {bad.node_id} could not start generation {s.plan.generation}: "
-                                             f"{bad.reason}; waiting for the other members")
-    return Decision(Action.FAIL, f"generation {s.plan.generation} could not start on node {bad.node_id}: {bad.reason}",
-                    fault=bad, kind=RelaunchReason.LAUNCH_ERROR)
+        return Nothing(note=f"node {bad.node_id} could not start generation {s.plan.generation}: "
+                            f"{bad.reason}; waiting for the other members")
+    return Fail(f"generation {s.plan.generation} could not start on node {bad.node_id}: {bad.reason}",
+                RelaunchReason.LAUNCH_ERROR, Blame(fault=bad))
 
 
 def cannot_go_on(s: Situation) -> Decision | None:
@@ -278,8 +401,8 @@ def cannot_go_on(s: Situation) -> Decision | None:
     bad = next((r for r in s.failed if r.cause is FailureCause.TRAINER_FATAL), None)
     if bad is None:
         return None
-    return Decision(Action.FAIL, f"generation {s.plan.generation}: rank {bad.failed_rank} on node {bad.node_id} "
-                                 f"{bad.reason}", fault=bad, kind=RelaunchReason.RANK_FAILURE)
+    return Fail(f"generation {s.plan.generation}: rank {bad.failed_rank} on node {bad.node_id} {bad.reason}",
+                RelaunchReason.RANK_FAILURE, Blame(fault=bad))
 
 
 def mixed_resume(s: Situation) -> Decision | None:
@@ -295,9 +418,8 @@ def mixed_resume(s: Situation) -> Decision | None:
     assert s.plan is not None
     said = "; ".join(f"rank(s) {', '.join(sorted(ranks, key=int))} from step {step}"
                      for step, ranks in sorted(steps.items()))
-    return Decision(Action.FAIL, f"generation {s.plan.generation}: the ranks resumed from different checkpoints "
-                                 f"({said}); check that checkpoint_dir is the same shared directory on every node",
-                    kind=RelaunchReason.RANK_FAILURE)
+    return Fail(f"generation {s.plan.generation}: the ranks resumed from different checkpoints ({said}); check that "
+                f"checkpoint_dir is the same shared directory on every node", RelaunchReason.RANK_FAILURE)
 
 
 def elasticd_restart(s: Situation) -> Decision | None:
@@ -317,8 +439,7 @@ def elasticd_restart(s: Situation) -> Decision | None:
     reason = f"planned: elasticd stopped on request on {', '.join(sorted(shut))}"
     if not s.spec.node_count(len(s.pool)):
         return s.wait(f"{reason}; {_short(s.spec, len(s.pool))}")
-    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.ELASTICD_RESTART),
-                    kind=RelaunchReason.ELASTICD_RESTART)
+    return Launch(reason, s.planned(reason, RelaunchReason.ELASTICD_RESTART), RelaunchReason.ELASTICD_RESTART)
 
 
 def relaunch_after_fault(s: Situation) -> Decision | None:
@@ -346,21 +467,20 @@ def relaunch_after_fault(s: Situation) -> Decision | None:
             over = failures[blamed] - spec.quarantine_after_failures
             if over >= 0:
                 quarantine[blamed] = s.now + min(MAX_QUARANTINE_S, spec.quarantine_cooldown_s * 2 ** over)
-    blame = Decision(Action.FAIL, reason, fault=fault, lost_nodes=s.lost, node_failures=failures,
-                     quarantined_until=quarantine, failures_counted_through=plan.generation, kind=_kind(fault))
+    blame = Blame(fault, s.lost, failures, quarantine, plan.generation)
     if plan.restart_count >= spec.max_restarts:
-        return dataclasses.replace(blame, reason=f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}")
+        return Fail(f"restarts exhausted (max_restarts={spec.max_restarts}); last: {reason}", _kind(fault), blame)
     pool = _keep_order(plan, [n for n in s.alive if n.node_id not in quarantine])
     benched = sorted(quarantine.keys() & {m.node_id for m in plan.members})
     if benched:
         reason += f"; quarantined: {', '.join(benched)}"
     n = spec.node_count(len(pool))
     if not n:
-        return s.wait(f"{reason}; {_short(spec, len(pool))}", blame)
+        return s.wait(f"{reason}; {_short(spec, len(pool))}", blame, _kind(fault))
     reason = "; ".join(filter(None, [reason, idle_note(spec, pool[n:], n)]))
     nxt = make_plan(spec, pool[:n], plan.generation + 1, plan.restart_count + 1, reason, plan.master_port, s.ports,
                     s.salt, kind=_kind(fault))
-    return dataclasses.replace(blame, action=Action.LAUNCH, reason=reason, plan=nxt)
+    return Launch(reason, nxt, _kind(fault), blame)
 
 
 def success(s: Situation) -> Decision | None:
@@ -368,7 +488,7 @@ def success(s: Situation) -> Decision | None:
     assert s.plan is not None
     done = {r.node_id for r in s.current if r.state is GenerationState.SUCCEEDED}
     if done >= {m.node_id for m in s.plan.members}:
-        return Decision(Action.SUCCEED, f"generation {s.plan.generation} finished on every node")
+        return Succeed(f"generation {s.plan.generation} finished on every node")
     return None
 
 
@@ -378,9 +498,9 @@ def restart(s: Situation) -> Decision | None:
     if s.st.restart_requested < s.plan.generation:
         return None
     if not s.spec.node_count(len(s.pool)):
-        return Decision(Action.NOTHING, note=f"restart waits: {_short(s.spec, len(s.pool))}")
+        return Nothing(note=f"restart waits: {_short(s.spec, len(s.pool))}")
     reason = "planned: restart requested by the operator"
-    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.RESTART), kind=RelaunchReason.RESTART)
+    return Launch(reason, s.planned(reason, RelaunchReason.RESTART), RelaunchReason.RESTART)
 
 
 def scale_down(s: Situation) -> Decision | None:
@@ -391,7 +511,7 @@ def scale_down(s: Situation) -> Decision | None:
         return None
     reason = f"planned: scale down to max_nodes={s.spec.max_nodes} (world size {s.plan.world_size} -> " \
              f"{n * s.spec.workers_per_node})"
-    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.SCALE_DOWN), kind=RelaunchReason.SCALE_DOWN)
+    return Launch(reason, s.planned(reason, RelaunchReason.SCALE_DOWN), RelaunchReason.SCALE_DOWN)
 
 
 def drain(s: Situation) -> Decision | None:
@@ -403,9 +523,9 @@ def drain(s: Situation) -> Decision | None:
         return None
     n = s.spec.node_count(len(s.pool))
     if not n:
-        return Decision(Action.NOTHING, note=f"drain of {', '.join(draining)} waits: {_short(s.spec, len(s.pool))}")
+        return Nothing(note=f"drain of {', '.join(draining)} waits: {_short(s.spec, len(s.pool))}")
     reason = "; ".join(filter(None, [f"planned: drain of {', '.join(draining)}", idle_note(s.spec, s.pool[n:], n)]))
-    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.DRAIN), kind=RelaunchReason.DRAIN)
+    return Launch(reason, s.planned(reason, RelaunchReason.DRAIN), RelaunchReason.DRAIN)
 
 
 def scale_up(s: Situation) -> Decision:
@@ -416,26 +536,25 @@ def scale_up(s: Situation) -> Decision:
     n = spec.node_count(len(pool))
     joined = tuple(x.node_id for x in pool if plan.member(x.node_id) is None)
     if joined and n * spec.workers_per_node > plan.world_size and not s.may_grow:
-        return Decision(Action.NOTHING, note=f"scale-up to {', '.join(joined)} waits: {s.busy or 'a job is queued'}")
+        return Nothing(note=f"scale-up to {', '.join(joined)} waits: {s.busy or 'a job is queued'}")
     if not joined or n * spec.workers_per_node <= plan.world_size:
-        return Decision(Action.NOTHING, note=idle_note(spec, [x for x in pool if x.node_id in joined],
-                                                        len(plan.members)))
+        return Nothing(note=idle_note(spec, [x for x in pool if x.node_id in joined], len(plan.members)))
     since = s.st.scale_up_since if s.st.scale_up_nodes == joined and s.st.scale_up_since else s.now
     running = len(s.current) == len(plan.members) and all(r.state is GenerationState.RUNNING for r in s.current)
     if s.now - since < spec.scale_up_settle_s or not running:
         note = (f"scale-up pending: {', '.join(joined)} joined; world size {plan.world_size} -> "
                 f"{n * spec.workers_per_node} once no node joined for scale_up_settle_s={spec.scale_up_settle_s:g}"
                 + ("" if running else " and every rank has started"))
-        return Decision(Action.NOTHING, note=note, scale_up_nodes=joined, scale_up_since=since)
+        return Nothing(note=note, scale_up_nodes=joined, scale_up_since=since)
     added = [x.node_id for x in pool[:n] if plan.member(x.node_id) is None]
     reason = "; ".join(filter(None, [f"planned: scale up, {', '.join(added)} joined (world size {plan.world_size} -> "
                                      f"{n * spec.workers_per_node})", idle_note(spec, pool[n:], n)]))
-    return Decision(Action.LAUNCH, reason, s.planned(reason, RelaunchReason.SCALE_UP), kind=RelaunchReason.SCALE_UP)
+    return Launch(reason, s.planned(reason, RelaunchReason.SCALE_UP), RelaunchReason.SCALE_UP)
 
 
 #: The planner's rules, in order (see the module docstring): the first step that returns a decision wins.
 STEPS: tuple[Callable[[Situation], Decision | None], ...] = (
-    first_launch, launch_error, cannot_go_on, mixed_resume, elasticd_restart, relaunch_after_fault, success, restart,
+    first_launch, refused_for_good, launch_error, cannot_go_on, mixed_resume, elasticd_restart, relaunch_after_fault, success, restart,
     scale_down, drain, scale_up)
 
 

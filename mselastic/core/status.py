@@ -10,7 +10,7 @@ table-tested without etcd.
 from __future__ import annotations
 
 from mselastic.core.model import FailureRecord, JobStatus, Plan
-from mselastic.core.planner import Decision
+from mselastic.core.planner import Blame, Decision, Nothing, blame_of
 from mselastic.core.states import JobState, check_job_transition
 
 
@@ -28,16 +28,21 @@ def next_status(old: JobStatus, state: JobState, message: str, now: float, *, pl
     """
     if state is not old.state:
         check_job_transition(old.state, state)
-    failures = decision.node_failures if decision and decision.node_failures is not None else old.node_failures
-    quarantine = (decision.quarantined_until if decision and decision.quarantined_until is not None
-                  else old.quarantined_until)
-    counted = max(old.failures_counted_through, decision.failures_counted_through if decision else 0)
-    note = (decision.note, decision.scale_up_nodes, decision.scale_up_since) if decision else (
-        old.note, old.scale_up_nodes, old.scale_up_since)
+    blame = blame_of(decision) if decision is not None else Blame()
+    failures = blame.node_failures if blame.node_failures is not None else old.node_failures
+    quarantine = blame.quarantined_until if blame.quarantined_until is not None else old.quarantined_until
+    counted = max(old.failures_counted_through, blame.failures_counted_through)
+    if decision is None:
+        note = (old.note, old.scale_up_nodes, old.scale_up_since)
+    elif isinstance(decision, Nothing):
+        note = (decision.note, decision.scale_up_nodes, decision.scale_up_since)
+    else:
+        note = ("", (), 0.0)
     return JobStatus(state=state, generation=plan.generation if plan else old.generation,
                      restart_count=plan.restart_count if plan else old.restart_count, message=message,
                      last_failure=failure, updated_at=now, waiting_since=waiting_since,
                      node_failures=dict(failures), quarantined_until={n: t for n, t in quarantine.items() if t > now},
                      failures_counted_through=counted, note=note[0], scale_up_nodes=note[1],
                      scale_up_since=note[2], resumed_through=old.resumed_through,
-                     restart_requested=old.restart_requested)
+                     restart_requested=old.restart_requested,
+                     stop_grace_s=old.stop_grace_s if state is JobState.STOPPED else 0.0)

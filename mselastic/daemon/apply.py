@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 from mselastic import metrics
 from mselastic.core.kinds import EventKind, RelaunchReason
 from mselastic.core.model import Event, FailureRecord, Plan
-from mselastic.core.planner import Action, Decision
+from mselastic.core.planner import Blame, Decision, Fail, Launch, Nothing, Succeed, Wait
 from mselastic.core.states import FailureCause, JobState
 from mselastic.daemon.agents import Agents
 from mselastic.daemon.history import History
@@ -71,7 +71,7 @@ class Applier:
         if d is None:
             if not view.status.state.terminal:
                 await self.statuses.set(term, view, JobState.FAILED, f"spec unreadable: {view.spec_error}")
-            await self._restop(view, grace_s=10.0)
+            await self._restop(view, grace_s=view.status.stop_grace_s or 10.0)
             return
         assert view.spec is not None
         if view.status.state.terminal:
@@ -79,8 +79,7 @@ class Applier:
             await self.history.note_stopped_at(term, view)
             await self._restop(view, view.status.stop_grace_s or view.spec.stop_grace_period_s)
             return
-        if d.action is Action.LAUNCH:
-            assert d.plan is not None
+        if isinstance(d, Launch):
             if d.plan.planned and view.plan is not None:
                 # The step the running generation stops at goes in the plan: the members that go on
                 # read it from their Launch, the dropped ones from their Stop; all the ranks stop there.
@@ -88,10 +87,10 @@ class Applier:
                                                  {m.node_id: m.agent_address for m in view.plan.members})
                 d = dataclasses.replace(d, plan=dataclasses.replace(d.plan, stop_previous_at_step=at))
             await self._commit_plan(term, view, d)
-        elif d.action is Action.SUCCEED:
+        elif isinstance(d, Succeed):
             await self.statuses.set(term, view, JobState.SUCCEEDED, d.reason)
-        elif d.action is Action.FAIL:
-            if await self.statuses.set(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d),
+        elif isinstance(d, Fail):
+            if await self.statuses.set(term, view, JobState.FAILED, d.reason, failure=self._failure(view, d.blame),
                                       decision=d) and view.plan is not None:
                 # After a fault (restarts exhausted) the collective is broken, as at a relaunch: the
                 # ranks left could not reach a step to checkpoint at, and a grace period would only
@@ -99,13 +98,13 @@ class Applier:
                 grace = 0.0 if d.fault is not None or d.lost_nodes else view.spec.stop_grace_period_s
                 await self.agents.stop(view.name, view.plan.generation, grace,
                                        {m.node_id: m.agent_address for m in view.plan.members}, final=True)
-        elif d.action is Action.WAIT:
+        elif isinstance(d, Wait):
             # A wait for slots other jobs hold is a queue, not a shortage of nodes: not timed.
             state = JobState.PENDING if view.plan is None else JobState.RESTARTING
             since = 0.0 if slot_wait else (view.status.waiting_since or time.time())
             if (view.status.state, view.status.message, bool(view.status.waiting_since)) != (
                     state, d.reason, bool(since)):
-                await self.statuses.set(term, view, state, d.reason, failure=self._failure(view, d),
+                await self.statuses.set(term, view, state, d.reason, failure=self._failure(view, d.blame),
                                        waiting_since=since, decision=d)
         else:
             await self.history.note_recovery(term, view)
@@ -113,7 +112,7 @@ class Applier:
             await self.history.note_progress(term, view)
             await self._repush(term, view)
 
-    async def _note(self, term: Term, view: JobView, d: Decision) -> None:
+    async def _note(self, term: Term, view: JobView, d: Nothing) -> None:
         """Keep the status's note (pending scale-up, idle nodes, a waiting drain) current."""
         old = view.status
         if view.plan is None or old.state.terminal or (old.note, old.scale_up_nodes, old.scale_up_since) == (
@@ -124,19 +123,19 @@ class Applier:
         event = Event(at=time.time(), kind=EventKind.NOTE, generation=view.plan.generation, message=d.note or "note cleared")
         await self.statuses.write(term, view, status, event if d.note != old.note else None)
 
-    def _failure(self, view: JobView, d: Decision) -> FailureRecord | None:
-        if view.plan is None or (d.fault is None and not d.lost_nodes):
+    def _failure(self, view: JobView, b: Blame) -> FailureRecord | None:
+        if view.plan is None or (b.fault is None and not b.lost_nodes):
             return view.status.last_failure
-        if d.fault is not None:
-            return FailureRecord(generation=view.plan.generation, node_id=d.fault.node_id, rank=d.fault.failed_rank,
-                                 reason=d.fault.reason, detected_at=d.fault.detected_at, cause=d.fault.cause)
-        return FailureRecord(generation=view.plan.generation, node_id=",".join(d.lost_nodes), rank=-1,
+        if b.fault is not None:
+            return FailureRecord(generation=view.plan.generation, node_id=b.fault.node_id, rank=b.fault.failed_rank,
+                                 reason=b.fault.reason, detected_at=b.fault.detected_at, cause=b.fault.cause)
+        return FailureRecord(generation=view.plan.generation, node_id=",".join(b.lost_nodes), rank=-1,
                              reason="node lost (lease expired)", detected_at=time.time(), cause=FailureCause.NODE_LOST)
 
-    async def _commit_plan(self, term: Term, view: JobView, d: Decision) -> None:
-        assert d.plan is not None and view.spec is not None
+    async def _commit_plan(self, term: Term, view: JobView, d: Launch) -> None:
+        assert view.spec is not None
         k, tx = self.store.keys, self.store.tx
-        failure = self._failure(view, d)
+        failure = self._failure(view, d.blame)
         status = self.statuses.compose(view, JobState.RUNNING, d.reason, failure, d.plan, decision=d)
         self.statuses.wrote(status)
         # Why each lost member may be replaced (the fencing rule that let this leader go on without it).
@@ -188,28 +187,29 @@ class Applier:
         self._note_denials(d.plan, launch.result())
 
     async def _repush(self, term: Term, view: JobView) -> None:
-        """Push the committed plan again to members that have not reported on it (missed push);
-        fail the job when a member's agent has refused it for good for ``denied_push_fail_s``."""
+        """Push the committed plan again to members that have not reported on it (missed push).
+        (A member whose agent refuses it for good fails the job: the planner's refused_for_good,
+        from what :meth:`refusals` says.)"""
         plan = view.plan
         if plan is None or view.status.state.terminal or view.spec is None:
             return
         reports = view.current_reports()
         now = time.monotonic()
         memo = self._memo(view.name)
-        for m in plan.members:
-            since, why = memo.denied.get((plan.generation, m.node_id), (now, ""))
-            if why and m.node_id not in reports and now - since >= self.cfg.denied_push_fail_s:
-                message = (f"node {m.node_id} refused generation {plan.generation} for {now - since:.0f} s "
-                           f"({why}); resubmit once its configuration is fixed")
-                if await self.statuses.set(term, view, JobState.FAILED, message):
-                    await self.agents.stop(view.name, plan.generation, view.spec.stop_grace_period_s,
-                                           {m.node_id: m.agent_address for m in plan.members}, final=True)
-                return
         missing = [m for m in plan.members if m.node_id not in reports
                    and now - memo.pushed.get((plan.generation, m.node_id), 0) > self.cfg.repush_after_s]
         if missing:
             self._mark_pushed(plan, {m.node_id for m in missing})
             self._note_denials(plan, await self.agents.launch(plan, only={m.node_id for m in missing}))
+
+    def refusals(self, view: JobView) -> dict[str, tuple[float, str]]:
+        """Members of the job's current plan whose agent refuses its pushes for good: node id ->
+        (for how long, why), as the pushes answered (the planner's input)."""
+        if view.plan is None:
+            return {}
+        now, generation = time.monotonic(), view.plan.generation
+        return {node_id: (now - since, why) for (g, node_id), (since, why) in self._memo(view.name).denied.items()
+                if g == generation and why}
 
     def _note_denials(self, plan: Plan, answers: dict[str, str]) -> None:
         """Remember since when each member's agent refuses the pushes for good (see ``_repush``)."""
@@ -230,11 +230,13 @@ class Applier:
         Stop was lost: an agent unreachable for a moment)."""
         now, restopped = time.monotonic(), self._memo(view.name).restopped
         reports = dict(view.reports)
-        if view.plan is not None and time.time() - view.status.updated_at < FRESH_END_S:
+        fresh = view.plan is not None and time.time() - view.status.updated_at < FRESH_END_S
+        if fresh and view.plan is not None:
             reports.setdefault(view.plan.generation, {})
         for generation, reps in sorted(reports.items()):
             nodes, again = {}, []
-            members = view.plan.members if view.plan is not None and generation == view.plan.generation else ()
+            members = view.plan.members if fresh and view.plan is not None and generation == view.plan.generation \
+                else ()
             unreported = [m.node_id for m in members if m.node_id not in reps]
             for node_id in [*reps, *unreported]:
                 rep = reps.get(node_id)

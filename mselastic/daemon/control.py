@@ -463,6 +463,7 @@ class ControlService(pb_grpc.ControlServicer):
         # plan as of the status written: a relaunch committed before the stop is stopped too, and
         # one the coordinator decided before it can no longer commit (its status compare fails).
         view = await self._change_status(request.job, context, stopped)
+        self.coordinator.queue.forget(request.job)  # (an operator's stop is acted on now, whatever the backoff)
         if view.plan is not None and view.status.state is JobState.STOPPED:
             grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
             await self._stop_noted(request.job, [m.node_id for m in view.plan.members], grace)
@@ -472,10 +473,11 @@ class ControlService(pb_grpc.ControlServicer):
         """The leader's pass stops the ranks on ``nodes`` (they checkpoint within ``grace_s``); their
         reports reach etcd and the leader notes the step they checkpointed at (the step a
         resubmission resumes from) a moment later. Wait for that note, the grace and
-        ``STOP_NOTE_WAIT_S`` at most, so that what the stop's caller reads next (events, status)
+        ``STOP_NOTE_WAIT_S`` (and a push's timeout: the job's worker may be busy) at most, so that
+        what the stop's caller reads next (events, status)
         says it; not at all when a member's node is not registered (it never reports) or etcd does
         not answer (the stop is recorded: only the note is late)."""
-        within_s = grace_s + STOP_NOTE_WAIT_S
+        within_s = grace_s + self.coordinator.cfg.push_timeout_s + STOP_NOTE_WAIT_S  # (a pass may be pushing)
         async def unnoted() -> bool:
             kv = await self.store.get(self.store.keys.status(job))
             if kv is None:

@@ -38,7 +38,7 @@ from mselastic.core.waits import first
 from mselastic.core.kinds import EventKind
 from mselastic.core.model import (CordonRecord, DeletedJob, Event, JobStatus, LeaderRecord, MalformedRecord,
                                   NodeRecord, Plan)
-from mselastic.core.planner import Action, Decision, PortRange, decide
+from mselastic.core.planner import NO_DEVICES, Decision, Launch, Nothing, PortRange, Wait, decide
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.informer import Informer
 from mselastic.store.lease import Election, Term
@@ -66,6 +66,9 @@ MAX_REST_S = 1.0
 DEVICE_METRICS_S = 5.0
 #: How long a reconcile pass may go on once elasticd is stopping.
 STOP_PASS_S = 1.0
+#: A leader tells every node again of the jobs deleted this long before its term began (its
+#: predecessor may have been deposed before its pass did: Coordinator._gone).
+RECENT_DELETE_S = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +126,10 @@ class Coordinator:
         self._inflight: dict[str, Plan] = {}
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
         self._queued: set[str] = set()
-        #: The jobs the last pass saw (one gone since was deleted: every node is told it ended).
+        #: The jobs the last pass saw (one gone since was deleted: every node is told it ended), and
+        #: those deleted shortly before this term began (its first pass tells the nodes again).
         self._known: set[str] = set()
+        self._deleted_recently: set[str] = set()
         #: The members this leader cannot count on, and the jobs held for them.
         self.presence = Presence(cfg.node_id, cfg.lease_ttl_s, self.agents, self._wake.set, cfg.peer_evidence)
         self.statuses = Statuses(store)
@@ -183,6 +188,8 @@ class Coordinator:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
+        self._known = set()
+        self._deleted_recently = await self._deleted_since(time.time() - RECENT_DELETE_S)
         self.statuses.new_term()
         for memo in self._memos.values():
             memo.new_term()
@@ -264,14 +271,17 @@ class Coordinator:
         # The nodes as a new plan may use them: a node's devices set aside are none of its slots
         # (core.devices.usable). The registrations themselves say which members are lost.
         usable = devices.usable(cluster.nodes, cluster.device_cordons, now)
-        nodes = {n.node_id: n for n in usable}
         # The first job (in submission order) that waits for slots others hold; a job skipped below
         # (its task still runs, or it backs off) keeps the place it had in the last pass.
         queue_head = ""
         queued: set[str] = set()
-        for job in self._known - set(cluster.jobs):
-            self._start(job, self._gone(job, {n.node_id: n.agent_address for n in cluster.nodes}))
-        self._known = set(cluster.jobs)
+        everyone = {n.node_id: n.agent_address for n in cluster.nodes}
+        self._deleted_recently -= set(cluster.jobs)  # (submitted again since: not gone)
+        for job in sorted(self._deleted_recently | (self._known - set(cluster.jobs))):
+            if job not in self.queue and job not in cluster.jobs:  # (one worker per job: later, if busy)
+                self._start(job, self._gone(job, everyone))
+                self._deleted_recently.discard(job)
+        self._known = (set(cluster.jobs) | {job for job in self._known if job in self.queue}) - self._deleted_recently
         for view in cluster.jobs.values():
             self.history.note_first_step(view, mono)
             if view.name in excused:
@@ -291,14 +301,9 @@ class Coordinator:
             if for_slots:
                 queued.add(view.name)
                 queue_head = queue_head or view.name
-            if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
-                try:  # (the devices its members' ranks use, on nodes that have devices)
-                    decision = dataclasses.replace(decision, plan=devices.assign(decision.plan, nodes, devices_held,
-                                                                                 view.plan))
-                except devices.NoDevices as e:  # (should not be: the free slots counted its devices)
-                    log.warning("no launch this pass: %s", e, extra=dict(job=view.name))
-                    decision = Decision(Action.NOTHING, reason=str(e))
-            if decision is not None and decision.action is Action.LAUNCH and decision.plan is not None:
+            if isinstance(decision, Nothing) and decision.reason.startswith(NO_DEVICES):
+                log.warning("%s", decision.reason, extra=dict(job=view.name))
+            if isinstance(decision, Launch):
                 admission.hold(held, view.name, decision.plan)
                 devices.hold(devices_held, view.name, decision.plan)
                 self._inflight[view.name] = decision.plan
@@ -353,15 +358,18 @@ class Coordinator:
         free, busy = admission.free_slots(view.name, usable, held, queue_head, view.plan is not None, devices_held)
         capacity = {n.node_id: n.slots for n in usable}  # (an empty cluster's: its devices set aside excluded)
 
-        def plan_with(free_slots: dict[str, int], why: str) -> Decision:
+        def plan_with(free_slots: dict[str, int], why: str, probe: bool = False) -> Decision:
             assert view.spec is not None
             return decide(view.spec, view.status.state, view.plan, view.current_reports(), cluster.nodes,
                           self.cfg.ports, salt=self._port_salt(cluster.revision), now=now, status=view.status,
-                          free_slots=free_slots, busy=why, may_grow=may_grow or view.name in self._queued)
+                          free_slots=free_slots, busy=why, may_grow=may_grow or view.name in self._queued,
+                          devices=None if probe else {n.node_id: n for n in usable},
+                          devices_held=None if probe else devices_held,
+                          refused=self.applier.refusals(view), refused_fail_s=self.cfg.denied_push_fail_s)
 
         decision = plan_with(free, busy)
-        for_slots = (view.plan is None and decision.action is Action.WAIT
-                     and plan_with(capacity, "").action is Action.LAUNCH)
+        for_slots = (view.plan is None and isinstance(decision, Wait)
+                     and isinstance(plan_with(capacity, "", probe=True), Launch))
         return decision, for_slots
 
     def _start(self, job: str, work: Awaitable[None]) -> None:
@@ -419,6 +427,20 @@ class Coordinator:
                                     lambda st: None if st.state.terminal else
                                     dataclasses.replace(st, message=message, updated_at=time.time()),
                                     [term.guard(self.store)])
+
+    async def _deleted_since(self, since: float) -> set[str]:
+        """The jobs deleted after ``since`` (their ``deleted/`` records): a leader deposed right after
+        a delete may not have told the nodes; the next one does, once. Empty when etcd does not answer."""
+        try:
+            _, kvs = await self.store.get_prefix(self.store.keys.deleted_prefix)
+        except (TemporaryError, PermanentError):
+            return set()
+        found = set()
+        for kv in kvs:
+            with contextlib.suppress(MalformedRecord):
+                if DeletedJob.from_json(kv.value).at >= since:
+                    found.add(kv.key.rsplit("/", 1)[1])
+        return found
 
     async def _gone(self, job: str, nodes: dict[str, str]) -> None:
         """``job`` was deleted (``deleted/<job>`` says up to which generation): every node lets its

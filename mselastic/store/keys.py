@@ -122,6 +122,10 @@ class Keys:
         return f"{self.namespace}/deleted/{check_id('job name', job)}"
 
     @property
+    def deleted_prefix(self) -> str:
+        return f"{self.namespace}/deleted/"
+
+    @property
     def all_reports(self) -> str:
         return f"{self.namespace}/reports/"
 

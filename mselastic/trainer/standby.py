@@ -123,7 +123,10 @@ def retitle(args: list[str]) -> None:
     it was started with (``/proc/self/stat``'s arg_start..arg_end), rewritten here in place as
     ``args`` (NUL-separated, as arguments are), cut to their length (about 55 bytes: a venv's
     python, ``-m``, this module), as setproctitle does. Python's own ``sys.argv`` is a copy and stays
-    as it is. (MindSpore names a process in its log lines by the first argument's base name.)"""
+    as it is. (MindSpore names a process in its log lines by the first argument's base name, read
+    there at every line: the setproctitle package writes the title as one argument, and a warm
+    rank's lines then read ``ME(pid,tid,python mselastic:lenet:g2:rank0 train.py --data /…)``,
+    tried 2026-12-07; here the first argument stays ``python``, as a cold rank's.)"""
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()

@@ -8,6 +8,7 @@ import os
 import pwd
 import signal
 import time
+from typing import Callable
 
 import numpy as np
 import psutil
@@ -162,40 +163,10 @@ def test_elasticd_restarted_under_a_job_adopts_its_generation(
     own per-step record, sampled every 0.1 s), and the job ends as it would have. Seven times in
     a row (``RESTARTS``)."""
     tmp = str(tmp_path)
-    work, port = os.path.join(tmp, "work"), free_port()
-    cmd = elasticd_cmd("n0", etcd.endpoint, port, work, namespace)
-    procs.start("elasticd-n0", cmd)
-    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
-    endpoint = "unix:" + local_socket(work)
-    pace = Pace(tmp, 0.3)
-    out = os.path.join(tmp, "out")
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=150,
-                      args=["--data", DATA_DIR, "--out", out, "--lr", "0.05", "--record-samples", *pace.args])
-    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    cmd, _, pace, out = _paced_job_on_a_restartable_node(procs, etcd, namespace, tmp, DATA_DIR)
     wait_for("training", lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 3, 120, poll_s=0.2)
-    pids = worker_pids(procs, 1)
-    lease = etcd.lease_of(etcd.keys.node("n0"))
-
-    with Sampler(functools.partial(lines_in, os.path.join(out, "samples_g1_r0.jsonl")), every_s=0.1) as sampler:
-        for i, sig in enumerate(RESTARTS):
-            still_running(etcd, JOB, f"{sig.name} {i + 1}")
-            daemon = procs.started[-1]
-            os.kill(daemon.pid, sig)
-            assert daemon.wait(timeout=20) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
-            assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (not revoked: its TTL has not run out yet)
-            holds_for("the generation training without elasticd", lambda: worker_pids(procs, 1) == pids, 1.0)
-            left = etcd.report(JOB, 1, "n0")
-            assert left is not None and left.state is GenerationState.RUNNING, left
-            procs.start("elasticd-n0", cmd)
-            wait_for("progress reported by the successor",
-                     lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > left.step + 3, 60, 0.2)
-            assert worker_pids(procs, 1) == pids
-            # Kept by id; or, when the successor's start took longer than the TTL (a loaded machine
-            # starts Python slowly), registered anew: the generation is adopted all the same.
-            lease = etcd.lease_of(etcd.keys.node("n0"))
-            assert (p := etcd.plan(JOB)) is not None and p.generation == 1
+    gap = _restart_under(procs, etcd, cmd, 1, RESTARTS, os.path.join(out, "samples_g1_r0.jsonl"), keeps_lease=True)
     pace.release()
-    gap = longest_step_gap(sampler.samples)
     print(f"adoption: rank 0's longest gap between two steps through {len(RESTARTS)} restarts of elasticd "
           f"({', '.join(s.name for s in RESTARTS)}): {gap:.2f}s (steps paced at 0.3 s)")
     assert gap <= 2 * 0.3 + 1.0, gap
@@ -212,6 +183,57 @@ def test_elasticd_restarted_under_a_job_adopts_its_generation(
 WARM_RESTARTS = (signal.SIGTERM, signal.SIGKILL, signal.SIGTERM)
 
 
+def _paced_job_on_a_restartable_node(procs: Processes, etcd: Etcd, namespace: str, tmp: str, data: str,
+                                     warm: bool = False) -> tuple[list[str], str, Pace, str]:
+    """Node n0 (with standbys when ``warm``) and a LeNet job paced at 0.3 s a step, recording the
+    samples each rank consumes: (the command that starts n0 again, its endpoint, the pace, the
+    job's output folder)."""
+    work = os.path.join(tmp, "work")
+    cmd = elasticd_cmd("n0", etcd.endpoint, free_port(), work, namespace, warm_standbys=warm)
+    procs.start("elasticd-n0", cmd)
+    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
+    endpoint = "unix:" + local_socket(work)
+    pace = Pace(tmp, 0.3)
+    out = os.path.join(tmp, "out")
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=150,
+                      args=["--data", data, "--out", out, "--lr", "0.05", "--record-samples", *pace.args])
+    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    return cmd, endpoint, pace, out
+
+
+def _restart_under(procs: Processes, etcd: Etcd, cmd: list[str], generation: int, signals: tuple[signal.Signals, ...],
+                   samples: str, keeps_lease: bool = False, also: Callable[[], bool] = lambda: True) -> float:
+    """elasticd of n0 signalled with each of ``signals`` in turn and started again with ``cmd``,
+    under ``generation``: each time it exits as the signal says (0 after SIGTERM), the generation
+    trains on without it (the same worker pids, ``also()``, its report RUNNING), the successor
+    reports progress, and the plan stays ``generation``; with ``keeps_lease``, the lease is not
+    revoked by the one leaving. Returns rank 0's longest gap between two steps meanwhile (its
+    ``samples`` file, read every 0.1 s)."""
+    pids = worker_pids(procs, generation)
+    lease = etcd.lease_of(etcd.keys.node("n0"))
+    with Sampler(functools.partial(lines_in, samples), every_s=0.1) as sampler:
+        for i, sig in enumerate(signals):
+            still_running(etcd, JOB, f"{sig.name} {i + 1}")
+            daemon = procs.started[-1]
+            os.kill(daemon.pid, sig)
+            assert daemon.wait(timeout=30) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
+            if keeps_lease:
+                assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (not revoked: its TTL has not run out yet)
+            holds_for("the generation training without elasticd",
+                      lambda: worker_pids(procs, generation) == pids and also(), 1.0)
+            left = etcd.report(JOB, generation, "n0")
+            assert left is not None and left.state is GenerationState.RUNNING, left
+            procs.start("elasticd-n0", cmd)
+            wait_for("progress reported by the successor",
+                     lambda: (r := etcd.report(JOB, generation, "n0")) and r.step > left.step + 3, 60, 0.2)
+            assert worker_pids(procs, generation) == pids and also()
+            # Kept by id; or, when the successor's start took longer than the TTL (a loaded machine
+            # starts Python slowly), registered anew: the generation is adopted all the same.
+            lease = etcd.lease_of(etcd.keys.node("n0"))
+            assert (p := etcd.plan(JOB)) is not None and p.generation == generation
+    return longest_step_gap(sampler.samples)
+
+
 def test_a_warm_generation_outlives_restarts_of_elasticd_and_a_rank_lost_after_is_a_failure(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
     """#45, warm generations: a rank SIGKILLed, the relaunch handed to standbys (generation 2, warm:
@@ -223,16 +245,7 @@ def test_a_warm_generation_outlives_restarts_of_elasticd_and_a_rank_lost_after_i
     kernel and its code from the fork server's record: killed by SIGKILL), relaunched, and the job
     succeeds with the two restarts counted; no standby, fork server or rank is left."""
     tmp = str(tmp_path)
-    work, port = os.path.join(tmp, "work"), free_port()
-    cmd = elasticd_cmd("n0", etcd.endpoint, port, work, namespace, warm_standbys=True)
-    procs.start("elasticd-n0", cmd)
-    wait_for("n0 registered and leading", lambda: etcd.get(etcd.keys.node("n0")) and etcd.leader() == "n0", 30)
-    endpoint = "unix:" + local_socket(work)
-    pace = Pace(tmp, 0.3)
-    out = os.path.join(tmp, "out")
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=150,
-                      args=["--data", digits, "--out", out, "--lr", "0.05", "--record-samples", *pace.args])
-    assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
+    cmd, endpoint, pace, out = _paced_job_on_a_restartable_node(procs, etcd, namespace, tmp, digits, warm=True)
     wait_for("generation 1 training, and three standbys and their fork server",
              lambda: (r := etcd.report(JOB, 1, "n0")) and r.step >= 3 and len(standby_processes(procs)) == 4, 180, 0.2)
     os.kill(worker_pids(procs, 1)[1], signal.SIGKILL)
@@ -242,22 +255,8 @@ def test_a_warm_generation_outlives_restarts_of_elasticd_and_a_rank_lost_after_i
     server = {psutil.Process(pid).ppid() for pid in pids.values()}
     assert len(pids) == 2 and len(server) == 1, (pids, server)
 
-    with Sampler(functools.partial(lines_in, os.path.join(out, "samples_g2_r0.jsonl")), every_s=0.1) as sampler:
-        for i, sig in enumerate(WARM_RESTARTS):
-            still_running(etcd, JOB, f"{sig.name} {i + 1}")
-            daemon = procs.started[-1]
-            os.kill(daemon.pid, sig)
-            assert daemon.wait(timeout=30) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
-            holds_for("the warm generation training without elasticd", lambda: worker_pids(procs, 2) == pids, 1.0)
-            left = etcd.report(JOB, 2, "n0")
-            assert left is not None and left.state is GenerationState.RUNNING, left
-            procs.start("elasticd-n0", cmd)
-            wait_for("progress reported by the successor",
-                     lambda: (r := etcd.report(JOB, 2, "n0")) and r.step > left.step + 3, 60, 0.2)
-            assert worker_pids(procs, 2) == pids
-            assert {psutil.Process(pid).ppid() for pid in pids.values()} == server  # (the first elasticd's)
-            assert (p := etcd.plan(JOB)) is not None and p.generation == 2
-    gap = longest_step_gap(sampler.samples)
+    gap = _restart_under(procs, etcd, cmd, 2, WARM_RESTARTS, os.path.join(out, "samples_g2_r0.jsonl"),
+                         also=lambda: {psutil.Process(pid).ppid() for pid in pids.values()} == server)  # (the first's)
     print(f"warm adoption: rank 0's longest gap between two steps through {len(WARM_RESTARTS)} restarts of "
           f"elasticd ({', '.join(s.name for s in WARM_RESTARTS)}): {gap:.2f}s (steps paced at 0.3 s)")
     assert gap <= 2 * 0.3 + 1.0, gap

@@ -139,7 +139,7 @@ def test_a_device_set_aside_under_a_running_job_moves_nothing_and_is_no_lost_nod
     a device gone): the job's generation goes on (its node is not lost), and only its next plan
     cannot use the node (its free devices are fewer than its ranks)."""
     from mselastic.core.model import DeviceCordon, JobStatus
-    from mselastic.core.planner import Action, decide
+    from mselastic.core.planner import Action, blame_of, decide
     from mselastic.core.spec import JobSpec
     from mselastic.core.states import JobState
     from mselastic.daemon import admission
@@ -154,7 +154,7 @@ def test_a_device_set_aside_under_a_running_job_moves_nothing_and_is_no_lost_nod
     running = {"n0": GenerationReport("a", 1, "n0", GenerationState.RUNNING, step=3)}
     d = decide(spec, JobState.RUNNING, plan, running, raw, now=10.0, status=JobStatus(JobState.RUNNING, generation=1),
                free_slots=free)
-    assert d.action is Action.NOTHING and not d.lost_nodes, d
+    assert d.action is Action.NOTHING and not blame_of(d).lost_nodes, d
     # Another job on a device set aside since is not counted twice: b holds 1 (aside) and 2.
     usable4 = devices.usable([_node("n0", (0, 1, 2, 3))], {"n0": [DeviceCordon("n0", 1, "ecc", 0.0)]}, 10.0)
     free, _ = admission.free_slots("c", usable4, {"b": {"n0": 2}}, "", False, {"n0": {1: "b", 2: "b"}})
@@ -185,3 +185,23 @@ def test_the_device_series_of_a_node_gone_are_removed() -> None:
     shown = metrics.show_devices({"t-n0": {"in_use": 2, "free": 1, "unhealthy": 1}}, shown)
     assert not {s for s in series() if s[0] == "t-n1"} and ("t-n0", "in_use") in series()
     assert metrics.show_devices({}, shown) == set() and not {s for s in series() if s[0].startswith("t-")}
+
+
+def test_the_planners_launch_comes_with_its_devices_assigned_or_waits_for_them() -> None:
+    """#48: the decision is whole when it is made: decide() given the usable nodes and the devices
+    other jobs hold returns a launch whose members carry their devices (the free ones, lowest
+    first); a node short of free devices puts the launch off (NOTHING, saying why), and without
+    the devices nothing is assigned (the decision as before)."""
+    from mselastic.core.planner import NO_DEVICES, Action, decide
+    from mselastic.core.spec import JobSpec
+    from mselastic.core.states import JobState
+
+    spec = JobSpec(name="j", script="/s.py", checkpoint_dir="/c", workers_per_node=2, min_nodes=1, max_nodes=1)
+    n0 = dataclasses.replace(_node("n0", (0, 1, 2, 3)), create_revision=1)
+    d = decide(spec, JobState.PENDING, None, {}, [n0], devices={"n0": n0}, devices_held={"n0": {0: "other"}})
+    assert d.action is Action.LAUNCH and d.plan is not None and d.plan.members[0].devices == (1, 2)
+    d = decide(spec, JobState.PENDING, None, {}, [n0], devices={"n0": n0},
+               devices_held={"n0": {0: "a", 1: "a", 2: "b"}})
+    assert d.action is Action.NOTHING and d.reason.startswith(NO_DEVICES) and "1 free device(s)" in d.reason, d
+    d = decide(spec, JobState.PENDING, None, {}, [n0])
+    assert d.action is Action.LAUNCH and d.plan is not None and d.plan.members[0].devices == ()

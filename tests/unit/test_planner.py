@@ -296,7 +296,8 @@ def test_ranks_that_resumed_from_different_steps_fail_the_job_loudly() -> None:
 def test_the_steps_in_order_and_each_one_alone() -> None:
     from mselastic.core import planner
 
-    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "launch_error", "cannot_go_on", "mixed_resume",
+    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "refused_for_good", "launch_error",
+                                                   "cannot_go_on", "mixed_resume",
                                                    "elasticd_restart", "relaunch_after_fault", "success", "restart",
                                                    "scale_down", "drain", "scale_up"]
 
@@ -311,6 +312,8 @@ def test_the_steps_in_order_and_each_one_alone() -> None:
     # Each step on the situation it is for, and only that one.
     cases = {
         "first_launch": situation(None, [], [node(0)]),
+        "refused_for_good": dataclasses.replace(situation(plan_on(0, 1), [rep(0, G.RUNNING)], [node(0), node(1)]),
+                                                refused={"n1": (20.0, "no uid")}, refused_fail_s=15.0),
         "launch_error": situation(plan_on(0), [dataclasses.replace(rep(0, G.FAILED), cause=FailureCause.LAUNCH_SPEC)],
                                   [node(0)]),
         "cannot_go_on": situation(plan_on(0, 1), [rep(0, G.FAILED), dataclasses.replace(
@@ -365,3 +368,19 @@ def test_anything_but_a_stopped_elasticd_is_still_a_fault(case: str, members: tu
                                                           nodes: list[int]) -> None:
     d = decide(SPEC, J.RUNNING, plan_on(*members), reports, [node(i) for i in nodes], now=10)
     assert d.kind != "elasticd_restart" and d.node_failures, (case, d)
+
+
+def test_a_member_refusing_the_pushes_for_good_fails_the_job_in_the_planner() -> None:
+    """#48: the decision is the planner's, not the applier's: a member whose agent has refused the
+    current plan's pushes (a setting it lacks) for refused_fail_s, without a report on it, fails
+    the job, naming the node and why; sooner, or once it reported, nothing is decided on it."""
+    plan, running = plan_on(0, 1), {"n0": rep(0, G.RUNNING)}
+    nodes = [node(0), node(1)]
+    d = decide(SPEC, J.RUNNING, plan, running, nodes, refused={"n1": (20.0, "no uid")}, refused_fail_s=15.0)
+    assert d.action is Action.FAIL and "node n1 refused generation 1 for 20 s (no uid)" in d.reason, d
+    assert d.fault is None and d.node_failures is None  # (no node blamed)
+    d = decide(SPEC, J.RUNNING, plan, running, nodes, refused={"n1": (10.0, "no uid")}, refused_fail_s=15.0)
+    assert d.action is Action.NOTHING, d
+    both = {**running, "n1": rep(1, G.RUNNING)}
+    assert decide(SPEC, J.RUNNING, plan, both, nodes, refused={"n1": (20.0, "x")}, refused_fail_s=15.0).action \
+        is Action.NOTHING

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mselastic.core.model import FailureRecord, JobStatus, NodeRecord
-from mselastic.core.planner import Action, Decision, PortRange, make_plan
+from mselastic.core.planner import Blame, Launch, PortRange, Wait, make_plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import IllegalTransition, JobState
 from mselastic.core.status import next_status
@@ -20,8 +20,8 @@ OLD = JobStatus(JobState.RUNNING, generation=2, restart_count=1, message="m", la
 
 
 def test_a_new_generation_takes_the_plan_and_the_decisions_blame_and_resets_the_note() -> None:
-    d = Decision(Action.LAUNCH, "r", PLAN3, node_failures={"n1": 2}, quarantined_until={"n1": 120.0},
-                 failures_counted_through=3)
+    d = Launch("r", PLAN3, blame=Blame(node_failures={"n1": 2}, quarantined_until={"n1": 120.0},
+                                       failures_counted_through=3))
     s = next_status(OLD, JobState.RUNNING, "r", 10.0, plan=PLAN3, failure=FAIL, decision=d)
     assert (s.generation, s.restart_count, s.updated_at) == (3, 2, 10.0)
     assert s.node_failures == {"n1": 2} and s.quarantined_until == {"n1": 120.0} and s.failures_counted_through == 3
@@ -40,7 +40,7 @@ def test_a_waiting_job_without_a_plan_keeps_its_generation_floor() -> None:
     """A job submitted again after `delete` starts after the old generations (agents refuse older ones)."""
     submitted = JobStatus(JobState.PENDING, generation=3, message="submitted")
     s = next_status(submitted, JobState.PENDING, "waiting", 1.0, plan=None, failure=None, waiting_since=1.0,
-                    decision=Decision(Action.WAIT, "waiting"))
+                    decision=Wait("waiting"))
     assert s.generation == 3 and s.waiting_since == 1.0
 
 

@@ -168,16 +168,20 @@ async def wait_ended(processes: list[tuple[int, float]], timeout_s: float,
     (a zombie's exit status is there to read until its parent reaps it)."""
     loop = asyncio.get_running_loop()
     pending: dict[int, int] = {}
+    unwatched = []  # (no pidfd to be had but for it being gone: EMFILE, ENOMEM: looked at instead)
     for pid, start in processes:
         try:
             fd = os.pidfd_open(pid)
-        except OSError:
+        except ProcessLookupError:
             continue  # (gone already)
+        except OSError:
+            unwatched.append((pid, start))
+            continue
         if alive(pid, start):  # (pinned: the pid is still that process)
             pending[fd] = pid
         else:
             os.close(fd)
-    if not pending:
+    if not pending and not unwatched:
         return
     all_ended = asyncio.Event()
 
@@ -185,16 +189,29 @@ async def wait_ended(processes: list[tuple[int, float]], timeout_s: float,
         loop.remove_reader(fd)
         os.close(fd)
         del pending[fd]
-        on_end()
+        try:
+            on_end()
+        finally:
+            if not pending and not unwatched:
+                all_ended.set()
+
+    async def look_at_unwatched() -> None:
+        while any(alive(pid, start) for pid, start in unwatched):
+            await asyncio.sleep(0.05)
+            on_end()
+        unwatched.clear()
         if not pending:
             all_ended.set()
 
     for fd in pending:
         loop.add_reader(fd, ended, fd)
+    looking = asyncio.create_task(look_at_unwatched()) if unwatched else None
     try:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(all_ended.wait(), timeout_s)
     finally:
+        if looking is not None:
+            looking.cancel()
         for fd in list(pending):
             loop.remove_reader(fd)
             os.close(fd)

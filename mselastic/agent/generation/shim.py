@@ -288,6 +288,7 @@ class AdoptedShim:
         self._fd = os.pidfd_open(pid)
         self._code: int | None = None
         self._waiters: list[asyncio.Future[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         if not same(pid, start):  # (pinned first: the number may be another's by now)
             os.close(self._fd)
             raise ProcessLookupError(f"the shim (pid {pid}) is gone")
@@ -308,7 +309,7 @@ class AdoptedShim:
     async def wait(self) -> int:
         """Until it has ended (its pidfd readable: the kernel's word) or :meth:`close`, then its code."""
         if self._code is None and self._fd >= 0:
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             if not self._waiters:
                 loop.add_reader(self._fd, self._ended)
             waiter = loop.create_future()
@@ -320,8 +321,8 @@ class AdoptedShim:
 
     def _ended(self) -> None:
         """Its pidfd turned readable, or it is closed: every wait goes on."""
-        if self._fd >= 0:
-            asyncio.get_running_loop().remove_reader(self._fd)
+        if self._fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(self._fd)
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
