@@ -90,9 +90,8 @@ async def one_pass(store: Store) -> tuple[float, Action]:
     held = admission.devices_held(cluster, {})
     view = cluster.jobs[JOB]
     assert view.spec is not None
-    d = decide(view.spec, view.status.state, view.plan, view.current_reports(), nodes, now=now, status=view.status)
-    if d.action is Action.LAUNCH and d.plan is not None:
-        device_rules.assign(d.plan, {n.node_id: n for n in nodes}, held, view.plan)
+    d = decide(view.spec, view.status.state, view.plan, view.current_reports(), nodes, now=now, status=view.status,
+               devices={n.node_id: n for n in nodes}, devices_held=held)
     return time.perf_counter() - started, d.action
 
 

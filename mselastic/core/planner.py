@@ -10,8 +10,6 @@ Rules, in order:
 2. No plan yet: launch generation 1 on the oldest eligible nodes, as many as
    give the largest valid world size (see :mod:`mselastic.core.batching`) within
    ``min_nodes``..``max_nodes``; otherwise wait. Nodes left out are named in the reason.
-2a. A member whose agent has refused the current plan's pushes for ``denied_push_fail_s``
-   (a setting it lacks), without reporting on it: fail the job, naming it.
 3. A member reported FAILED (or STOPPED: its ranks exited on a SIGTERM the
    coordinator did not send), or a member's registration is gone (lease expired):
    relaunch as generation g+1 on the surviving members in their old order, new
@@ -28,6 +26,8 @@ Rules, in order:
    joined nodes that give a larger valid world size and no further join for
    ``scale_up_settle_s``: a *planned* relaunch (the ranks checkpoint on SIGTERM; not
    counted as a restart).
+7. Otherwise, a member whose agent has refused the current plan's pushes for
+   ``denied_push_fail_s`` (a setting it lacks), without reporting on it: fail the job, naming it.
 
 Quarantine (Horovod's blacklist with cooldown): each fault is blamed on a node
 (the one whose rank failed first, or a lost one); a node blamed
@@ -554,8 +554,8 @@ def scale_up(s: Situation) -> Decision:
 
 #: The planner's rules, in order (see the module docstring): the first step that returns a decision wins.
 STEPS: tuple[Callable[[Situation], Decision | None], ...] = (
-    first_launch, refused_for_good, launch_error, cannot_go_on, mixed_resume, elasticd_restart, relaunch_after_fault, success, restart,
-    scale_down, drain, scale_up)
+    first_launch, launch_error, cannot_go_on, mixed_resume, elasticd_restart, relaunch_after_fault, success, restart,
+    scale_down, drain, refused_for_good, scale_up)
 
 
 def _kind(fault: GenerationReport | None) -> RelaunchReason:

@@ -102,6 +102,14 @@ class CoordinatorConfig:
     peer_evidence: bool = True
 
 
+def deleted_to_tell(known: set[str], deleted: set[str], jobs: set[str], busy: set[str]) -> tuple[list[str], set[str]]:
+    """The deleted jobs a pass tells every node of: those the last pass saw (``known``) or not told
+    yet (``deleted``) that are not jobs now (``jobs``: a name submitted again is not gone), and
+    whose worker does not run (``busy``: one worker per job); and those left for a later pass."""
+    gone = (known | deleted) - jobs
+    return sorted(gone - busy), gone & busy
+
+
 class Coordinator:
     def __init__(self, store: Store, cfg: CoordinatorConfig) -> None:
         self.store = store
@@ -127,9 +135,11 @@ class Coordinator:
         #: Jobs waiting (in the last pass) only for slots other jobs hold, in submission order.
         self._queued: set[str] = set()
         #: The jobs the last pass saw (one gone since was deleted: every node is told it ended), and
-        #: those deleted shortly before this term began (its first pass tells the nodes again).
+        #: those deleted and not told yet: at a term's first pass, those deleted shortly before it
+        #: began (its predecessor may not have told the nodes; None: not read yet this term).
         self._known: set[str] = set()
-        self._deleted_recently: set[str] = set()
+        self._deleted_recently: set[str] | None = None
+        self._term_began = 0.0
         #: The members this leader cannot count on, and the jobs held for them.
         self.presence = Presence(cfg.node_id, cfg.lease_ttl_s, self.agents, self._wake.set, cfg.peer_evidence)
         self.statuses = Statuses(store)
@@ -188,8 +198,7 @@ class Coordinator:
         self.informer = Informer(self.store, on_change=self._wake.set)
         watcher = asyncio.create_task(self.informer.run(stop), name="coordinator-informer")
         self._fenced.clear()
-        self._known = set()
-        self._deleted_recently = await self._deleted_since(time.time() - RECENT_DELETE_S)
+        self._known, self._deleted_recently, self._term_began = set(), None, time.time()
         self.statuses.new_term()
         for memo in self._memos.values():
             memo.new_term()
@@ -275,13 +284,14 @@ class Coordinator:
         # (its task still runs, or it backs off) keeps the place it had in the last pass.
         queue_head = ""
         queued: set[str] = set()
+        if self._deleted_recently is None:  # (once a term; etcd away: the pass is skipped, the next tries)
+            self._deleted_recently = await self._deleted_since(self._term_began - RECENT_DELETE_S)
         everyone = {n.node_id: n.agent_address for n in cluster.nodes}
-        self._deleted_recently -= set(cluster.jobs)  # (submitted again since: not gone)
-        for job in sorted(self._deleted_recently | (self._known - set(cluster.jobs))):
-            if job not in self.queue and job not in cluster.jobs:  # (one worker per job: later, if busy)
-                self._start(job, self._gone(job, everyone))
-                self._deleted_recently.discard(job)
-        self._known = (set(cluster.jobs) | {job for job in self._known if job in self.queue}) - self._deleted_recently
+        tell, self._deleted_recently = deleted_to_tell(self._known, self._deleted_recently, set(cluster.jobs),
+                                                       self.queue.busy())
+        for job in tell:
+            self._start(job, self._gone(job, everyone))
+        self._known = set(cluster.jobs)
         for view in cluster.jobs.values():
             self.history.note_first_step(view, mono)
             if view.name in excused:
@@ -430,11 +440,9 @@ class Coordinator:
 
     async def _deleted_since(self, since: float) -> set[str]:
         """The jobs deleted after ``since`` (their ``deleted/`` records): a leader deposed right after
-        a delete may not have told the nodes; the next one does, once. Empty when etcd does not answer."""
-        try:
-            _, kvs = await self.store.get_prefix(self.store.keys.deleted_prefix)
-        except (TemporaryError, PermanentError):
-            return set()
+        a delete may not have told the nodes; the next one does, once. (TemporaryError: its pass is
+        skipped and the next one reads again.)"""
+        _, kvs = await self.store.get_prefix(self.store.keys.deleted_prefix)
         found = set()
         for kv in kvs:
             with contextlib.suppress(MalformedRecord):

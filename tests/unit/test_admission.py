@@ -83,3 +83,18 @@ def test_one_worker_per_job_and_a_failed_job_is_held_back_until_its_backoff_is_o
         assert queue.busy() == set()
 
     asyncio.run(run())
+
+
+def test_a_deleted_job_is_told_once_and_later_only_while_its_worker_runs() -> None:
+    """The leader tells every node of a deleted job once: when a pass first misses it (or, at a
+    term's first pass, for a job deleted just before), later if its worker is busy, never again
+    after (each telling is a final Stop to every node), and not at all once the name is back."""
+    from mselastic.daemon.coordinator import deleted_to_tell
+
+    tell, later = deleted_to_tell({"a", "b", "c"}, set(), {"a"}, busy={"c"})
+    assert tell == ["b"] and later == {"c"}
+    known = {"a"}  # (the next pass: the last one saw only the jobs there were)
+    tell, later = deleted_to_tell(known, later, {"a"}, busy=set())
+    assert tell == ["c"] and later == set()
+    assert deleted_to_tell({"a"}, later, {"a"}, busy=set()) == ([], set())  # told: never again
+    assert deleted_to_tell(set(), {"d", "e"}, {"e"}, busy=set()) == (["d"], set())  # (e submitted again)

@@ -296,10 +296,9 @@ def test_ranks_that_resumed_from_different_steps_fail_the_job_loudly() -> None:
 def test_the_steps_in_order_and_each_one_alone() -> None:
     from mselastic.core import planner
 
-    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "refused_for_good", "launch_error",
-                                                   "cannot_go_on", "mixed_resume",
+    assert [f.__name__ for f in planner.STEPS] == ["first_launch", "launch_error", "cannot_go_on", "mixed_resume",
                                                    "elasticd_restart", "relaunch_after_fault", "success", "restart",
-                                                   "scale_down", "drain", "scale_up"]
+                                                   "scale_down", "drain", "refused_for_good", "scale_up"]
 
     def situation(plan: Plan | None, reports: list[GenerationReport], nodes: list[NodeRecord],
                   status: JobStatus | None = None) -> planner.Situation:

@@ -196,12 +196,18 @@ async def wait_ended(processes: list[tuple[int, float]], timeout_s: float,
                 all_ended.set()
 
     async def look_at_unwatched() -> None:
-        while any(alive(pid, start) for pid, start in unwatched):
-            await asyncio.sleep(0.05)
-            on_end()
-        unwatched.clear()
-        if not pending:
-            all_ended.set()
+        try:
+            left = len(unwatched)
+            while left:
+                await asyncio.sleep(0.05)
+                now = sum(alive(pid, start) for pid, start in unwatched)
+                if now < left:
+                    left = now
+                    on_end()
+        finally:
+            unwatched.clear()
+            if not pending:
+                all_ended.set()
 
     for fd in pending:
         loop.add_reader(fd, ended, fd)
