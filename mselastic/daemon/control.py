@@ -28,8 +28,8 @@ from mselastic.core import retries
 from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.core.devices import format_ids
 from mselastic.core.kinds import EventKind
-from mselastic.core.model import (CordonRecord, DeletedJob, DeviceCordon, Event, JobStatus, LeaderRecord,
-                                  MalformedRecord, NodeRecord, Plan)
+from mselastic.core.model import (CordonRecord, DeletedJob, DeviceCordon, Event, GenerationReport, JobStatus,
+                                  LeaderRecord, MalformedRecord, NodeRecord, Plan)
 from mselastic.core.spec import MAX_SECONDS, JobSpec, SpecError, forbidden_env
 from mselastic.core.states import JobState
 from mselastic.core.status import next_status
@@ -466,24 +466,34 @@ class ControlService(pb_grpc.ControlServicer):
         self.coordinator.queue.forget(request.job)  # (an operator's stop is acted on now, whatever the backoff)
         if view.plan is not None and view.status.state is JobState.STOPPED:
             grace = request.grace_period_s or (view.spec.stop_grace_period_s if view.spec else 10.0)
-            await self._stop_noted(request.job, [m.node_id for m in view.plan.members], grace)
+            await self._stop_noted(request.job, view.plan.generation, [m.node_id for m in view.plan.members], grace)
         return pb.StopJobResponse(state=job_state_to_pb(view.status.state))
 
-    async def _stop_noted(self, job: str, nodes: list[str], grace_s: float) -> None:
-        """The leader's pass stops the ranks on ``nodes`` (they checkpoint within ``grace_s``); their
-        reports reach etcd and the leader notes the step they checkpointed at (the step a
-        resubmission resumes from) a moment later. Wait for that note, the grace and
-        ``STOP_NOTE_WAIT_S`` (and a push's timeout: the job's worker may be busy) at most, so that
-        what the stop's caller reads next (events, status)
-        says it; not at all when a member's node is not registered (it never reports) or etcd does
-        not answer (the stop is recorded: only the note is late)."""
+    async def _stop_noted(self, job: str, generation: int, nodes: list[str], grace_s: float) -> None:
+        """The leader's pass stops the ranks of ``generation`` on ``nodes`` (they checkpoint within
+        ``grace_s``); their reports reach etcd and the leader notes the step they checkpointed at
+        (the step a resubmission resumes from) a moment later. Wait for that note: while a report
+        says the generation still runs, the grace and a push's timeout (the job's worker may be
+        busy) at most; once none does, ``STOP_NOTE_WAIT_S`` more at most (a member that never
+        reported on it has nothing to note). So that what the stop's caller reads next (events,
+        status) says it; not at all when a member's node is not registered (it never reports) or
+        etcd does not answer (the stop is recorded: only the note is late)."""
         within_s = grace_s + self.coordinator.cfg.push_timeout_s + STOP_NOTE_WAIT_S  # (a pass may be pushing)
+        over_since: list[float] = []
+
         async def unnoted() -> bool:
             kv = await self.store.get(self.store.keys.status(job))
             if kv is None:
                 return False
             status = JobStatus.from_json(kv.value)
-            return status.state is JobState.STOPPED and STOPPED_NOTE not in status.message
+            if status.state is not JobState.STOPPED or STOPPED_NOTE in status.message:
+                return False
+            _, kvs = await self.store.get_prefix(self.store.keys.reports(job, generation))
+            if any(not GenerationReport.from_json(r.value).state.terminal for r in kvs):
+                over_since.clear()
+                return True
+            over_since[:] = over_since or [time.monotonic()]
+            return time.monotonic() - over_since[0] < STOP_NOTE_WAIT_S
 
         async def noted() -> None:
             registered = await asyncio.gather(*(self.store.get(self.store.keys.node(n)) for n in nodes))
