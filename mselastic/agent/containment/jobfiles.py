@@ -50,15 +50,16 @@ def read_small(path: str, limit: int = SMALL_FILE_BYTES) -> bytes:
         os.close(fd)
 
 
-def read_tail(path: str, limit: int) -> bytes:
-    """The last ``limit`` bytes of ``path`` when it is a regular file (never through a final
-    symlink, never blocking on a FIFO or a device); raises OSError otherwise."""
+def read_tail(path: str, limit: int, since: int = 0) -> bytes:
+    """The last ``limit`` bytes of ``path`` (none before byte ``since``) when it is a regular file
+    (never through a final symlink, never blocking on a FIFO or a device); raises OSError otherwise."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Unreadable(f"{path} is not a regular file")
-        return os.pread(fd, limit, max(0, st.st_size - limit))
+        start = max(since, st.st_size - limit, 0)
+        return os.pread(fd, max(0, st.st_size - start), start)
     finally:
         os.close(fd)
 

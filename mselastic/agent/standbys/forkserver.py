@@ -41,7 +41,7 @@ import psutil
 
 from mselastic.agent.containment import procs
 from mselastic.agent.containment.cgroups import exited
-from mselastic.agent.containment.jobfiles import Unreadable, bounded
+from mselastic.agent.containment.jobfiles import bounded, read_tail
 from mselastic.core.contract import STANDBY_FORKS, STANDBY_READY
 
 log = logging.getLogger(__name__)
@@ -533,17 +533,8 @@ EXIT_RECORD_BYTES = 1 << 16
 def recorded_exit(path: str, pid: int, offset: int) -> int | None:
     """The last code ``path`` (a fork server's record of its children's ends, a file of the job's:
     never through a symlink, never blocking, a bounded read) gives ``pid`` after ``offset``."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Unreadable(f"{path} is not a regular file")
-        start = max(offset, st.st_size - EXIT_RECORD_BYTES)
-        data = os.pread(fd, st.st_size - start, start)
-    finally:
-        os.close(fd)
     code = None
-    for line in data.splitlines():
+    for line in read_tail(path, EXIT_RECORD_BYTES, since=offset).splitlines():
         with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
             what = json.loads(line)
             if int(what["exit"]) == pid:
