@@ -44,8 +44,9 @@ import signal
 import sys
 import uuid
 import time
-from typing import Iterable
+from typing import Awaitable, Callable, Iterable, Iterator
 
+import asyncinotify
 import psutil
 
 log = logging.getLogger(__name__)
@@ -434,24 +435,57 @@ class Group:
         def left() -> bool:
             return self.populated() or any(_running(p) for p in extra)
 
-        for signum in (signal.SIGCONT, signal.SIGTERM) if grace_s > 0 else (signal.SIGCONT,):
-            self.signal(signum)
-            _send(extra, signum)
-        deadline = time.monotonic() + grace_s
-        while grace_s > 0 and left() and time.monotonic() < deadline:
-            await asyncio.sleep(poll_s)
-        for _ in range(3):
-            if not left():
-                break
-            self.kill()
-            _send(extra, signal.SIGKILL)
-            deadline = time.monotonic() + kill_within_s
-            while left() and time.monotonic() < deadline:
-                await asyncio.sleep(poll_s)
+        with self._emptying(bool(extra), poll_s) as emptied:
+            for signum in (signal.SIGCONT, signal.SIGTERM) if grace_s > 0 else (signal.SIGCONT,):
+                self.signal(signum)
+                _send(extra, signum)
+            if grace_s > 0:
+                await emptied(left, grace_s)
+            for _ in range(3):
+                if not left():
+                    break
+                self.kill()
+                _send(extra, signal.SIGKILL)
+                await emptied(left, kill_within_s)
         remaining = sorted(self.pids() | {p.pid for p in extra if _running(p)})
         if not remaining:
             self.remove()
         return remaining
+
+
+    @contextlib.contextmanager
+    def _emptying(self, polled: bool, poll_s: float) -> Iterator[Callable[[Callable[[], bool], float], Awaitable[None]]]:
+        """A wait until ``left()`` is false or a timeout passes: on cgroup v2 woken by the kernel
+        (``cgroup.events`` is modified as the group empties: inotify, watched before anything is
+        signalled, so no change is missed), else (v1, no inotify instance to be had) by looking
+        every ``poll_s``; also every ``poll_s`` while ``polled`` (processes outside the group)."""
+        events = os.path.join(self.path(self.layout.members), "cgroup.events") if self.layout.kill_file else ""
+        watch: asyncinotify.Inotify | None = None
+        if events:
+            try:
+                watch = asyncinotify.Inotify()
+                watch.add_watch(events, asyncinotify.Mask.MODIFY)
+            except OSError as e:  # (no such group yet; fs.inotify.max_user_instances reached)
+                if watch is not None:
+                    watch.close()
+                watch = None
+                if e.errno != errno.ENOENT:
+                    log.debug("cgroup.events of %s not watched (%s): looked at every %gs", events, e, poll_s)
+
+        async def emptied(left: Callable[[], bool], timeout_s: float) -> None:
+            deadline = time.monotonic() + timeout_s
+            while left() and (rest := deadline - time.monotonic()) > 0:
+                if watch is None:
+                    await asyncio.sleep(min(poll_s, rest))
+                    continue
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(watch.get(), min(poll_s, rest) if polled else rest)
+
+        try:
+            yield emptied
+        finally:
+            if watch is not None:
+                watch.close()
 
 
 def _send(procs: list[psutil.Process], signum: int) -> None:
