@@ -11,7 +11,7 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast etcd-server device-check bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-liveness \
+.PHONY: venv proto check-proto data demo test test-fast etcd-server device-check bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-hang bench-liveness \
 	systemd-tools systemd-image-base clean
 
 venv: $(STAMP)
@@ -116,6 +116,10 @@ bench-stop: $(STAMP) data
 # Steady-state step time under elasticd, and with per-step snapshots, against plain msrun.
 bench-steady: $(STAMP) data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/steady_state.py --data $(DATA) --runs 3
+
+# How fast a hung rank (SIGSTOP; a deadlock) is found with the limits learned from the job, against the fixed default.
+bench-hang: $(STAMP) data
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/hang_detection.py --data $(DATA) --runs 3
 
 # Goodput over 10 minutes with a rank SIGKILLed every 2 minutes, against a fault-free run (~25 min).
 bench-goodput: $(STAMP) data

@@ -224,7 +224,7 @@ def lenet_spec(path: str, name: str, out_dir: str, ckpt_dir: str, total_steps: i
         args=["--data", DATA_DIR, "--out", out_dir, "--lr", "0.05"],
         workers_per_node=workers, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
         global_batch_size=32, checkpoint_dir=ckpt_dir, checkpoint_interval_steps=10, keep_checkpoints=3,
-        hang_timeout_s=60, stop_grace_period_s=5, snapshot_interval_steps=0)
+        stop_grace_period_s=5, snapshot_interval_steps=0)
     fields.update(overrides)
     _pace(fields, pinned_batch="global_batch_size" in overrides or "micro_batch_sizes" in overrides)
     with open(path, "w") as f:

@@ -80,6 +80,22 @@ def train_batches(data_dir: str, data: ElasticData, pos, with_ids: bool) -> ds.D
     return transform(d, ctx.micro_batch)
 
 
+def evaluate(net: nn.Cell, data: str, until: float) -> float:
+    """Accuracy on the test set, passes over it until ``until`` (monotonic): an evaluation pass of
+    a chosen length, on this rank alone (the others wait for it in the next step's collective)."""
+    net.set_train(False)
+    correct = total = 0
+    while time.monotonic() < until:
+        for x, y in transform(ds.MnistDataset(data, usage="test", shuffle=False), 100).create_tuple_iterator(
+                num_epochs=1):
+            correct += int((net(x).asnumpy().argmax(axis=1) == y.asnumpy()).sum())
+            total += int(y.shape[0])
+            if time.monotonic() >= until:
+                break
+    net.set_train(True)
+    return correct / max(total, 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--data", required=True)
@@ -92,6 +108,13 @@ def main() -> None:
                    help="pause --step-sleep-s only until PATH exists (a test keeps the job running while it "
                         "needs it, then lets it finish at full speed)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layers (0: none)")
+    p.add_argument("--first-step-s", type=float, default=0.0,
+                   help="the first step of each run takes this long (as a long graph compile would)")
+    p.add_argument("--save-s", type=float, default=0.0,
+                   help="each checkpoint save takes this long on the rank that writes it (the others wait for it)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="rank 0 evaluates the test set every N steps, for --eval-s seconds (the others wait)")
+    p.add_argument("--eval-s", type=float, default=5.0)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -140,6 +163,8 @@ def main() -> None:
             if record is not None:
                 record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.world_size, "ids": ids}) + "\n")
                 record.flush()
+            if step == start + 1 and args.first_step_s:
+                time.sleep(args.first_step_s)
             ctx.beat("step", step, loss)  # elastic
             if step % 10 == 0 or step == start + 1:  # what `elasticctl logs -f` shows
                 print(f"step {step}/{ctx.total_steps} loss {loss:.4f} world_size {ctx.world_size}", flush=True)
@@ -148,10 +173,14 @@ def main() -> None:
             stop = ctx.should_stop(step)  # elastic: a planned stop: every rank stops at the step elasticd named
             if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
                 ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
+                if args.save_s and ckpt.writer:
+                    time.sleep(args.save_s)
                 if stop:
                     ctx.planned_exit(step)
             else:  # elastic: between checkpoints, a snapshot in this node's memory (a crash loses <= 1 step)
                 ckpt.snapshot(opt, step, pos.epoch, pos.cursor, pos.seed)
+            if args.eval_every and step % args.eval_every == 0 and ctx.rank == 0:
+                evaluate(net, args.data, time.monotonic() + args.eval_s)
 
     np.savez(os.path.join(args.out, f"params_rank{ctx.rank}.npz"),
              **{p.name: p.asnumpy() for p in net.trainable_params()})

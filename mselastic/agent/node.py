@@ -36,6 +36,7 @@ from mselastic.agent.reports import Reports
 from mselastic.agent.devices.health import DeviceHealth, unfit
 from mselastic.agent.generation.launch import release_standby_group, remove_exits, spawn_standby
 from mselastic.agent.generation.launch_env import LaunchEnv
+from mselastic.agent.generation.learned import Learned
 from mselastic.agent.containment.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.generation.supervisor import Generation, Phase
 from mselastic.agent.containment.users import WorkerUser
@@ -116,6 +117,8 @@ class NodeAgent:
         self._cleaning: set[Generation] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._ended: set[str] = set()  # jobs the leader said end here (a final Stop): nothing relaunches them
+        #: What this node learned of each job's timing, across its generations (agent.generation.learned).
+        self._learned: dict[str, Learned] = {}
         #: This node's reports in etcd, written when a generation changes.
         self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
         #: Where this node's registration stands (core.states.NodeState; moved by :meth:`_to`).
@@ -612,7 +615,8 @@ class NodeAgent:
                          cgroups=self.cfg.cgroups, node_limits=self.cfg.job_limits,
                          heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
                          lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir, run_id=run_id,
-                         namespace=self.store.keys.namespace)
+                         namespace=self.store.keys.namespace,
+                         learned=self._learned.setdefault(plan.job, Learned(spec.startup_timeout_s)))
         gen.on_fenced = self._fenced_by_shim
         gen.on_joined = self._tell_peers_joined
         gen.on_device_fault = functools.partial(self.device_health.blame, plan.job)
@@ -723,6 +727,7 @@ class NodeAgent:
             newer = gen is not None and generation and gen.plan.generation > generation  # (resubmitted meanwhile)
             if final and not newer:
                 self._ended.add(job)
+                self._learned.pop(job, None)  # (a job submitted again under its name may be another)
                 if gen is None or gen.done.is_set():
                     self._let_go(job)
             if gen is None or newer:
@@ -901,6 +906,7 @@ class NodeAgent:
                 # The job is done (it succeeded, or the leader said it ends): its standbys go now and
                 # its snapshots are memory nobody will read again. Otherwise a relaunch may use them.
                 if gen.state is GenerationState.SUCCEEDED or gen.plan.job in self._ended:
+                    self._learned.pop(gen.plan.job, None)
                     self._spawn(self._remove_snapshots_after(gen))  # (standbys and snapshots: _let_go)
                 else:
                     self.standbys.retire(gen.plan.job, False, functools.partial(self._running, gen.plan.job))

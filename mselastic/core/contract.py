@@ -131,12 +131,16 @@ class BeatKind(str, enum.Enum):
     PLANNED_EXIT = "planned_exit"  # checkpointed on an agreed SIGTERM at ``step``, leaving with code 75
     FATAL = "fatal"  # cannot go on (``note`` says why), leaving with code 78: relaunching cannot help
     STOP_REQUESTED = "stop_requested"  # got a SIGTERM that came with no stop step (an operator's): asks for one
+    #: Entering a section of its own (``note``: its name, e.g. "checkpoint", "eval"), or leaving it
+    #: (``note`` empty): the agent learns how long each section takes (mselastic.agent.generation.learned).
+    SECTION = "section"
 
 
 @dataclasses.dataclass(frozen=True)
 class Beat:
     """One heartbeat. ``kind``: phase (start-up: ``note`` names it, one of PHASES), start (after
-    resume), step, checkpoint, finished, planned_exit, fatal (``note``: why), stop_requested."""
+    resume), step, checkpoint, finished, planned_exit, fatal (``note``: why), stop_requested,
+    section (``note``: the section entered, empty when left)."""
 
     kind: str
     rank: int

@@ -98,8 +98,13 @@ class JobSpec:
     #: elasticd's own planned stops (stop, drain, scale, restart, a single-node job's SIGTERM)
     #: name the step instead and cost nothing per step.
     stop_check_interval_steps: int = 20
-    #: A rank with no heartbeat for this long is declared hung.
-    hang_timeout_s: float = 60.0
+    #: A rank with no heartbeat for this long is declared hung (a stopped one, state T: half as
+    #: long). 0, the default: the agent learns the limits from the job itself, per section (steps,
+    #: the first step, checkpoint saves, the script's named sections; see
+    #: mselastic.agent.generation.learned): a stopped rank is found in a few typical steps, an
+    #: idle silent one at 4x the longest that section took, and nothing is judged on a guess
+    #: (60 s until a section is learned, startup_timeout_s for a first step).
+    hang_timeout_s: float = 0.0
     #: A rank that has not sent its first heartbeat after this long is declared hung.
     startup_timeout_s: float = 180.0
     #: SIGTERM -> SIGKILL grace period when a generation is stopped; for a planned stop, on top of
@@ -184,7 +189,10 @@ class JobSpec:
         for key in ("max_restarts", "snapshot_interval_steps", "memory_limit_mb", "max_processes"):
             if getattr(self, key) < 0:
                 _fail(key, f"must be >= 0 (got {getattr(self, key)})")
-        for key in ("hang_timeout_s", "startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
+        if not self.hang_timeout_s >= 0:
+            _fail("hang_timeout_s", f"must be 0 (learned from the job) or a positive number of seconds "
+                                    f"(got {self.hang_timeout_s})")
+        for key in ("startup_timeout_s", "stop_grace_period_s", "min_nodes_timeout_s",
                     "quarantine_cooldown_s", "scale_up_settle_s"):
             if not getattr(self, key) > 0:
                 _fail(key, f"must be a positive number of seconds (got {getattr(self, key)})")

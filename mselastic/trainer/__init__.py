@@ -23,6 +23,10 @@ position and gradient accumulation themselves::
     else:                                        # a snapshot in the node's memory between them
         ckpt.snapshot(optimizer, step, pos.epoch, pos.cursor, pos.seed)
     ctx.finished(step, loss)
+
+Anything long that is not a step (an evaluation pass, a save of the script's own) goes in
+``with ctx.section("eval"):``: without a ``hang_timeout_s`` the agent learns how long each
+section takes and judges a silence by it (mselastic.agent.generation.learned).
 """
 
 from mselastic.trainer.checkpoint import Checkpointer, Manifest, Resumed

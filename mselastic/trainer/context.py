@@ -174,6 +174,8 @@ class ElasticContext:
     _sock: socket.socket | None = None
     _sum: Any = None
     _overshot: bool = False
+    #: The last step this rank said it completed (-1: none yet), for the beats that carry no step.
+    _step: int = -1
 
     @classmethod
     def init(cls, checkpoint_dir: str = "", total_steps: int = 0, global_batch_size: int = 0,
@@ -256,6 +258,8 @@ class ElasticContext:
         """Tell the local agent we are alive (never blocks, never raises; an injected fault may fire)."""
         if self.fault is not None and kind == BeatKind.STEP:
             self.fault.maybe_inject(self.rank, self.generation, step, self.checkpoint_dir)
+        if kind == BeatKind.STEP:
+            self._step = step
         if self._sock is None:
             return
         b = Beat(kind=kind, rank=self.rank, pid=os.getpid(), generation=self.generation, step=step,
@@ -264,6 +268,25 @@ class ElasticContext:
             self._sock.sendto(b.encode(), contract.socket_address(self.heartbeat_address))
         except OSError:
             pass  # the agent is gone or busy; it will judge us by our process
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """A part of the run that is not a training step (an evaluation pass, a save of the
+        script's own, a long wait for data), named for the agent::
+
+            with ctx.section("eval"):
+                accuracy = model.eval(test_set)
+
+        Without a ``hang_timeout_s`` in the job's spec the agent learns how long each section
+        takes (and steps, and first steps, apart from them) and calls a rank hung only when it
+        is silent much longer than that section ever was: a section marked so is never judged
+        by the steps' much shorter limit. Sections do not nest (the inner one's end ends both)."""
+        name = name.strip()[:64] or "section"
+        self.beat(BeatKind.SECTION, max(self._step, 0), note=name)
+        try:
+            yield
+        finally:
+            self.beat(BeatKind.SECTION, max(self._step, 0))
 
     def started(self, resumed_step: int, note: str = "") -> None:
         """Tell the agent where this generation resumed (``note``: e.g. checkpoints skipped as corrupt)."""

@@ -47,6 +47,13 @@ What the lines do:
   optimizer) at ``on_train_begin``, and the step accounting at each step end (each sink's, in
   data sink mode), stopping with ``run_context.request_stop()`` at ``total_steps``.
 
+Anything long that is not a step (an evaluation pass every N steps, a save of the script's own)
+goes in a named section, so that elasticd's hang detection, which learns how long the job's steps
+take, judges it by what that section took before, not by the steps' shorter limit::
+
+    with elastic.section("eval"):
+        accuracy = model.eval(test_set)
+
 Without elasticd (plain msrun, a single process) nothing changes unless
 ``MSELASTIC_CHECKPOINT_DIR`` is set: the dataset is left as the script built it and no checkpoint
 is written (one line says so). Jobs whose ``micro_batch_sizes`` need gradient accumulation cannot
@@ -57,6 +64,7 @@ be run by an unchanged loop: they are refused with that reason (the lower-level 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
@@ -484,6 +492,24 @@ def step(loss: Any = None) -> None:
     (``elasticctl watch``); the step itself is counted when the next batch is asked for."""
     if loss is not None:
         _SESSION.loss = float(loss.asnumpy()) if hasattr(loss, "asnumpy") else float(loss)
+
+
+@contextlib.contextmanager
+def section(name: str) -> Iterator[None]:
+    """A part of the run that is not a training step (an evaluation pass, a save of the script's
+    own), named for elasticd's hang detection, which learns how long each takes
+    (:meth:`ElasticContext.section`)::
+
+        with elastic.section("eval"):
+            accuracy = model.eval(test_set)
+
+    Outside elasticd, or before the session has a context: nothing."""
+    s = _SESSION
+    if s.passthrough or s.ctx is None:
+        yield
+        return
+    with s.ctx.section(name):
+        yield
 
 
 def finished() -> None:

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 ENV_FAULT = "MSELASTIC_FAULT"
@@ -28,6 +29,9 @@ class Fault(enum.Enum):
     EXCEPTION = "exception"  # an uncaught Python exception
     ABORT = "abort"  # os.abort(): SIGABRT, as a crash in native code
     SIGSTOP = "sigstop"  # stops dead (a hang): no heartbeat until resumed
+    #: Blocks for good in the step, on a lock nobody releases (a deadlock: asleep, not stopped; its
+    #: peers wait for it in the next collective).
+    HANG = "hang"
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the newest checkpoint is damaged on disk, then SIGKILL
     #: Stuck before ``init()`` (a slow import, a blocked file system): sleeps and never reports a phase.
     #: Fires at start-up, so its ``step`` is ignored.
@@ -94,6 +98,10 @@ class FaultPlan:
             os.abort()
         elif self.fault is Fault.SIGSTOP:
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.fault is Fault.HANG:
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # (held by itself: never returns)
         elif self.fault is Fault.CORRUPT_CHECKPOINT:
             _corrupt_newest(checkpoint_dir)
             os.kill(os.getpid(), signal.SIGKILL)

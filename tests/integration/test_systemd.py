@@ -77,7 +77,7 @@ def submit(c: Container, name: str, total_steps: int, **overrides: Any) -> None:
                         "--step-sleep-s", "0.25"],  # (the checks below need the job running for seconds)
                   workers_per_node=2, min_nodes=1, max_nodes=1, max_restarts=3, total_steps=total_steps,
                   global_batch_size=32, checkpoint_dir=f"{JOBS}/{name}/ckpt", checkpoint_interval_steps=10,
-                  keep_checkpoints=3, hang_timeout_s=60, stop_grace_period_s=10)
+                  keep_checkpoints=3, stop_grace_period_s=10)
     fields.update(overrides)
     c.write(f"/root/{name}.toml", "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
     c.run("elasticctl", "submit", f"/root/{name}.toml")

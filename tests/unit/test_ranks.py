@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mselastic.agent.generation import ranks
+from mselastic.agent.generation import learned, ranks
 from mselastic.core.contract import Beat, BeatKind
 
 
@@ -48,3 +48,24 @@ def test_exit_step_and_exit_codes_sum_the_ranks_up() -> None:
 def test_the_steps_to_a_stop_step_come_on_top_of_the_grace(stop_at: int, steps: list[int], rate: float,
                                                             expected: float) -> None:
     assert ranks.steps_to_go_s(stop_at, steps, rate, 20, 5.0) == expected
+
+
+def test_each_section_is_timed_on_the_ranks_clock_from_the_beat_that_began_it() -> None:
+    """The beats' own times (``at``) time the sections: a burst read late by a busy elasticd
+    (all received at 50.0) is not taken for slow steps."""
+    seen, rs = learned.Learned(), ranks.RankState(0)
+    for kind, step, at, note in [(BeatKind.START, 0, 100.0, ""), (BeatKind.STEP, 1, 110.0, ""),
+                                 (BeatKind.STEP, 2, 110.1, ""), (BeatKind.SECTION, 2, 110.15, "checkpoint"),
+                                 (BeatKind.SECTION, 2, 112.15, ""), (BeatKind.STEP, 3, 112.2, ""),
+                                 (BeatKind.SECTION, 3, 112.3, "eval"), (BeatKind.STEP, 4, 117.3, "")]:
+        ranks.note_beat(rs, beat(kind, step, at=at, note=note), now=50.0, seen=seen)
+    got = seen.summary()
+    assert got[learned.FIRST_STEP] == (1, pytest.approx(10.0)) and got["checkpoint"] == (1, pytest.approx(2.0))
+    assert got["eval"] == (1, pytest.approx(5.0)) and got[learned.STEP] == (4, pytest.approx(0.1))
+    assert rs.section == learned.STEP and rs.last_beat == 50.0
+    ranks.note_beat(rs, beat(BeatKind.STEP, 5, at=117.0), now=51.0, seen=seen)  # (a clock stepped back)
+    assert seen.summary()[learned.STEP][0] == 4
+    ranks.note_beat(rs, beat(BeatKind.STEP, 10, at=118.0), now=52.0, seen=seen, checkpoint_every=10)
+    assert rs.section == learned.CHECKPOINT  # (the save, or the wait for the rank that saves, comes next)
+    ranks.note_beat(rs, beat(BeatKind.STEP, 11, at=120.5), now=53.0, seen=seen, checkpoint_every=10)
+    assert rs.section == learned.STEP and seen.summary()[learned.CHECKPOINT] == (2, pytest.approx(2.5))

@@ -31,7 +31,7 @@ def test_good_spec_round_trips() -> None:
     ({"total_steps": 0}, "total_steps"),
     ({"total_steps": "10"}, "total_steps"),
     ({"total_steps": True}, "total_steps"),
-    ({"hang_timeout_s": 0}, "hang_timeout_s"),
+    ({"hang_timeout_s": -1}, "hang_timeout_s"),
     ({"stop_grace_period_s": -1.0}, "stop_grace_period_s"),
     ({"min_nodes_timeout_s": 0}, "min_nodes_timeout_s"),
     ({"max_restarts": -1}, "max_restarts"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from mselastic.agent.generation.learned import (CHECKPOINT, FALLBACK_S, FIRST_STEP, IDLE_FLOOR_S, MAX_SECTIONS, MIN_STEPS,
+                                                SAFETY, STEP, STOPPED_FLOOR_S, WINDOW, Learned, busy)
 from mselastic.agent.generation.verdict import Fault, Look, RankLook, Timing, judge
 from mselastic.core.contract import Beat
 from mselastic.core.states import FailureCause as C
@@ -83,3 +85,110 @@ def test_judge(what: str, seen: Look, expected: tuple[int, C, str] | None) -> No
     else:
         assert isinstance(fault, Fault) and (fault.rank, fault.cause) == expected[:2], fault
         assert expected[2] in fault.reason, fault.reason
+
+
+# -- limits learned from the job (#47: no hang_timeout_s in the spec) ------------------------------
+
+def seasoned() -> Learned:
+    """A job seen for a while: 0.1 s steps (one of 0.3 s), 2 s saves, a 10 s first step, 5 s evaluations."""
+    seen = Learned(startup_timeout_s=180)
+    for i in range(40):
+        seen.observe(STEP, 0.3 if i == 7 else 0.1)
+    seen.observe(CHECKPOINT, 2.0)
+    seen.observe(FIRST_STEP, 10.0)
+    seen.observe("eval", 5.0)
+    return seen
+
+
+LEARNED = Timing(hang_timeout_s=0, startup_timeout_s=180, stop_grace_period_s=5, learned=seasoned())
+FRESH = Timing(hang_timeout_s=0, startup_timeout_s=180, stop_grace_period_s=5, learned=Learned(180))
+EXPLICIT = Timing(hang_timeout_s=60, startup_timeout_s=180, stop_grace_period_s=5, learned=seasoned())
+
+def whole(*ranks: RankLook) -> Look:
+    """A look at a single-node job: every rank of it is here."""
+    return Look(now=NOW, ranks={r.rank: r for r in ranks}, started=NOW - 30, whole=True)
+
+
+def idle(r: int, silent_s: float, section: str = STEP, **kw: object) -> RankLook:
+    return rank(r, last_beat=NOW - silent_s, section=section, busy=False, **kw)
+
+
+LEARNED_ROWS: list[tuple[str, Timing, Look, tuple[int, C, str] | None]] = [
+    ("stopped for ten typical steps (at least 1 s)", LEARNED, look(rank(0), rank(1, stopped_since=NOW - 1.1)),
+     (1, C.RANK_HUNG, "learned: 10 typical steps (0.10s)")),
+    ("stopped for less", LEARNED, look(rank(0), rank(1, stopped_since=NOW - 0.8)), None),
+    ("stopped, steps not learned yet: half the default", FRESH, look(rank(0), rank(1, stopped_since=NOW - 29)), None),
+    ("... past it", FRESH, look(rank(0), rank(1, stopped_since=NOW - 31)), (1, C.RANK_HUNG, "half the default")),
+    ("the whole job silent and idle past its limit (a deadlock): the one silent longest", LEARNED,
+     whole(idle(0, 10.5), idle(1, 10.6)),
+     (1, C.RANK_HUNG, "no heartbeat for 10.6s in step, the whole job idle (learned: 4x the longest step seen "
+                      "here, 0.30s)")),
+    ("... one rank not looked at yet", LEARNED, whole(idle(0, 10.5), rank(1, last_beat=NOW - 10.6, section=STEP)),
+     None),
+    ("... one rank working (rank 0's evaluation, the others wait for it)", LEARNED,
+     whole(rank(0, last_beat=NOW - 30, section=STEP, busy=True), idle(1, 30)), None),
+    ("... one rank still beating", LEARNED, whole(rank(0), idle(1, 30)), None),
+    ("... ranks on other nodes (they may be working): the default", LEARNED,
+     look(idle(0, 59), idle(1, 59)), None),
+    ("... past it", LEARNED, look(idle(0, 59), idle(1, 61)), (1, C.RANK_HUNG, "no heartbeat for 61.0s in step (")),
+    ("working past the default", LEARNED, whole(rank(0), rank(1, last_beat=NOW - 61, section=STEP, busy=True)),
+     (1, C.RANK_HUNG, "in step (learned")),
+    ("in a save, idle, within 4x the longest save (the floor)", LEARNED,
+     whole(idle(0, 9.5, CHECKPOINT), idle(1, 9.5, CHECKPOINT)), None),
+    ("a first step (a compile), idle, within 4x the longest", LEARNED,
+     whole(idle(0, 39, FIRST_STEP), idle(1, 39, FIRST_STEP)), None),
+    ("... past it", LEARNED, whole(idle(0, 41, FIRST_STEP), idle(1, 41, FIRST_STEP)),
+     (0, C.RANK_HUNG, "in first_step, the whole job idle (learned: 4x the longest first_step seen here, 10.00s)")),
+    ("an evaluation marked, idle, within 4x the longest", LEARNED, whole(idle(0, 19, "eval"), idle(1, 19, "eval")),
+     None),
+    ("a section never seen: the default", LEARNED, whole(idle(0, 59, "export"), idle(1, 59, "export")), None),
+    ("... past it", LEARNED, whole(idle(0, 61, "export"), idle(1, 59, "export")),
+     (0, C.RANK_HUNG, "export not learned yet: the default, 60s")),
+    ("a job's first step, nothing learned: startup_timeout_s", FRESH,
+     whole(idle(0, 170, FIRST_STEP), idle(1, 170, FIRST_STEP)), None),
+    ("a job's steps before 20 of them: the default", FRESH, whole(idle(0, 59), idle(1, 59)), None),
+    ("an explicit hang_timeout_s wins over what was learned", EXPLICIT,
+     whole(idle(0, 30), idle(1, 30), rank(2, stopped_since=NOW - 20)), None),
+    ("... its value", EXPLICIT, whole(rank(0), rank(1, last_beat=NOW - 61, section=STEP, busy=True)),
+     (1, C.RANK_HUNG, "(hang_timeout_s=60)")),
+]
+
+
+@pytest.mark.parametrize("what, timing, seen, expected", LEARNED_ROWS, ids=[r[0] for r in LEARNED_ROWS])
+def test_judge_learned(what: str, timing: Timing, seen: Look, expected: tuple[int, C, str] | None) -> None:
+    fault = judge(seen, timing)
+    if expected is None:
+        assert fault is None, fault
+    else:
+        assert isinstance(fault, Fault) and (fault.rank, fault.cause) == expected[:2], fault
+        assert expected[2] in fault.reason, fault.reason
+
+
+def test_what_is_learned_and_what_is_not() -> None:
+    seen = Learned(startup_timeout_s=120)
+    assert seen.limit(FIRST_STEP).idle_s == 120 and seen.limit(STEP).idle_s == FALLBACK_S
+    for _ in range(MIN_STEPS - 1):
+        seen.observe(STEP, 0.05)
+    assert not seen.learned(STEP) and seen.typical_step_s() is None
+    seen.observe(STEP, 0.05)
+    assert seen.learned(STEP) and seen.typical_step_s() == pytest.approx(0.05)
+    assert seen.limit(STEP).idle_s == IDLE_FLOOR_S and seen.limit(STEP).busy_s == FALLBACK_S  # (never below the floor)
+    assert seen.stopped_limit()[0] == STOPPED_FLOOR_S
+    seen.observe(STEP, 30.0)  # one long pause: the limit follows the longest, and stays there
+    for _ in range(WINDOW):
+        seen.observe(STEP, 0.05)
+    assert seen.limit(STEP).idle_s == SAFETY * 30 and seen.limit(STEP).busy_s == SAFETY * 30
+    seen.observe(STEP, -1.0)  # (a clock stepped back) is not a duration
+    assert seen.summary()[STEP][0] == MIN_STEPS + 1 + WINDOW
+    for i in range(MAX_SECTIONS + 5):  # a script naming a section per step does not grow elasticd
+        seen.observe(f"s{i}", 1.0)
+    assert len(seen.summary()) == MAX_SECTIONS
+    seen.observe(CHECKPOINT, 1.0)  # (the library's own are always kept)
+    assert seen.learned(CHECKPOINT)
+
+
+def test_a_rank_that_works_through_its_silence_is_busy() -> None:
+    assert busy(cpu_s=0.2, waited_s=0.0, over_s=0.5)       # an evaluation pass on a core
+    assert busy(cpu_s=0.0, waited_s=0.4, over_s=0.5)       # waiting for a core on a loaded machine
+    assert not busy(cpu_s=0.02, waited_s=0.01, over_s=0.5)  # a collective that will never complete
+    assert not busy(cpu_s=1.0, waited_s=0.0, over_s=0.0)

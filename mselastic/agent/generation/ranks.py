@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable
 
+from mselastic.agent.generation import learned
 from mselastic.core import contract
 from mselastic.core.contract import Beat, BeatKind
 
@@ -37,6 +38,14 @@ class RankState:
     fatal: str = ""
     #: Sent ``NUDGE_SIGNAL`` (once: still inside init() after a local peer got through).
     nudged: bool = False
+    #: What it is doing since its last beat (a section of mselastic.agent.generation.learned; "":
+    #: not started), and when that beat was sent (its own clock: the beats' ``at``).
+    section: str = ""
+    sent_at: float = 0.0
+    #: While it is silent past its idle limit: (monotonic time, CPU seconds, seconds waited for a
+    #: CPU) when its work was last read, and whether it worked since (None: not known yet).
+    work_at: tuple[float, float, float] | None = None
+    busy: bool | None = None
 
 
 def reach(rs: RankState, phase: int, now: float) -> None:
@@ -46,8 +55,16 @@ def reach(rs: RankState, phase: int, now: float) -> None:
     rs.phase = max(rs.phase, phase)
 
 
-def note_beat(rs: RankState, beat: Beat, now: float) -> None:
-    """What one of its beats, received at ``now``, says of ``rs``. A phase beat is start-up
+#: What a beat's kind says the rank does next (the other kinds leave its section as it was).
+_NEXT_SECTION: dict[BeatKind, str] = {BeatKind.START: learned.FIRST_STEP, BeatKind.STEP: learned.STEP, BeatKind.CHECKPOINT: learned.CHECKPOINT}
+
+
+def note_beat(rs: RankState, beat: Beat, now: float, seen: learned.Learned | None = None,
+              checkpoint_every: int = 0) -> None:
+    """What one of its beats, received at ``now``, says of ``rs``; the time the rank spent in the
+    section this beat ends goes to ``seen`` (timed on the rank's own clock: the beats' ``at``, so
+    that beats read late by a busy elasticd are not taken for slow steps). A step that is a
+    multiple of ``checkpoint_every`` begins the checkpoint section. A phase beat is start-up
     progress, not a heartbeat (``init()`` may wait long for other nodes); any other beat comes
     after the start-up phases."""
     if beat.kind == BeatKind.PHASE:
@@ -55,6 +72,15 @@ def note_beat(rs: RankState, beat: Beat, now: float) -> None:
             reach(rs, Beat.PHASES.index(beat.note), now)
         return
     reach(rs, len(Beat.PHASES), now)
+    if seen is not None and rs.section and rs.sent_at and beat.at >= rs.sent_at:
+        seen.observe(rs.section, beat.at - rs.sent_at)
+    if beat.kind == BeatKind.SECTION:
+        rs.section = beat.note[:learned.MAX_NAME] if beat.note else learned.STEP
+    elif beat.kind == BeatKind.STEP and checkpoint_every > 0 and beat.step % checkpoint_every == 0:
+        rs.section = learned.CHECKPOINT
+    else:
+        rs.section = _NEXT_SECTION.get(BeatKind(beat.kind), rs.section)
+    rs.sent_at, rs.work_at, rs.busy = beat.at, None, None
     rs.last_beat = now
     rs.step = max(rs.step, beat.step)
     if beat.kind == BeatKind.STEP or (beat.kind == BeatKind.FINISHED and beat.loss):

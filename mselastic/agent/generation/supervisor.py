@@ -29,7 +29,7 @@ import psutil
 
 from mselastic import metrics
 from mselastic.agent.containment import procs
-from mselastic.agent.generation import observe, ranks as rank_rules, shim, verdict
+from mselastic.agent.generation import learned as learned_rules, observe, ranks as rank_rules, shim, verdict
 from mselastic.agent.generation.beats import BeatSocket, Senders
 from mselastic.agent.containment.cgroups import CgroupError, Group, Limits, Tree, effective, join_prefix
 from mselastic.agent.devices.health import evidence
@@ -90,7 +90,8 @@ class Generation:
                  snapshot_root: str = "", batch_scheduling: bool = True, cgroups: Tree | None = None,
                  node_limits: Limits = Limits(), heartbeat_dir: str = "",
                  fence_deadline: Callable[[], float] = lambda: 0.0, lease_ttl_s: float = 0.0,
-                 shim_dir: str = "", run_id: str = "", namespace: str = "") -> None:
+                 shim_dir: str = "", run_id: str = "", namespace: str = "",
+                 learned: learned_rules.Learned | None = None) -> None:
         member = plan.member(node_id)
         if member is None:
             raise ValueError(f"node {node_id} is not a member of generation {plan.generation}")
@@ -141,6 +142,11 @@ class Generation:
                                      Awaitable[tuple[int, str, bool] | None]] | None = None
         self._remote_joined_at = 0.0
         self._poll_s = poll_interval_s
+        #: What this node learned of the job's sections (kept by the node across its generations:
+        #: agent.generation.learned); the limits the ranks are judged by.
+        self.learned = learned if learned is not None else learned_rules.Learned(spec.startup_timeout_s)
+        self.timing = verdict.Timing(spec.hang_timeout_s, spec.startup_timeout_s, spec.stop_grace_period_s,
+                                     self.learned)
         self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
         #: What elasticd started (cold: msrun; warm: the standbys handed this generation).
         self.launch = Launch(self.run_id, member, list(standbys or []), self._ctx)
@@ -631,7 +637,14 @@ class Generation:
             return
         joined, top, now = rank_rules.joined(self.ranks.values()), max(r.step for r in self.ranks.values()), \
             time.monotonic()
-        rank_rules.note_beat(rs, beat, now)
+        learned_before = self.learned.learned(learned_rules.STEP)
+        rank_rules.note_beat(rs, beat, now, self.learned, self.spec.checkpoint_interval_steps)
+        if not learned_before and not self.spec.hang_timeout_s and self.learned.learned(learned_rules.STEP):
+            log.info("hang limits learned from the job: a stopped rank after %.1fs, the whole job idle after %.1fs "
+                     "in a step (sections seen: %s)", self.learned.stopped_limit()[0],
+                     self.learned.limit(learned_rules.STEP).idle_s,
+                     ", ".join(f"{k} x{n} longest {t:.2f}s" for k, (n, t) in self.learned.summary().items()),
+                     extra=self._ctx)
         if not joined and JOINED in rs.phase_at:
             self.on_joined(self)
         if beat.kind == BeatKind.PHASE:
@@ -745,8 +758,7 @@ class Generation:
     def _find_fault(self) -> tuple[int, str, FailureCause] | None:
         """(rank, reason, cause) of the rank that failed; None while all is well: one look
         (:meth:`_look`), judged by :func:`mselastic.agent.generation.verdict.judge`."""
-        fault = verdict.judge(self._look(), verdict.Timing(self.spec.hang_timeout_s, self.spec.startup_timeout_s,
-                                                            self.spec.stop_grace_period_s))
+        fault = verdict.judge(self._look(), self.timing)
         if fault is None:
             return None
         rs = self.ranks.get(fault.rank)
@@ -755,10 +767,23 @@ class Generation:
         return fault.rank, fault.reason, fault.cause
 
     def _look(self) -> verdict.Look:
-        """One look at the ranks (see :func:`mselastic.agent.generation.observe.look`)."""
+        """One look at the ranks (see :func:`mselastic.agent.generation.observe.look`), the beats
+        queued read first: an elasticd that could not run for a while (a loaded machine, a pause)
+        must not take the beats it has not read yet for silence."""
+        self._drain_beats()
         return observe.look(self.ranks, time.monotonic(), self.started_mono, self.log_dir,
                             self.launch.warm_scheduler(), self.launch.msrun is not None, self.launch.msrun_exits,
-                            self._drain_beats)
+                            self._drain_beats, self._idle_limit, self._whole)
+
+    @property
+    def _whole(self) -> bool:
+        """Every rank of the job is here (see mselastic.agent.generation.learned)."""
+        return self.member.local_workers == self.plan.world_size
+
+    def _idle_limit(self, section: str) -> float | None:
+        """How long a rank in ``section`` may be silent doing nothing (None: the spec's
+        ``hang_timeout_s`` holds whatever it does, or the job has ranks elsewhere)."""
+        return None if self.spec.hang_timeout_s or not self._whole else self.timing.silence(section).idle_s
 
     async def _stopped_unasked(self) -> None:
         """The ranks exited on a SIGTERM this agent did not send (an operator, another node's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 
+from mselastic.agent.generation import learned as learned_rules
 from mselastic.core.contract import Beat
 from mselastic.core.states import FailureCause
 
@@ -48,6 +49,10 @@ class RankLook:
     #: Start-up phases reached (an index into Beat.PHASES), and when.
     phase: int = -1
     phase_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: What it does since its last beat (a section: mselastic.agent.generation.learned), and whether
+    #: it worked through its silence (None: not looked at; only once past its idle limit).
+    section: str = ""
+    busy: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +67,37 @@ class Look:
     scheduler_exit: int | None = None
     scheduler_pid: int = 0
     log_dir: str = ""
+    #: Every rank of the job is one of these (a single-node job): only then can the agent see that
+    #: nothing of the job works (see mselastic.agent.generation.learned).
+    whole: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
+    #: The spec's; 0: none, the limits are learned (``learned``).
     hang_timeout_s: float
     startup_timeout_s: float
     stop_grace_period_s: float
+    learned: learned_rules.Learned | None = None
+
+    def silence(self, section: str) -> learned_rules.Limit:
+        """How long a rank in ``section`` may go without a beat."""
+        if self.hang_timeout_s or self.learned is None:
+            hang = self.hang_timeout_s or learned_rules.FALLBACK_S
+            return learned_rules.Limit(hang, hang, f"hang_timeout_s={hang:g}")
+        return self.learned.limit(section or learned_rules.STEP)
+
+    def stopped(self) -> tuple[float, str]:
+        """How long a rank may stay stopped (state T), and why."""
+        if self.hang_timeout_s or self.learned is None:
+            hang = self.hang_timeout_s or learned_rules.FALLBACK_S
+            return hang / 2, f"half of hang_timeout_s={hang:g}"
+        return self.learned.stopped_limit()
+
+    @property
+    def phase_s(self) -> float:
+        """How long a rank may stay in a start-up phase a peer passed (not learned: rare)."""
+        return self.hang_timeout_s or learned_rules.FALLBACK_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +144,13 @@ def judge(look: Look, t: Timing) -> Fault | None:
     - ranks that announced a planned exit (they checkpointed on a SIGTERM): once every rank has, or
       the others stayed silent for ``stop_grace_period_s``;
     - the warm scheduler gone while ranks run (msrun would notice only through its workers);
-    - a rank stopped (state T) for half of ``hang_timeout_s``, before its first step too: its peers
-      stop beating about as early, waiting for it in a collective;
-    - a rank stuck in a start-up phase ``hang_timeout_s`` after a peer got past it;
-    - a rank without a heartbeat for ``hang_timeout_s``;
+    - a rank stopped (state T) for half of ``hang_timeout_s`` (learned: a few typical steps), before
+      its first step too: its peers stop beating about as early, waiting for it in a collective;
+    - a rank stuck in a start-up phase ``hang_timeout_s`` (learned: the default) after a peer got past it;
+    - a rank without a heartbeat for ``hang_timeout_s``; without one in the spec, for the limit
+      learned for what it was doing (its section: mselastic.agent.generation.learned) once every
+      rank of the job is here and each is seen silent and idle past its own, else for the longer
+      of that limit and the default;
     - a rank without any heartbeat ``startup_timeout_s`` after the launch.
     """
     ranks = look.ranks.values()
@@ -145,21 +177,30 @@ def judge(look: Look, t: Timing) -> Fault | None:
     stopped = [r for r in ranks if r.stopped_since and not r.finished]
     if stopped:
         first = min(stopped, key=lambda r: (r.stopped_since, r.rank))
-        if look.now - first.stopped_since >= t.hang_timeout_s / 2:
+        limit, why = t.stopped()
+        if look.now - first.stopped_since >= limit:
             return Fault(first.rank, f"stopped (state T, pid {first.pid}) for {look.now - first.stopped_since:.1f}s "
-                                     f"(half of hang_timeout_s={t.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+                                     f"({why})", FailureCause.RANK_HUNG)
         return None
     late = behind(look)
-    if late is not None and late[2] > t.hang_timeout_s:
+    if late is not None and late[2] > t.phase_s:
         r, peer, for_s = late
         where = Beat.PHASES[r.phase] if r.phase >= 0 else "start-up (before init())"
         return Fault(r.rank, f"stuck in {where} for {for_s:.1f}s after rank {peer.rank} got past it "
-                             f"(hang_timeout_s={t.hang_timeout_s:g})", FailureCause.RANK_HUNG)
-    silent = [r for r in ranks if not r.finished and r.last_beat and look.now - r.last_beat > t.hang_timeout_s]
+                             f"({'hang_timeout_s' if t.hang_timeout_s else 'the default'}={t.phase_s:g})",
+                     FailureCause.RANK_HUNG)
+    running = [r for r in ranks if not r.finished]
+    limits = {r.rank: t.silence(r.section) for r in running}
+    idle = [r for r in running if r.last_beat and r.busy is False and look.now - r.last_beat > limits[r.rank].idle_s]
+    all_idle = look.whole and bool(running) and len(idle) == len(running)
+    silent = [r for r in running if r.last_beat and (look.now - r.last_beat > limits[r.rank].busy_s
+                                                     or (all_idle and r in idle))]
     if silent:
         first = min(silent, key=lambda r: (r.last_beat, r.rank))
-        return Fault(first.rank, f"no heartbeat for {look.now - first.last_beat:.1f}s "
-                                 f"(hang_timeout_s={t.hang_timeout_s:g})", FailureCause.RANK_HUNG)
+        where = first.section or learned_rules.STEP
+        how = "" if t.hang_timeout_s else f" in {where}, the whole job idle" if all_idle else f" in {where}"
+        return Fault(first.rank, f"no heartbeat for {look.now - first.last_beat:.1f}s{how} ({limits[first.rank].why})",
+                     FailureCause.RANK_HUNG)
     for r in ranks:
         if not r.last_beat and look.now - look.started > t.startup_timeout_s:
             return Fault(r.rank, f"no heartbeat within startup_timeout_s={t.startup_timeout_s:g}",
