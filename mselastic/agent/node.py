@@ -117,8 +117,9 @@ class NodeAgent:
         self._cleaning: set[Generation] = set()
         self._swept: set[str] = set()  # jobs whose launch here swept the stale snapshot folders
         self._ended: set[str] = set()  # jobs the leader said end here (a final Stop): nothing relaunches them
-        #: What this node learned of each job's timing, across its generations (agent.generation.learned).
-        self._learned: dict[str, Learned] = {}
+        #: What this node learned of each job's timing, across its generations of one world size
+        #: (agent.generation.learned: at another, each rank's share of a step is another).
+        self._learned: dict[str, tuple[int, Learned]] = {}
         #: This node's reports in etcd, written when a generation changes.
         self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
         #: Where this node's registration stands (core.states.NodeState; moved by :meth:`_to`).
@@ -616,12 +617,19 @@ class NodeAgent:
                          heartbeat_dir=self.cfg.heartbeat_dir, fence_deadline=self._fence_deadline,
                          lease_ttl_s=self.cfg.lease_ttl_s, shim_dir=self.cfg.shim_dir, run_id=run_id,
                          namespace=self.store.keys.namespace,
-                         learned=self._learned.setdefault(plan.job, Learned(spec.startup_timeout_s)))
+                         learned=self._learned_for(plan, spec))
         gen.on_fenced = self._fenced_by_shim
         gen.on_joined = self._tell_peers_joined
         gen.on_device_fault = functools.partial(self.device_health.blame, plan.job)
         gen.check_devices = functools.partial(self.device_health.check, plan.job)
         return gen
+
+    def _learned_for(self, plan: Plan, spec: JobSpec) -> Learned:
+        """What this node learned of ``plan``'s job at its world size (anew at another)."""
+        kept = self._learned.get(plan.job)
+        if kept is None or kept[0] != plan.world_size:
+            kept = self._learned[plan.job] = (plan.world_size, Learned(spec.startup_timeout_s))
+        return kept[1]
 
     # -- adoption (agent.generation.adopt) --------------------------------------------
 

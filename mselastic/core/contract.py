@@ -152,6 +152,9 @@ class Beat:
     at: float = 0.0
     #: With ``start``: how the resume went when it was not plain (e.g. a corrupt checkpoint skipped).
     note: str = ""
+    #: When it was sent on the node's monotonic clock (the agent times sections by it: a wall
+    #: clock stepped by NTP is not a long step); 0 from a trainer older than that.
+    mono: float = 0.0
 
     KINDS = tuple(k.value for k in BeatKind)
     #: Start-up phases a worker reports before its first step, in order: ``init`` (its script has
@@ -171,7 +174,7 @@ class Beat:
         return cls(kind=BeatKind(raw["kind"]), rank=int(raw["rank"]), pid=int(raw["pid"]),
                    generation=int(raw["generation"]), step=int(raw["step"]), loss=float(raw.get("loss", 0.0)),
                    resumed_step=int(raw.get("resumed_step", -1)), at=float(raw.get("at", 0.0)),
-                   note=str(raw.get("note", ""))[:NOTE_MAX])
+                   note=str(raw.get("note", ""))[:NOTE_MAX], mono=float(raw.get("mono", 0.0)))
 
 
 def socket_address(heartbeat: str) -> str:

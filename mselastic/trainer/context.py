@@ -263,7 +263,7 @@ class ElasticContext:
         if self._sock is None:
             return
         b = Beat(kind=kind, rank=self.rank, pid=os.getpid(), generation=self.generation, step=step,
-                 loss=float(loss), resumed_step=resumed_step, at=time.time(), note=note)
+                 loss=float(loss), resumed_step=resumed_step, at=time.time(), note=note, mono=time.monotonic())
         try:
             self._sock.sendto(b.encode(), contract.socket_address(self.heartbeat_address))
         except OSError:

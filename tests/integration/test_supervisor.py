@@ -4,6 +4,7 @@ a rank's process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import signal
@@ -15,8 +16,8 @@ import time
 import psutil
 import pytest
 
-from mselastic.agent.containment import procs
-from mselastic.agent.generation import observe
+from mselastic.agent.containment import cgroups, procs
+from mselastic.agent.generation import learned, observe
 from mselastic.agent.generation.launch import open_own, reachable, spawn_as_worker
 from mselastic.agent.generation.preflight import LaunchError, preflight
 from mselastic.agent.generation.supervisor import Generation
@@ -351,3 +352,41 @@ def test_a_jobs_processes_run_under_sched_batch_unless_the_admin_says_otherwise(
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # (what the child would inherit without chrt)
     policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
     assert asyncio.run(run()) == f"{policy} {policy} {policy}"
+
+
+def test_a_generation_that_works_through_its_silence_is_told_from_one_that_does_nothing() -> None:
+    """#47: what decides that a single-node job whose ranks are all silent is hung, read from a
+    real cgroup (cgroup v2: cpu.stat, cpu.pressure, io.pressure): a process computing (an
+    evaluation pass nobody marked), a process forked by it computing while it waits (a data
+    loader's worker) and one asleep on a lock (a deadlock), each alone in a group."""
+    layout = cgroups.find(f"t-idle-{os.getpid()}")
+    if isinstance(layout, str) or not layout.kill_file:
+        pytest.skip(f"no cgroup v2 membership here: {layout}")
+    scripts = {"computing": "while True: sum(range(10000))",
+               "its child computing": "import os, time\nif os.fork() == 0:\n    while True: sum(range(10000))\n"
+                                      "time.sleep(3600)",
+               "asleep on a lock": "import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()"}
+    seen: dict[str, list[bool | None]] = {}
+    try:
+        for what, script in scripts.items():
+            group = cgroups.Group(layout, what.replace(" ", "-")).make()
+            p = subprocess.Popen([*cgroups.join_prefix([group]), sys.executable, "-c", script],
+                                 start_new_session=True)
+            try:
+                time.sleep(0.3)
+                watch, now = observe.IdleWatch(), time.monotonic()
+                seen[what] = []
+                for i in range(3):  # (the first look takes a reading; a verdict every BUSY_WINDOW_S after)
+                    seen[what].append(watch.look(now + i * learned.BUSY_WINDOW_S, True, group.work))
+                    time.sleep(learned.BUSY_WINDOW_S)
+                assert watch.look(now + 9, False, group.work) is None  # (a beat: forgotten)
+            finally:
+                asyncio.run(group.stop())
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    finally:
+        for root in layout.roots():
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+    assert seen == {"computing": [None, False, False], "its child computing": [None, False, False],
+                    "asleep on a lock": [None, True, True]}, seen

@@ -69,3 +69,18 @@ def test_each_section_is_timed_on_the_ranks_clock_from_the_beat_that_began_it() 
     assert rs.section == learned.CHECKPOINT  # (the save, or the wait for the rank that saves, comes next)
     ranks.note_beat(rs, beat(BeatKind.STEP, 11, at=120.5), now=53.0, seen=seen, checkpoint_every=10)
     assert rs.section == learned.STEP and seen.summary()[learned.CHECKPOINT] == (2, pytest.approx(2.5))
+
+
+def test_the_monotonic_clock_times_sections_and_a_named_one_ends_in_the_one_it_interrupted() -> None:
+    """A wall clock stepped forward by an hour (NTP) between two beats is not a step of an hour;
+    an evaluation inside the first step (a compile) leaves the rest of it to the first step."""
+    seen, rs = learned.Learned(), ranks.RankState(0)
+    for kind, step, at, mono, note in [(BeatKind.START, 0, 100.0, 5.0, ""), (BeatKind.SECTION, 0, 101.0, 6.0, "eval"),
+                                       (BeatKind.SECTION, 0, 3702.0, 7.0, ""), (BeatKind.STEP, 1, 3705.0, 10.0, "")]:
+        if kind == BeatKind.SECTION and not note:
+            assert rs.section == "eval"
+        ranks.note_beat(rs, beat(kind, step, at=at, mono=mono, note=note), now=mono, seen=seen)
+        if kind == BeatKind.SECTION and not note:
+            assert rs.section == learned.FIRST_STEP  # (back in the first step)
+    got = seen.summary()
+    assert got["eval"] == (1, pytest.approx(1.0)) and got[learned.FIRST_STEP] == (2, pytest.approx(3.0)), got

@@ -104,53 +104,57 @@ LEARNED = Timing(hang_timeout_s=0, startup_timeout_s=180, stop_grace_period_s=5,
 FRESH = Timing(hang_timeout_s=0, startup_timeout_s=180, stop_grace_period_s=5, learned=Learned(180))
 EXPLICIT = Timing(hang_timeout_s=60, startup_timeout_s=180, stop_grace_period_s=5, learned=seasoned())
 
-def whole(*ranks: RankLook) -> Look:
-    """A look at a single-node job: every rank of it is here."""
-    return Look(now=NOW, ranks={r.rank: r for r in ranks}, started=NOW - 30, whole=True)
+def whole(*ranks: RankLook, idle: bool | None = True) -> Look:
+    """A look at a single-node job (every rank of it is here) whose cgroup was seen ``idle``."""
+    return Look(now=NOW, ranks={r.rank: r for r in ranks}, started=NOW - 30, whole=True, idle=idle)
 
 
-def idle(r: int, silent_s: float, section: str = STEP, **kw: object) -> RankLook:
-    return rank(r, last_beat=NOW - silent_s, section=section, busy=False, **kw)
+def silent(r: int, silent_s: float, section: str = STEP, **kw: object) -> RankLook:
+    return rank(r, last_beat=NOW - silent_s, section=section, **kw)
 
 
 LEARNED_ROWS: list[tuple[str, Timing, Look, tuple[int, C, str] | None]] = [
     ("stopped for ten typical steps (at least 1 s)", LEARNED, look(rank(0), rank(1, stopped_since=NOW - 1.1)),
      (1, C.RANK_HUNG, "learned: 10 typical steps (0.10s)")),
     ("stopped for less", LEARNED, look(rank(0), rank(1, stopped_since=NOW - 0.8)), None),
+    ("a debugger's stop (state t): half the default", LEARNED,
+     look(rank(0), rank(1, stopped_since=NOW - 29, traced=True)), None),
+    ("... past it", LEARNED, look(rank(0), rank(1, stopped_since=NOW - 31, traced=True)),
+     (1, C.RANK_HUNG, "half of the default=60, a tracing stop")),
     ("stopped, steps not learned yet: half the default", FRESH, look(rank(0), rank(1, stopped_since=NOW - 29)), None),
-    ("... past it", FRESH, look(rank(0), rank(1, stopped_since=NOW - 31)), (1, C.RANK_HUNG, "half the default")),
-    ("the whole job silent and idle past its limit (a deadlock): the one silent longest", LEARNED,
-     whole(idle(0, 10.5), idle(1, 10.6)),
-     (1, C.RANK_HUNG, "no heartbeat for 10.6s in step, the whole job idle (learned: 4x the longest step seen "
-                      "here, 0.30s)")),
-    ("... one rank not looked at yet", LEARNED, whole(idle(0, 10.5), rank(1, last_beat=NOW - 10.6, section=STEP)),
-     None),
-    ("... one rank working (rank 0's evaluation, the others wait for it)", LEARNED,
-     whole(rank(0, last_beat=NOW - 30, section=STEP, busy=True), idle(1, 30)), None),
-    ("... one rank still beating", LEARNED, whole(rank(0), idle(1, 30)), None),
+    ("... past it", FRESH, look(rank(0), rank(1, stopped_since=NOW - 31)), (1, C.RANK_HUNG, "half the default, 30s")),
+    ("the whole job silent past its limit (the floor) and idle (a deadlock): the one silent longest", LEARNED,
+     whole(silent(0, 30.5), silent(1, 30.6)),
+     (1, C.RANK_HUNG, "no heartbeat for 30.6s in step, the whole job idle (learned: 4x the longest step seen "
+                      "here, 0.30s; idle at least 30s, else at least 60s)")),
+    ("... its cgroup not looked at yet", LEARNED, whole(silent(0, 30.5), silent(1, 30.6), idle=None), None),
+    ("... its cgroup working (an evaluation, a data loader's workers, a save)", LEARNED,
+     whole(silent(0, 40), silent(1, 40), idle=False), None),
+    ("... one rank still within its limit", LEARNED, whole(rank(0), silent(1, 40)), None),
+    ("... one rank finished: the others judged", LEARNED, whole(rank(0, finished=True), silent(1, 31)),
+     (1, C.RANK_HUNG, "the whole job idle")),
     ("... ranks on other nodes (they may be working): the default", LEARNED,
-     look(idle(0, 59), idle(1, 59)), None),
-    ("... past it", LEARNED, look(idle(0, 59), idle(1, 61)), (1, C.RANK_HUNG, "no heartbeat for 61.0s in step (")),
-    ("working past the default", LEARNED, whole(rank(0), rank(1, last_beat=NOW - 61, section=STEP, busy=True)),
-     (1, C.RANK_HUNG, "in step (learned")),
+     look(silent(0, 59), silent(1, 59), idle=True), None),
+    ("... past it", LEARNED, look(silent(0, 59), silent(1, 61), idle=True),
+     (1, C.RANK_HUNG, "no heartbeat for 61.0s in step (")),
+    ("working past the default", LEARNED, whole(rank(0), silent(1, 61), idle=False), (1, C.RANK_HUNG, "in step (learned")),
     ("in a save, idle, within 4x the longest save (the floor)", LEARNED,
-     whole(idle(0, 9.5, CHECKPOINT), idle(1, 9.5, CHECKPOINT)), None),
+     whole(silent(0, 29, CHECKPOINT), silent(1, 29, CHECKPOINT)), None),
     ("a first step (a compile), idle, within 4x the longest", LEARNED,
-     whole(idle(0, 39, FIRST_STEP), idle(1, 39, FIRST_STEP)), None),
-    ("... past it", LEARNED, whole(idle(0, 41, FIRST_STEP), idle(1, 41, FIRST_STEP)),
-     (0, C.RANK_HUNG, "in first_step, the whole job idle (learned: 4x the longest first_step seen here, 10.00s)")),
-    ("an evaluation marked, idle, within 4x the longest", LEARNED, whole(idle(0, 19, "eval"), idle(1, 19, "eval")),
+     whole(silent(0, 39, FIRST_STEP), silent(1, 39, FIRST_STEP)), None),
+    ("... past it", LEARNED, whole(silent(0, 41, FIRST_STEP), silent(1, 41, FIRST_STEP)),
+     (0, C.RANK_HUNG, "in first_step, the whole job idle (learned: 4x the longest first_step seen here, 10.00s; idle")),
+    ("an evaluation marked, idle, within the floor", LEARNED, whole(silent(0, 29, "eval"), silent(1, 29, "eval")),
      None),
-    ("a section never seen: the default", LEARNED, whole(idle(0, 59, "export"), idle(1, 59, "export")), None),
-    ("... past it", LEARNED, whole(idle(0, 61, "export"), idle(1, 59, "export")),
+    ("a section never seen: the default", LEARNED, whole(silent(0, 59, "export"), silent(1, 59, "export")), None),
+    ("... past it", LEARNED, whole(silent(0, 61, "export"), silent(1, 59, "export")),
      (0, C.RANK_HUNG, "export not learned yet: the default, 60s")),
     ("a job's first step, nothing learned: startup_timeout_s", FRESH,
-     whole(idle(0, 170, FIRST_STEP), idle(1, 170, FIRST_STEP)), None),
-    ("a job's steps before 20 of them: the default", FRESH, whole(idle(0, 59), idle(1, 59)), None),
+     whole(silent(0, 170, FIRST_STEP), silent(1, 170, FIRST_STEP)), None),
+    ("a job's steps before 20 of them: the default", FRESH, whole(silent(0, 59), silent(1, 59)), None),
     ("an explicit hang_timeout_s wins over what was learned", EXPLICIT,
-     whole(idle(0, 30), idle(1, 30), rank(2, stopped_since=NOW - 20)), None),
-    ("... its value", EXPLICIT, whole(rank(0), rank(1, last_beat=NOW - 61, section=STEP, busy=True)),
-     (1, C.RANK_HUNG, "(hang_timeout_s=60)")),
+     whole(silent(0, 30), silent(1, 30), rank(2, stopped_since=NOW - 20)), None),
+    ("... its value", EXPLICIT, whole(rank(0), silent(1, 61), idle=False), (1, C.RANK_HUNG, "(hang_timeout_s=60)")),
 ]
 
 
@@ -187,8 +191,7 @@ def test_what_is_learned_and_what_is_not() -> None:
     assert seen.learned(CHECKPOINT)
 
 
-def test_a_rank_that_works_through_its_silence_is_busy() -> None:
-    assert busy(cpu_s=0.2, waited_s=0.0, over_s=0.5)       # an evaluation pass on a core
-    assert busy(cpu_s=0.0, waited_s=0.4, over_s=0.5)       # waiting for a core on a loaded machine
-    assert not busy(cpu_s=0.02, waited_s=0.01, over_s=0.5)  # a collective that will never complete
-    assert not busy(cpu_s=1.0, waited_s=0.0, over_s=0.0)
+def test_a_generation_that_works_through_its_silence_is_busy() -> None:
+    assert busy(work_s=0.2, over_s=0.5)       # an evaluation pass on a core, or a wait for one
+    assert not busy(work_s=0.03, over_s=0.5)  # a collective that will never complete
+    assert not busy(work_s=1.0, over_s=0.0)

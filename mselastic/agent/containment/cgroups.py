@@ -359,6 +359,21 @@ class Group:
             found.update(int(p) for p in _read_or(os.path.join(folder, "cgroup.procs")).split())
         return found
 
+    def work(self) -> float | None:
+        """Seconds of work this group's processes (every thread, children included) have done so
+        far: their CPU time (``cpu.stat``) and the time some of them waited for a CPU or on I/O
+        (``cpu.pressure``, ``io.pressure``: "some" totals; 0 where the kernel keeps no pressure).
+        None without cgroup v2 membership, or when the group cannot be read."""
+        if not self.layout.kill_file:
+            return None
+        top = self.path(self.layout.members)
+        try:
+            with open(os.path.join(top, "cpu.stat")) as f:
+                usage = next(int(v) for k, v in (line.split() for line in f if line.strip()) if k == "usage_usec")
+        except (OSError, ValueError, StopIteration):
+            return None
+        return (usage + _pressure(os.path.join(top, "cpu.pressure")) + _pressure(os.path.join(top, "io.pressure"))) / 1e6
+
     def populated(self) -> bool:
         top = self.path(self.layout.members)
         if self.layout.kill_file:
@@ -478,14 +493,27 @@ class Group:
                 if watch is None:
                     await asyncio.sleep(min(poll_s, rest))
                     continue
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(watch.get(), min(poll_s, rest) if polled else rest)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(poll_s, rest) if polled else rest):
+                        await watch.get()
 
         try:
             yield emptied
         finally:
             if watch is not None:
                 watch.close()
+
+
+def _pressure(path: str) -> int:
+    """The "some" total (microseconds) of a pressure file; 0 where there is none (PSI off)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _send(procs: list[psutil.Process], signum: int) -> None:

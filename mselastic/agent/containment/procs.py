@@ -229,27 +229,12 @@ def gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
-def stopped(pid: int, create_time: float) -> bool:
-    """True while that process is stopped (state T: SIGSTOP, a debugger): it runs no code, and the
-    ranks waiting for it in a collective hang with it."""
+def stopped(pid: int, create_time: float) -> str:
+    """"T" while that process is stopped (SIGSTOP), "t" while a debugger holds it (a tracing stop:
+    gdb, strace, py-spy dump), "" otherwise: stopped, it runs no code, and the ranks waiting for it
+    in a collective hang with it."""
     fields = _stat(pid, create_time)
-    return fields is not None and fields[0] in (b"T", b"t")
-
-
-def work(pid: int, create_time: float) -> tuple[float, float, bool] | None:
-    """How much that process has worked so far: its CPU time (every thread's, seconds), its main
-    thread's wait for a CPU (seconds: ``/proc/<pid>/schedstat``, 0 where the kernel keeps none)
-    and its I/O waits (delay accounting, where on), and whether it is running or in an
-    uninterruptible wait (R, D) now. None when it is gone (or another process now)."""
-    fields = _stat(pid, create_time)
-    if fields is None or len(fields) < 40:
-        return None
-    cpu = (int(fields[11]) + int(fields[12]) + int(fields[39])) / _CLOCK_TICKS  # utime, stime, blkio delay
-    waited = 0.0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open(f"/proc/{pid}/schedstat", "rb") as f:
-            waited = int(f.read().split()[1]) / 1e9
-    return cpu, waited, fields[0] in (b"R", b"D")
+    return fields[0].decode() if fields is not None and fields[0] in (b"T", b"t") else ""
 
 
 def exit_status(pid: int, create_time: float) -> int | None:

@@ -26,15 +26,22 @@ the script did not mark, a peer waiting in a collective for rank 0's save all lo
 to a heartbeat. So the learned limit is the whole answer only where the agent sees the whole
 job and nothing of it works:
 
-- a rank *stopped* (state T: SIGSTOP) runs nothing, whatever its peers do: it is hung once
-  ``STOPPED_FACTOR`` typical steps have passed (at least ``STOPPED_FLOOR_S``);
+- a rank *stopped* by SIGSTOP (state T) runs no code, whatever its peers do: it is hung once
+  ``STOPPED_FACTOR`` typical steps have passed (at least ``STOPPED_FLOOR_S``); a debugger's stop
+  (state t: gdb, strace, py-spy dump) gets half the default, as before;
 - a silent rank is hung past the learned limit (at least ``IDLE_FLOOR_S``) when every rank of the
-  job is on this node and each is silent past its own limit and *idle*: neither ran nor waited to
-  run (its CPU time and its wait for a CPU did not move), nor waits on a disk (a deadlock, a
-  collective that will never complete);
-- any other silence (a rank that works through it, a peer on another node that may be working,
-  a rank that still beats) is judged against the fixed default or the learned limit, whichever
-  is longer: a healthy job is not called hung because it did something new.
+  job is on this node, each is silent past its own limit, and the generation's cgroup is *idle*:
+  over ``BUSY_WINDOW_S`` its processes and threads (the ranks, their data loader workers, a
+  writer thread) used less than ``BUSY_SHARE`` of a core and waited as little for a CPU or on
+  I/O (``cpu.stat``, ``cpu.pressure``, ``io.pressure``): a deadlock, a collective that will
+  never complete. A wait on the network or on an accelerator looks idle too: hence the floor;
+- any other silence (a job that works through it, a job with ranks on other nodes, which may
+  be working, a node without cgroup v2) is judged against the fixed default or the learned
+  limit, whichever is longer: a healthy job is not called hung because it did something new,
+  and a job whose steps take longer than the default is not called hung at every step.
+
+What is learned holds for one world size (each rank's share of a step changes with it): a
+relaunch at another starts over.
 
 An explicit ``hang_timeout_s`` wins everywhere, as before: its value for every silence, half of
 it for a stopped rank.
@@ -58,7 +65,7 @@ FALLBACK_S = 60.0
 SAFETY = 4.0
 #: ... and never less than this for the whole job seen idle (a data loader's stall on a network file
 #: system, a garbage collection, a loaded machine's scheduling).
-IDLE_FLOOR_S = 10.0
+IDLE_FLOOR_S = 30.0
 #: Step intervals seen before the step's limit counts as learned.
 MIN_STEPS = 20
 #: A stopped rank (state T) is hung after this many typical steps...
@@ -131,7 +138,8 @@ class Learned:
             return Limit(fallback, fallback, f"{section} not learned yet: {what}, {fallback:g}s")
         idle = max(IDLE_FLOOR_S, SAFETY * seen.longest)
         return Limit(idle, max(idle, FALLBACK_S),
-                     f"learned: {SAFETY:g}x the longest {section} seen here, {seen.longest:.2f}s")
+                     f"learned: {SAFETY:g}x the longest {section} seen here, {seen.longest:.2f}s; idle at least "
+                     f"{IDLE_FLOOR_S:g}s, else at least {FALLBACK_S:g}s")
 
     def stopped_limit(self) -> tuple[float, str]:
         """How long a rank may stay stopped (state T), and why."""
@@ -146,7 +154,7 @@ class Learned:
         return {name: (s.count, s.longest) for name, s in self._seen.items()}
 
 
-def busy(cpu_s: float, waited_s: float, over_s: float) -> bool:
-    """Whether a rank worked over ``over_s`` seconds: its CPU time (every thread) and its main
-    thread's wait for a CPU grew by ``cpu_s`` and ``waited_s``."""
-    return over_s > 0 and (cpu_s + waited_s) >= BUSY_SHARE * over_s
+def busy(work_s: float, over_s: float) -> bool:
+    """Whether a generation worked over ``over_s`` seconds: its processes' CPU time and their waits
+    for a CPU or on I/O grew by ``work_s`` in all."""
+    return over_s > 0 and work_s >= BUSY_SHARE * over_s

@@ -177,29 +177,33 @@ def learn_pid(msrun_pid: int, rs: RankState, pid: int, seen: set[int]) -> None:
             seen.add(pid)
 
 
-def watch_work(rs: RankState, now: float, idle_s: float | None) -> None:
-    """Whether a rank silent past its idle limit (``idle_s``; None: no learned limits) works
-    through its silence (see mselastic.agent.generation.learned): its work is read once it passes
-    the limit and again every ``BUSY_WINDOW_S``; ``rs.busy`` says what the last window showed.
-    Cleared by its next beat (ranks.note_beat)."""
-    if idle_s is None or not rs.pid or not rs.last_beat or rs.finished or now - rs.last_beat <= idle_s:
-        rs.work_at = rs.busy = None
-        return
-    work = procs.work(rs.pid, rs.create_time)
-    if work is None:
-        return  # (gone: the next look sees it dead)
-    cpu, waited, running = work
-    if rs.work_at is not None and now - rs.work_at[0] < learned.BUSY_WINDOW_S:
-        return
-    if rs.work_at is not None:
-        then, cpu0, waited0 = rs.work_at
-        rs.busy = running or learned.busy(cpu - cpu0, waited - waited0, now - then)
-    rs.work_at = (now, cpu, waited)
+class IdleWatch:
+    """Whether a generation does nothing while every rank is silent past its idle limit (see
+    mselastic.agent.generation.learned): its cgroup's work (``Group.work``: CPU time, waits for a
+    CPU and on I/O, of every process and thread of it) read when the silence passes the limits
+    and again every ``BUSY_WINDOW_S``; idle when it grew by less than ``BUSY_SHARE`` of a core."""
+
+    def __init__(self) -> None:
+        self._at: tuple[float, float] | None = None
+        self._idle: bool | None = None
+
+    def look(self, now: float, silent: bool, work: Callable[[], float | None]) -> bool | None:
+        """``silent``: every rank is silent past its idle limit now. None: not known (yet)."""
+        done = work() if silent else None
+        if done is None:
+            self._at = self._idle = None
+            return None
+        if self._at is None:
+            self._at = (now, done)
+        elif now - self._at[0] >= learned.BUSY_WINDOW_S:
+            self._idle = not learned.busy(done - self._at[1], now - self._at[0])
+            self._at = (now, done)
+        return self._idle
 
 
 def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, scheduler: Proc | None,
          cold: bool, msrun_exits: Callable[[], dict[int, int]], drain: Callable[[], None],
-         idle_limit: Callable[[str], float | None] = lambda section: None, whole: bool = False) -> verdict.Look:
+         whole: bool = False) -> verdict.Look:
     """Look at the ranks once, at ``now`` (monotonic): which are dead (a rank's last beat,
     finished, a planned exit or fatal, comes just before it exits, and its exit wakes the watch
     at once: the queued beats are read (``drain``) and the ranks looked at again), which msrun
@@ -217,11 +221,10 @@ def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, 
     if scheduler_exit is not None:
         drain()  # (a rank's finished beat may be queued)
     saw = msrun_exits() if any(ranks[r].exit_code is None for r in gone) else {}
+    stops = {}
     for rs in ranks.values():
-        stopped = bool(rs.pid) and rs.rank not in gone and procs.stopped(rs.pid, rs.create_time)
-        rs.stopped_since = (rs.stopped_since or now) if stopped else 0.0
-        if rs.rank not in gone and not stopped:
-            watch_work(rs, now, idle_limit(rs.section))
+        stops[rs.rank] = procs.stopped(rs.pid, rs.create_time) if rs.pid and rs.rank not in gone else ""
+        rs.stopped_since = (rs.stopped_since or now) if stops[rs.rank] else 0.0
     return verdict.Look(now=now, started=started, scheduler_exit=scheduler_exit, whole=whole,
                         scheduler_pid=scheduler.pid if scheduler is not None else 0, log_dir=log_dir,
                         ranks={rs.rank: verdict.RankLook(
@@ -230,5 +233,5 @@ def look(ranks: dict[int, RankState], now: float, started: float, log_dir: str, 
                             exit_code=rs.exit_code if rs.exit_code is not None else saw.get(rs.pid),
                             last_beat=rs.last_beat, finished=rs.finished, exit_step=rs.exit_step, fatal=rs.fatal,
                             stopped_since=rs.stopped_since, phase=rs.phase, phase_at=dict(rs.phase_at),
-                            section=rs.section, busy=rs.busy)
+                            section=rs.section, traced=stops[rs.rank] == "t")
                             for rs in ranks.values()})

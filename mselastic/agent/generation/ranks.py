@@ -39,13 +39,11 @@ class RankState:
     #: Sent ``NUDGE_SIGNAL`` (once: still inside init() after a local peer got through).
     nudged: bool = False
     #: What it is doing since its last beat (a section of mselastic.agent.generation.learned; "":
-    #: not started), and when that beat was sent (its own clock: the beats' ``at``).
+    #: not started), the section a named one of the script's interrupted, and when that beat was
+    #: sent (the rank's monotonic clock, else its wall clock, for beats of an older trainer).
     section: str = ""
+    section_before: str = ""
     sent_at: float = 0.0
-    #: While it is silent past its idle limit: (monotonic time, CPU seconds, seconds waited for a
-    #: CPU) when its work was last read, and whether it worked since (None: not known yet).
-    work_at: tuple[float, float, float] | None = None
-    busy: bool | None = None
 
 
 def reach(rs: RankState, phase: int, now: float) -> None:
@@ -62,9 +60,10 @@ _NEXT_SECTION: dict[BeatKind, str] = {BeatKind.START: learned.FIRST_STEP, BeatKi
 def note_beat(rs: RankState, beat: Beat, now: float, seen: learned.Learned | None = None,
               checkpoint_every: int = 0) -> None:
     """What one of its beats, received at ``now``, says of ``rs``; the time the rank spent in the
-    section this beat ends goes to ``seen`` (timed on the rank's own clock: the beats' ``at``, so
-    that beats read late by a busy elasticd are not taken for slow steps). A step that is a
-    multiple of ``checkpoint_every`` begins the checkpoint section. A phase beat is start-up
+    section this beat ends goes to ``seen`` (timed on the rank's own monotonic clock: the beats'
+    ``mono``, else their ``at``, so that beats read late by a busy elasticd are not taken for slow
+    steps). A step crossing a multiple of ``checkpoint_every`` (as the trainer library saves) begins the
+    checkpoint section; a named section ends back in the one it interrupted. A phase beat is start-up
     progress, not a heartbeat (``init()`` may wait long for other nodes); any other beat comes
     after the start-up phases."""
     if beat.kind == BeatKind.PHASE:
@@ -72,15 +71,20 @@ def note_beat(rs: RankState, beat: Beat, now: float, seen: learned.Learned | Non
             reach(rs, Beat.PHASES.index(beat.note), now)
         return
     reach(rs, len(Beat.PHASES), now)
-    if seen is not None and rs.section and rs.sent_at and beat.at >= rs.sent_at:
-        seen.observe(rs.section, beat.at - rs.sent_at)
+    sent = beat.mono or beat.at
+    if seen is not None and rs.section and rs.sent_at and sent >= rs.sent_at:
+        seen.observe(rs.section, sent - rs.sent_at)
+    named = rs.section not in ("", *_NEXT_SECTION.values())
     if beat.kind == BeatKind.SECTION:
-        rs.section = beat.note[:learned.MAX_NAME] if beat.note else learned.STEP
-    elif beat.kind == BeatKind.STEP and checkpoint_every > 0 and beat.step % checkpoint_every == 0:
+        if beat.note and not named:
+            rs.section_before = rs.section
+        rs.section = beat.note[:learned.MAX_NAME] if beat.note else (rs.section_before or learned.STEP)
+    elif beat.kind == BeatKind.STEP and checkpoint_every > 0 and rs.step >= 0 and \
+            beat.step // checkpoint_every > rs.step // checkpoint_every:  # (as the trainer saves)
         rs.section = learned.CHECKPOINT
     else:
         rs.section = _NEXT_SECTION.get(BeatKind(beat.kind), rs.section)
-    rs.sent_at, rs.work_at, rs.busy = beat.at, None, None
+    rs.sent_at = sent
     rs.last_beat = now
     rs.step = max(rs.step, beat.step)
     if beat.kind == BeatKind.STEP or (beat.kind == BeatKind.FINISHED and beat.loss):

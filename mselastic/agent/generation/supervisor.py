@@ -147,6 +147,7 @@ class Generation:
         self.learned = learned if learned is not None else learned_rules.Learned(spec.startup_timeout_s)
         self.timing = verdict.Timing(spec.hang_timeout_s, spec.startup_timeout_s, spec.stop_grace_period_s,
                                      self.learned)
+        self._idle = observe.IdleWatch()
         self._ctx = dict(job=spec.name, generation=plan.generation, node=node_id)
         #: What elasticd started (cold: msrun; warm: the standbys handed this generation).
         self.launch = Launch(self.run_id, member, list(standbys or []), self._ctx)
@@ -770,20 +771,20 @@ class Generation:
         """One look at the ranks (see :func:`mselastic.agent.generation.observe.look`), the beats
         queued read first: an elasticd that could not run for a while (a loaded machine, a pause)
         must not take the beats it has not read yet for silence."""
-        self._drain_beats()
-        return observe.look(self.ranks, time.monotonic(), self.started_mono, self.log_dir,
+        try:
+            self._drain_beats()
+        except Exception:  # (a beat that cannot be taken in must not end the watch: logged, as before)
+            log.exception("heartbeats not read", extra=self._ctx)
+        whole = self.member.local_workers == self.plan.world_size
+        look = observe.look(self.ranks, time.monotonic(), self.started_mono, self.log_dir,
                             self.launch.warm_scheduler(), self.launch.msrun is not None, self.launch.msrun_exits,
-                            self._drain_beats, self._idle_limit, self._whole)
-
-    @property
-    def _whole(self) -> bool:
-        """Every rank of the job is here (see mselastic.agent.generation.learned)."""
-        return self.member.local_workers == self.plan.world_size
-
-    def _idle_limit(self, section: str) -> float | None:
-        """How long a rank in ``section`` may be silent doing nothing (None: the spec's
-        ``hang_timeout_s`` holds whatever it does, or the job has ranks elsewhere)."""
-        return None if self.spec.hang_timeout_s or not self._whole else self.timing.silence(section).idle_s
+                            self._drain_beats, whole)
+        # (Only a single-node job's whole silence, with no hang_timeout_s, is looked at for work.)
+        silent = whole and not self.spec.hang_timeout_s and verdict.all_past_idle(look, self.timing)
+        group = self.launch.group
+        idle = self._idle.look(look.now, silent and group is not None,
+                               group.work if group is not None else lambda: None)
+        return dataclasses.replace(look, idle=idle)
 
     async def _stopped_unasked(self) -> None:
         """The ranks exited on a SIGTERM this agent did not send (an operator, another node's

@@ -49,10 +49,10 @@ class RankLook:
     #: Start-up phases reached (an index into Beat.PHASES), and when.
     phase: int = -1
     phase_at: dict[int, float] = dataclasses.field(default_factory=dict)
-    #: What it does since its last beat (a section: mselastic.agent.generation.learned), and whether
-    #: it worked through its silence (None: not looked at; only once past its idle limit).
+    #: What it does since its last beat (a section: mselastic.agent.generation.learned).
     section: str = ""
-    busy: bool | None = None
+    #: Its stop (``stopped_since``) is a tracing stop (state t: a debugger, py-spy), not SIGSTOP.
+    traced: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,9 @@ class Look:
     #: Every rank of the job is one of these (a single-node job): only then can the agent see that
     #: nothing of the job works (see mselastic.agent.generation.learned).
     whole: bool = False
+    #: While every rank is silent past its idle limit: whether the generation's cgroup did no work
+    #: over the last window (no CPU time, no wait for a CPU or on I/O); None: not known.
+    idle: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +90,12 @@ class Timing:
             return learned_rules.Limit(hang, hang, f"hang_timeout_s={hang:g}")
         return self.learned.limit(section or learned_rules.STEP)
 
-    def stopped(self) -> tuple[float, str]:
-        """How long a rank may stay stopped (state T), and why."""
-        if self.hang_timeout_s or self.learned is None:
+    def stopped(self, traced: bool = False) -> tuple[float, str]:
+        """How long a rank may stay stopped (state T; ``traced``: t, a debugger's), and why."""
+        if self.hang_timeout_s or self.learned is None or traced:
             hang = self.hang_timeout_s or learned_rules.FALLBACK_S
-            return hang / 2, f"half of hang_timeout_s={hang:g}"
+            return hang / 2, f"half of {'hang_timeout_s' if self.hang_timeout_s else 'the default'}={hang:g}" + \
+                (", a tracing stop" if traced else "")
         return self.learned.stopped_limit()
 
     @property
@@ -131,6 +135,13 @@ def behind(look: Look) -> tuple[RankLook, RankLook, float] | None:
             if worst is None or since < worst[2] or (since == worst[2] and r.rank < worst[0].rank):
                 worst = (r, peer, since)
     return None if worst is None else (worst[0], worst[1], look.now - worst[2])
+
+
+def all_past_idle(look: Look, t: Timing) -> bool:
+    """Every rank not finished has beaten and is silent past its section's idle limit."""
+    running = [r for r in look.ranks.values() if not r.finished]
+    return bool(running) and all(r.last_beat and look.now - r.last_beat > t.silence(r.section).idle_s
+                                 for r in running)
 
 
 def judge(look: Look, t: Timing) -> Fault | None:
@@ -177,7 +188,7 @@ def judge(look: Look, t: Timing) -> Fault | None:
     stopped = [r for r in ranks if r.stopped_since and not r.finished]
     if stopped:
         first = min(stopped, key=lambda r: (r.stopped_since, r.rank))
-        limit, why = t.stopped()
+        limit, why = t.stopped(first.traced)
         if look.now - first.stopped_since >= limit:
             return Fault(first.rank, f"stopped (state T, pid {first.pid}) for {look.now - first.stopped_since:.1f}s "
                                      f"({why})", FailureCause.RANK_HUNG)
@@ -191,10 +202,8 @@ def judge(look: Look, t: Timing) -> Fault | None:
                      FailureCause.RANK_HUNG)
     running = [r for r in ranks if not r.finished]
     limits = {r.rank: t.silence(r.section) for r in running}
-    idle = [r for r in running if r.last_beat and r.busy is False and look.now - r.last_beat > limits[r.rank].idle_s]
-    all_idle = look.whole and bool(running) and len(idle) == len(running)
-    silent = [r for r in running if r.last_beat and (look.now - r.last_beat > limits[r.rank].busy_s
-                                                     or (all_idle and r in idle))]
+    all_idle = look.whole and look.idle is True and all_past_idle(look, t)
+    silent = [r for r in running if r.last_beat and (look.now - r.last_beat > limits[r.rank].busy_s or all_idle)]
     if silent:
         first = min(silent, key=lambda r: (r.last_beat, r.rank))
         where = first.section or learned_rules.STEP
