@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from localnode import TRAIN, LocalNode, bench_folder, say, wait_for  # noqa: E402
+from localnode import LocalNode, bench_folder, say, wait_for, write_lenet_spec  # noqa: E402
 
 from mselastic.agent.generation import learned  # noqa: E402
 from mselastic.core.model import GenerationReport  # noqa: E402
@@ -37,21 +37,6 @@ from mselastic.store.keys import Keys  # noqa: E402
 
 KEYS = Keys()
 JOB = "hang"
-
-
-def spec(path: str, data: str, out: str, ckpt: str, step_s: float, hang_at: int) -> str:
-    for d in (out, ckpt):
-        os.makedirs(d, exist_ok=True)
-        os.chmod(d, 0o1777)
-    with open(path, "w") as f:
-        f.write(f'name = "{JOB}"\nscript = "{TRAIN}"\n'
-                f'args = ["--data", "{os.path.abspath(data)}", "--out", "{out}", "--lr", "0.05", '
-                f'"--step-sleep-s", "{step_s}"]\n'
-                f'workers_per_node = 2\ntotal_steps = 100000\nglobal_batch_size = 32\n'
-                f'checkpoint_dir = "{ckpt}"\ncheckpoint_interval_steps = 20\nmax_restarts = 5\n'
-                f'quarantine_after_failures = 10\nsnapshot_interval_steps = 0\n'
-                f'env = {{ MSELASTIC_FAULT = "hang:rank=1:generation=2:step={hang_at}" }}\n')
-    return path
 
 
 def run_once(data: str, root: str, i: int, step_s: float, after: int) -> dict[str, object]:
@@ -63,8 +48,11 @@ def run_once(data: str, root: str, i: int, step_s: float, after: int) -> dict[st
             raw = node.etcd_get(KEYS.report(JOB, g, node.node_id))
             return GenerationReport.from_json(raw) if raw else None
 
-        path = spec(os.path.join(work, "job.toml"), data, os.path.join(work, "out"), os.path.join(work, "ckpt"),
-                    step_s, hang_at=after + 45)
+        path = write_lenet_spec(os.path.join(work, "job.toml"), JOB, data, os.path.join(work, "out"),
+                                os.path.join(work, "ckpt"), 100000, max_restarts=5, quarantine_after_failures=10,
+                                args=("--step-sleep-s", str(step_s)), checkpoint_interval_steps=20,
+                                more=f'snapshot_interval_steps = 0\nenv = {{ MSELASTIC_FAULT = '
+                                     f'"hang:rank=1:generation=2:step={after + 45}" }}\n')
         done = node.elasticctl("submit", path)
         if done.returncode != 0:
             raise SystemExit(done.stderr)

@@ -8,6 +8,7 @@ checks that no marked process is left.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -62,18 +63,20 @@ def bench_folder(name: str) -> Iterator[str]:
 
 
 def write_lenet_spec(path: str, name: str, data: str, out_dir: str, ckpt_dir: str, steps: int,
-                     max_restarts: int = 3, quarantine_after_failures: int = 3) -> str:
+                     max_restarts: int = 3, quarantine_after_failures: int = 3, args: tuple[str, ...] = (),
+                     checkpoint_interval_steps: int = 10, more: str = "") -> str:
     """The spec, and its output and checkpoint folders made writable by the workers (they run as
-    an unprivileged user: nobody here, unless the system has an mselastic user)."""
+    an unprivileged user: nobody here, unless the system has an mselastic user). ``args``: more
+    of the script's; ``more``: more TOML lines."""
     for d in (out_dir, ckpt_dir):  # (the demo's own folders: the workers' user may write them)
         os.makedirs(d, exist_ok=True)
         os.chmod(d, 0o1777)
+    script_args = ["--data", os.path.abspath(data), "--out", out_dir, "--lr", "0.05", *args]
     with open(path, "w") as f:
-        f.write(f'name = "{name}"\nscript = "{TRAIN}"\n'
-                f'args = ["--data", "{os.path.abspath(data)}", "--out", "{out_dir}", "--lr", "0.05"]\n'
+        f.write(f'name = "{name}"\nscript = "{TRAIN}"\nargs = {json.dumps(script_args)}\n'
                 f'workers_per_node = 2\ntotal_steps = {steps}\nglobal_batch_size = 32\n'
-                f'checkpoint_dir = "{ckpt_dir}"\ncheckpoint_interval_steps = 10\nmax_restarts = {max_restarts}\n'
-                f'quarantine_after_failures = {quarantine_after_failures}\n')
+                f'checkpoint_dir = "{ckpt_dir}"\ncheckpoint_interval_steps = {checkpoint_interval_steps}\n'
+                f'max_restarts = {max_restarts}\nquarantine_after_failures = {quarantine_after_failures}\n{more}')
     return path
 
 
