@@ -109,7 +109,7 @@ def main() -> None:
                         "needs it, then lets it finish at full speed)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout after the hidden layers (0: none)")
     p.add_argument("--first-step-s", type=float, default=0.0,
-                   help="the first step of each run takes this long (as a long graph compile would)")
+                   help="the job's first step takes this long (as a long graph compile would, with no cache yet)")
     p.add_argument("--save-s", type=float, default=0.0,
                    help="each checkpoint save takes this long on the rank that writes it (the others wait for it)")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -163,7 +163,7 @@ def main() -> None:
             if record is not None:
                 record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.world_size, "ids": ids}) + "\n")
                 record.flush()
-            if step == start + 1 and args.first_step_s:
+            if step == 1 and args.first_step_s:
                 time.sleep(args.first_step_s)
             ctx.beat("step", step, loss)  # elastic
             if step % 10 == 0 or step == start + 1:  # what `elasticctl logs -f` shows
@@ -172,9 +172,9 @@ def main() -> None:
                 time.sleep(args.step_sleep_s)
             stop = ctx.should_stop(step)  # elastic: a planned stop: every rank stops at the step elasticd named
             if step % ctx.checkpoint_interval_steps == 0 or step == ctx.total_steps or stop:  # elastic
-                ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
-                if args.save_s and ckpt.writer:
+                if args.save_s and ckpt.writer:  # (a large model's save: nothing is written until it is over)
                     time.sleep(args.save_s)
+                ckpt.save(opt, step, pos.epoch, pos.cursor, pos.seed)
                 if stop:
                     ctx.planned_exit(step)
             else:  # elastic: between checkpoints, a snapshot in this node's memory (a crash loses <= 1 step)

@@ -36,6 +36,7 @@ from mselastic.agent.reports import Reports
 from mselastic.agent.devices.health import DeviceHealth, unfit
 from mselastic.agent.generation.launch import release_standby_group, remove_exits, spawn_standby
 from mselastic.agent.generation.launch_env import LaunchEnv
+from mselastic.agent.generation import learned as learned_rules
 from mselastic.agent.generation.learned import Learned
 from mselastic.agent.containment.snapshot_folders import remove_snapshot_folder, sweep_snapshot_folders
 from mselastic.agent.generation.supervisor import Generation, Phase
@@ -56,6 +57,10 @@ log = logging.getLogger(__name__)
 #: On shutdown, workers still running this long past their grace (a stop that hangs) are killed
 #: before the registration is revoked (well within the unit's TimeoutStopSec at the default grace).
 SHUTDOWN_MARGIN_S = 20.0
+#: On a shutdown, a job's ranks get this many times the longest checkpoint they took here (when
+#: longer than shutdown_grace_s), at most MAX_SHUTDOWN_GRACE_S (elasticd asks systemd for the time).
+SAVE_FACTOR = 2.0
+MAX_SHUTDOWN_GRACE_S = 900.0
 #: On a planned shutdown, how long the final reports may take to reach etcd.
 SHUTDOWN_REPORT_S = 5.0
 
@@ -273,7 +278,7 @@ class NodeAgent:
         is in the kernel and runs no more of its code). Meanwhile a thread kills elasticd, and its
         workers with it, if the event loop stops (:class:`_StallGuard`): systemd's watchdog no
         longer watches a service that is stopping."""
-        wait = self.cfg.shutdown_grace_s + SHUTDOWN_MARGIN_S
+        wait = self.longest_shutdown_grace(self.cfg.shutdown_grace_s) + SHUTDOWN_MARGIN_S
         with _StallGuard(self, fencing.watchdog_s(self.cfg.lease_ttl_s)):
             if not await self._workers_gone(wait):
                 log.error("workers still running %.0fs into the shutdown; killing them", wait, extra=self._ctx)
@@ -751,6 +756,19 @@ class NodeAgent:
             self._changed(gen)
             return left
 
+    def shutdown_grace(self, job: str, grace_s: float) -> float:
+        """The grace ``job``'s ranks get when elasticd stops with its jobs: ``grace_s``
+        (shutdown_grace_s), or, when longer, ``SAVE_FACTOR`` times the longest checkpoint its ranks
+        took here (agent.generation.learned: a large model's save outlasts a fixed grace), at most
+        ``MAX_SHUTDOWN_GRACE_S``."""
+        kept = self._learned.get(job)
+        longest = kept[1].longest(learned_rules.CHECKPOINT) if kept is not None else None
+        return max(grace_s, min(SAVE_FACTOR * longest, MAX_SHUTDOWN_GRACE_S)) if longest else grace_s
+
+    def longest_shutdown_grace(self, grace_s: float) -> float:
+        """The longest :meth:`shutdown_grace` of the jobs running here (what a stop waits for)."""
+        return max([grace_s, *(self.shutdown_grace(job, grace_s) for job in self.generations)])
+
     async def _successor_stop_step(self, job: str, generation: int) -> int:
         """The step the committed plan after ``generation`` names for it (0: none, or not known)."""
         try:
@@ -791,8 +809,8 @@ class NodeAgent:
         job or the node). Returns the pids left."""
         self._to(NodeState.DRAINING)
         await self._adopted.wait()  # (what is being adopted is stopped too, with its grace)
-        lefts = await asyncio.gather(*(self.stop(job, 0, grace_s) for job in list(self.generations)
-                                       if job not in self._left and job not in spare))
+        lefts = await asyncio.gather(*(self.stop(job, 0, self.shutdown_grace(job, grace_s))
+                                       for job in list(self.generations) if job not in self._left and job not in spare))
         if self._background:  # (folders being removed; bounded: elasticd must stop)
             await asyncio.wait(list(self._background), timeout=SHUTDOWN_REPORT_S)
         if self.cfg.snapshot_root:

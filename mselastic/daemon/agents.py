@@ -32,7 +32,7 @@ _LASTING = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, 
 
 #: What to do when another node's agent refuses this leader's push, without TLS and with it.
 _DENIED_HINT = ("; the nodes reach each other without node certificates: give them TLS (elasticctl certs issue "
-                "... --role node; tls_cert, tls_key, tls_cacert), or set insecure = true on a network you trust")
+                "... --role node; tls_cert, tls_key, tls_cacert), or set insecure_listen = true on a network you trust")
 _DENIED_HINT_TLS = ("; this node's certificate must have the node role (O=node), its node id as CN, and be signed "
                     "by the CA the other node trusts (elasticctl certs issue DIR NODE_ID --role node)")
 

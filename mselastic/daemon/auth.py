@@ -11,7 +11,7 @@ certificate names its role, its common name (CN) who it is.
 
 Transports without certificates: the local Unix socket (mode 0660, owner root, group
 ``socket_group``) is admin and node — whoever may open it is trusted like root — and plain
-TCP is a viewer, unless ``insecure = true`` makes it everything (a network the admin
+TCP is a viewer, unless ``insecure_listen = true`` makes it everything (a network the admin
 trusts). So on the single-machine default a local user reaches the TCP port and can look,
 not act, and a job is submitted through the socket.
 """
@@ -76,7 +76,7 @@ def caller(context: grpc.aio.ServicerContext, insecure: bool) -> Caller:
         name = names[0] if names else ""
         return Caller(roles, name, via=f"certificate {name or '(no CN)'}", certified=True)
     if insecure:
-        return Caller(ALL, via="plaintext (insecure = true)")
+        return Caller(ALL, via="plaintext (insecure_listen = true)")
     return Caller(frozenset({Role.VIEWER}), via="plaintext TCP")
 
 

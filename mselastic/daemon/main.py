@@ -155,8 +155,8 @@ async def _check_node(s: Settings) -> WorkerUser:
         log.info("every job runs as %s here: the jobs of this node can read each other's files and signal each "
                  "other's processes; job_uids = \"START-END\" gives each job a uid of its own", worker.name)
     procs.read_as(worker.uid)
-    if s.insecure and not s.tls_cert:
-        log.warning("insecure = true: plaintext gRPC on %s; anyone who reaches it can run jobs on this cluster",
+    if s.plaintext_listen and not s.tls_cert:
+        log.warning("insecure_listen = true: plaintext gRPC on %s; anyone who reaches it can run jobs on this cluster",
                     s.listen)
     if why := await asyncio.to_thread(cannot_run_python, worker):
         raise bad("worker_user", f"{why}; install mselastic where that user can read it (a system Python, "
@@ -229,7 +229,7 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
             return ""
 
     # Requests are small (a spec is bounded far below this); answers may be larger (events).
-    server = grpc.aio.server(interceptors=[Authorizer(s.insecure, leader)],
+    server = grpc.aio.server(interceptors=[Authorizer(s.plaintext_listen, leader)],
                              options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                                       # (gRPC's default would let a second elasticd bind the same
                                       # address: it would take the first one's registration for its
@@ -415,6 +415,23 @@ class ShutdownIncomplete(Exception):
     """A step of the shutdown did not finish within its bound (elasticd went on, and exits 1)."""
 
 
+def waiting_on(limit: int = 12) -> str:
+    """What the event loop's unfinished tasks wait on (each one's name and innermost frames): said
+    when a step of the shutdown overruns, so that the log shows what held it."""
+    me = asyncio.current_task()
+    said = []
+    for t in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
+        if t is me or t.done():
+            continue
+        frames = t.get_stack(limit=3)
+        if frames and frames[-1].f_code.co_filename.endswith(".pyx.pxi"):
+            continue  # (grpc's server waiting for the next call: not what holds a shutdown)
+        where = " < ".join(f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+                           for f in reversed(frames)) or "not started"
+        said.append(f"{t.get_name()}: {where}")
+    return "; ".join(said[:limit]) + (f"; and {len(said) - limit} more" if len(said) > limit else "")
+
+
 class Shutdown:
     """elasticd's shutdown, one bounded step after another (#49: once, after a SIGTERM, elasticd
     logged that it was stopping its workers and then waited for minutes on nothing it said). A step
@@ -430,8 +447,9 @@ class Shutdown:
         task = asyncio.ensure_future(work)
         done, _ = await asyncio.wait({task}, timeout=within_s)
         if not done:
+            log.error("shutdown: %s did not finish within %.0fs; going on without it; waiting were: %s", what,
+                      within_s, waiting_on())
             task.cancel()
-            log.error("shutdown: %s did not finish within %.0fs; going on without it", what, within_s)
             self.overran.append(what)
         elif not task.cancelled() and (e := task.exception()) is not None:
             log.error("shutdown: %s failed (%s: %s); going on without it", what, type(e).__name__, e, exc_info=e)
@@ -481,8 +499,13 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         how = signals[0].name if signals else "an error"
         # (hand_over_refused is bounded: systemctl gets notify.JOBS_S)
         why_not = await hand_over_refused(agent.cfg.cgroups) if how == "SIGTERM" else how
-        # (The workers' stop: their grace, the steps to the one they stop at, a kill; then elasticd's own.)
-        workers_s = s.shutdown_grace_s + SHUTDOWN_MARGIN_S + STEPS_TO_GO_MAX_S + 30
+        # (The workers' stop: their grace, the steps to the one they stop at, a kill; then elasticd's own.
+        # A job whose checkpoints took longer here gets twice as long: agent.Node.shutdown_grace.)
+        grace = agent.longest_shutdown_grace(s.shutdown_grace_s)
+        workers_s = grace + SHUTDOWN_MARGIN_S + STEPS_TO_GO_MAX_S + 30
+        if grace > s.shutdown_grace_s:
+            log.info("a job's checkpoints took longer here than shutdown_grace_s: its ranks get %.0fs", grace)
+            notify.extend_timeout(2 * workers_s + 60)  # (the unit's TimeoutStopSec counts for less)
         if not why_not:
             log.info("shutting down (SIGTERM): generations left to their shims for the next elasticd; the others "
                      "stopped (grace %.0fs)", s.shutdown_grace_s)

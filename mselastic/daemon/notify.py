@@ -49,6 +49,19 @@ def stopping() -> None:
     _notify("STOPPING=1", "STATUS=stopping: local workers checkpoint, then exit")
 
 
+def extend_timeout(seconds: float) -> None:
+    """Ask systemd (236+) for ``seconds`` more from now before it gives up on the current state
+    (a stop whose jobs' checkpoints take longer than the unit's TimeoutStopSec)."""
+    if not os.environ.get("NOTIFY_SOCKET"):
+        return
+    from cysystemd.daemon import sd_notify
+
+    try:
+        sd_notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}", 0)
+    except Exception as e:  # noqa: BLE001 - a notify failure must never stop the daemon
+        log.warning("sd_notify EXTEND_TIMEOUT_USEC failed: %s", e)
+
+
 def watchdog_interval_s() -> float:
     """Half the watchdog timeout systemd set for this process, or 0 when there is none."""
     usec = os.environ.get("WATCHDOG_USEC", "")

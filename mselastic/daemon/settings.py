@@ -91,7 +91,9 @@ class Settings:
     lease_ttl_s: int = 5
     #: The leader reconciles at least this often (and on every etcd change).
     reconcile_interval_s: float = 1.0
-    #: Grace period for local workers to checkpoint when elasticd itself is stopped.
+    #: Grace period for local workers to checkpoint when elasticd itself is stopped; a job whose
+    #: checkpoints took longer on this node gets twice the longest (at most 900 s: a large model's
+    #: save outlasts a fixed grace), elasticd asking systemd for the time (EXTEND_TIMEOUT_USEC).
     shutdown_grace_s: float = 10.0
     #: First master port and how many to choose from (outside msrun's 8118-16309).
     master_port_start: int = 20000
@@ -137,9 +139,13 @@ class Settings:
     #: elasticd's own environment variables the workers inherit besides locale, PATH, proxies,
     #: PYTHONPATH, LD_LIBRARY_PATH and MS_*, GLOG_*, ASCEND_*, HCCL_*: names, or prefixes as NAME*.
     pass_env: str = ""
-    #: Serve plaintext gRPC on an address other machines reach (no TLS), and reach an etcd on
-    #: another machine without a client certificate or user: anyone who reaches either can run
-    #: jobs. Only on a network where that is acceptable.
+    #: Serve plaintext gRPC on an address other machines reach (no TLS): a caller there is an
+    #: admin, so anyone who reaches it can run jobs. Only on a network where that is acceptable.
+    insecure_listen: bool = False
+    #: Reach an etcd on another machine without a client certificate or user: anyone who reaches
+    #: that etcd decides what every node runs. Only on a network where that is acceptable.
+    insecure_etcd: bool = False
+    #: Both of the above (insecure_listen and insecure_etcd), as one setting did before they were apart.
     insecure: bool = False
     #: The local Unix socket: whoever may open it is admin (elasticctl's default endpoint).
     #: "": /run/mselastic/elasticd.sock for root, else $XDG_RUNTIME_DIR/mselastic/elasticd.sock
@@ -306,9 +312,19 @@ class Settings:
         if not 0 <= self.max_log_mb <= 2**20:
             raise bad("max_log_mb", f"must be 0 (no cap) to 1048576 (got {self.max_log_mb})")
 
+    @property
+    def plaintext_listen(self) -> bool:
+        """Plaintext callers on a non-loopback listen address are admins (insecure_listen)."""
+        return self.insecure or self.insecure_listen
+
+    @property
+    def plaintext_etcd(self) -> bool:
+        """A remote etcd may be reached without credentials (insecure_etcd)."""
+        return self.insecure or self.insecure_etcd
+
     def _check_security(self) -> None:
         """TLS and etcd credentials that go together and are the owner's alone; no plaintext
-        listener other machines reach unless ``insecure``; variable names an admin allows."""
+        listener other machines reach unless ``insecure_listen``; variable names an admin allows."""
         if bool(self.tls_cert) != bool(self.tls_key):
             raise bad("tls_cert" if not self.tls_cert else "tls_key", "tls_cert and tls_key go together")
         for key in ("tls_cert", "tls_key", "tls_cacert"):
@@ -333,10 +349,10 @@ class Settings:
                 raise bad(key, f"{path} belongs to uid {os.stat(path).st_uid}, not to elasticd's user: whoever owns "
                                 f"it may replace it")
         host = self.listen.rpartition(":")[0].strip("[]")
-        if not self.tls_cert and not self.insecure and not _loopback(host):
+        if not self.tls_cert and not self.plaintext_listen and not _loopback(host):
             raise bad("listen", f"{self.listen} is reachable from other machines, without TLS: anyone who reaches it "
                                  f"could run jobs here. Give tls_cert, tls_key and tls_cacert, or listen on loopback, "
-                                 f"or set insecure = true on a network you trust")
+                                 f"or set insecure_listen = true on a network you trust")
         self._check_etcd_protected()
         for key in ("allow_env", "pass_env"):
             for name in names(getattr(self, key)):
@@ -345,17 +361,18 @@ class Settings:
 
     def _check_etcd_protected(self) -> None:
         """etcd decides what every node runs: one other machines reach must want a client
-        certificate or a user (unless ``insecure``), and must not trust the cluster's CA (which
+        certificate or a user (unless ``insecure_etcd``), and must not trust the cluster's CA (which
         also signs admin and viewer certificates: etcd would take each as a writer)."""
         if self.embedded_etcd_dir or self.join_embedded_etcd:
             return  # (its own private CA, on loopback)
         remote = [e.strip() for e in self.etcd_endpoint.split(",")
                   if not _loopback(e.strip().rpartition(":")[0].strip("[]"))]
-        if remote and not (self.etcd_cacert and self.etcd_cert) and not self.etcd_user and not self.insecure:
+        if remote and not (self.etcd_cacert and self.etcd_cert) and not self.etcd_user and not self.plaintext_etcd:
             raise bad("etcd_endpoint", f"{remote[0]} is reachable from other machines and elasticd would reach it "
                                        f"without credentials: whoever reaches that etcd decides what every node runs. "
                                        f"Give etcd_cacert, etcd_cert and etcd_key (etcd with --client-cert-auth), or "
-                                       f"etcd_user and etcd_password, or set insecure = true on a network you trust")
+                                       f"etcd_user and etcd_password, or set insecure_etcd = true on a network you "
+                                       f"trust")
         if self.etcd_cacert and self.tls_cacert and _same_certificates(self.etcd_cacert, self.tls_cacert):
             raise bad("etcd_cacert", f"{self.etcd_cacert} is the cluster's CA (tls_cacert): etcd trusting it takes "
                                      f"every admin and viewer certificate as a writer. Give etcd a CA of its own "
@@ -469,7 +486,8 @@ HELP: dict[str, str] = {
     "namespace": "etcd key prefix",
     "lease_ttl_s": "node and leader lease TTL in seconds",
     "reconcile_interval_s": "leader reconcile period in seconds",
-    "shutdown_grace_s": "checkpoint grace for local workers on shutdown",
+    "shutdown_grace_s": "checkpoint grace for local workers on shutdown (a job whose checkpoints took longer here "
+                        "gets twice its longest, at most 900 s)",
     "master_port_start": "first master port msrun may get",
     "master_port_span": "how many master ports to choose from",
     "progress_interval_s": "record each job's step this often, for `elasticctl report`; 0: never",
@@ -494,8 +512,11 @@ HELP: dict[str, str] = {
     "pass_env": "comma-separated names (or NAME* prefixes) of elasticd's variables the workers inherit too",
     "socket": "local Unix socket; whoever may open it is admin (elasticctl: --endpoint unix:PATH)",
     "socket_group": "group that may open the socket (default: none, elasticd's user alone); not the workers'",
-    "insecure": "true: serve plaintext on a non-loopback listen address, and reach an etcd on another machine "
-                "without a client certificate or user (anyone reaching either can run jobs)",
+    "insecure_listen": "true: serve plaintext on a non-loopback listen address (anyone reaching it is an admin and "
+                       "can run jobs)",
+    "insecure_etcd": "true: reach an etcd on another machine without a client certificate or user (anyone reaching "
+                     "that etcd decides what every node runs)",
+    "insecure": "true: both insecure_listen and insecure_etcd",
     "warm_standbys": "keep standby workers with MindSpore imported for the jobs here: relaunches skip msrun",
     "batch_scheduling": "start the jobs' processes under SCHED_BATCH (MindSpore's registration then seldom "
                         "loses a race with its own event loop); ranks go back to the default policy after init()",

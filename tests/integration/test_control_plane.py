@@ -192,7 +192,7 @@ def test_a_node_that_refuses_the_leaders_pushes_fails_the_job_instead_of_leaving
     status = wait_for("FAILED", lambda: (s := etcd.status(JOB)) and s.state.terminal and s, 40, 0.2)
     assert status.state is JobState.FAILED, status
     assert "node n1 refused generation 1" in status.message and "PERMISSION_DENIED" in status.message, status.message
-    assert "insecure = true" in status.message, status.message
+    assert "insecure_listen = true" in status.message, status.message
     assert etcd.report(JOB, 1, "n1") is None and not generation_processes(procs, 1)
     assert n1.poll() is None
 

@@ -334,19 +334,23 @@ def test_elasticd_stopped_with_its_jobs_and_started_again_is_a_planned_relaunch_
     report says so before its registration goes, and the job resumes from exactly that step as a
     planned relaunch. At the end: SUCCEEDED at total_steps (max_restarts 1: counted, the restarts
     would have failed it), no restart counted, the node never blamed nor quarantined. The pause
-    each costs (SIGINT to the next generation's first step) is printed."""
+    each costs (SIGINT to the next generation's first step) is printed. Each save takes 2 s
+    (rank 0 writes nothing before), longer than the 1 s shutdown_grace_s given: the ranks get
+    twice the longest save elasticd saw them take (#49; with 1 s they were killed inside the save
+    at the stop step, unsaved, and the relaunch went back to the checkpoint before)."""
     tmp = str(tmp_path)
     work, out = os.path.join(tmp, "work"), os.path.join(tmp, "out")
-    endpoint = start_node(procs, etcd, namespace, work)
-    # (Two restarts take about 16 steps: enough left for the job to go on after the last one.)
-    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=40,
-                      max_restarts=1)
+    endpoint = start_node(procs, etcd, namespace, work, "--shutdown-grace-s", "1")
+    # (Two restarts take about 40 steps: enough left for the job to go on after the last one.)
+    spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=60,
+                      max_restarts=1, args=["--data", digits, "--out", out, "--lr", "0.05", "--save-s", "2"])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
     pauses = []
     for restart in range(2):
         g = etcd.plan(JOB).generation  # type: ignore[union-attr]
+        # (Past a checkpoint this elasticd saw them take: a multiple of 10 crossed.)
         running = wait_for(f"generation {g} training", lambda: (r := etcd.report(JOB, g, "n0")) and
-                           r.step >= max(r.resumed_step, 0) + 5 and r, 120, 0.2)
+                           r.step >= max(r.resumed_step, 0) + 12 and r, 120, 0.2)
         daemon = procs.started[-1]
         t0 = time.monotonic()
         os.kill(daemon.pid, signal.SIGINT)
@@ -354,7 +358,9 @@ def test_elasticd_stopped_with_its_jobs_and_started_again_is_a_planned_relaunch_
         stopped = etcd.report(JOB, g, "n0")
         assert stopped is not None and stopped.state is GenerationState.STOPPED, stopped
         assert stopped.cause is FailureCause.AGENT_SHUTDOWN and stopped.exit_step >= running.step, stopped
-        start_node(procs, etcd, namespace, work)
+        with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+            assert "a job's checkpoints took longer here than shutdown_grace_s: its ranks get" in f.read()
+        start_node(procs, etcd, namespace, work, "--shutdown-grace-s", "1")
         resumed = wait_for(f"generation {g + 1} first step", lambda: (r := etcd.report(JOB, g + 1, "n0"))
                            and r.first_step_at and r, 120, 0.2)
         pauses.append(time.monotonic() - t0)

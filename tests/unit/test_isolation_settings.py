@@ -37,6 +37,14 @@ def test_an_etcd_other_machines_reach_needs_credentials_and_a_ca_of_its_own(tmp_
     with pytest.raises(SettingsError, match="etcd_endpoint: 10.0.0.2:2379 is reachable from other machines"):
         Settings(node_id="n0", etcd_endpoint="127.0.0.1:2379,10.0.0.2:2379").validate()
     assert Settings(node_id="n0", etcd_endpoint="10.0.0.2:2379", insecure=True).validate()
+    # (#49: the two are apart: each lets one thing, and says which in its refusal.)
+    assert Settings(node_id="n0", etcd_endpoint="10.0.0.2:2379", insecure_etcd=True).validate()
+    with pytest.raises(SettingsError, match="listen: 10.0.0.1:7070 is reachable .* set insecure_listen = true"):
+        Settings(node_id="n0", etcd_endpoint="10.0.0.2:2379", listen="10.0.0.1:7070", insecure_etcd=True).validate()
+    with pytest.raises(SettingsError, match="etcd_endpoint: 10.0.0.2:2379 .* set insecure_etcd = true"):
+        Settings(node_id="n0", etcd_endpoint="10.0.0.2:2379", listen="10.0.0.1:7070", insecure_listen=True).validate()
+    assert Settings(node_id="n0", etcd_endpoint="10.0.0.2:2379", listen="10.0.0.1:7070", insecure_listen=True,
+                    insecure_etcd=True).validate()
     assert Settings(node_id="n0", etcd_endpoint="10.0.0.2:2379", etcd_user="u", etcd_password="p").validate()
     cluster, own = str(tmp_path / "cluster"), str(tmp_path / "etcd")
     ca, _ = tls.make_ca(cluster)

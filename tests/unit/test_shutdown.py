@@ -61,3 +61,23 @@ def test_the_port_holder_is_named_and_a_lingering_port_is_free() -> None:
         conn.close()
         c.close()
     assert port_holder("127.0.0.1", port) == ""
+
+
+def test_an_overrun_step_says_what_it_waited_on(caplog) -> None:  # type: ignore[no-untyped-def]
+    """#49: a step past its bound names the tasks still waiting, and where (the last time one
+    overran in the suite, the log said only which step)."""
+    async def go() -> None:
+        async def held_by_a_lock(lock: asyncio.Lock) -> None:
+            async with lock:
+                pass
+
+        lock = asyncio.Lock()
+        await lock.acquire()
+        task = asyncio.create_task(held_by_a_lock(lock), name="the-agent")
+        await Shutdown().step("the end of the agent", asyncio.gather(task), 0.1)
+        lock.release()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(go())
+    line = next(r.getMessage() for r in caplog.records if "did not finish" in r.getMessage())
+    assert "waiting were: " in line and "the-agent: held_by_a_lock (test_shutdown.py:" in line, line

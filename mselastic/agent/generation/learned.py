@@ -125,6 +125,11 @@ class Learned:
         seen = self._seen.get(section)
         return seen is not None and seen.count >= (MIN_STEPS if section == STEP else 1)
 
+    def longest(self, section: str) -> float | None:
+        """The longest ``section`` took so far (None: never seen)."""
+        seen = self._seen.get(section)
+        return seen.longest if seen is not None and seen.count else None
+
     def typical_step_s(self) -> float | None:
         """The median of the recent steps, once the step is learned."""
         return statistics.median(self._seen[STEP].recent) if self.learned(STEP) else None
