@@ -125,6 +125,9 @@ class NodeAgent:
         #: What this node learned of each job's timing, across its generations of one world size
         #: (agent.generation.learned: at another, each rank's share of a step is another).
         self._learned: dict[str, tuple[int, Learned]] = {}
+        #: The longest checkpoint each job took here at a world size it no longer runs at (the
+        #: shutdown's grace keeps it: a smaller world saves bigger shards).
+        self._saves: dict[str, float] = {}
         #: This node's reports in etcd, written when a generation changes.
         self.reports = Reports(store, cfg.node_id, cfg.report_interval_s)
         #: Where this node's registration stands (core.states.NodeState; moved by :meth:`_to`).
@@ -633,6 +636,8 @@ class NodeAgent:
         """What this node learned of ``plan``'s job at its world size (anew at another)."""
         kept = self._learned.get(plan.job)
         if kept is None or kept[0] != plan.world_size:
+            if kept is not None and (save := kept[1].longest(learned_rules.CHECKPOINT)):
+                self._saves[plan.job] = max(save, self._saves.get(plan.job, 0.0))  # (for the shutdown's grace)
             kept = self._learned[plan.job] = (plan.world_size, Learned(spec.startup_timeout_s))
         return kept[1]
 
@@ -741,6 +746,7 @@ class NodeAgent:
             if final and not newer:
                 self._ended.add(job)
                 self._learned.pop(job, None)  # (a job submitted again under its name may be another)
+                self._saves.pop(job, None)
                 if gen is None or gen.done.is_set():
                     self._let_go(job)
             if gen is None or newer:
@@ -762,7 +768,8 @@ class NodeAgent:
         took here (agent.generation.learned: a large model's save outlasts a fixed grace), at most
         ``MAX_SHUTDOWN_GRACE_S``."""
         kept = self._learned.get(job)
-        longest = kept[1].longest(learned_rules.CHECKPOINT) if kept is not None else None
+        longest = max((kept[1].longest(learned_rules.CHECKPOINT) if kept is not None else None) or 0.0,
+                      self._saves.get(job, 0.0))
         return max(grace_s, min(SAVE_FACTOR * longest, MAX_SHUTDOWN_GRACE_S)) if longest else grace_s
 
     def longest_shutdown_grace(self, grace_s: float) -> float:
@@ -933,6 +940,7 @@ class NodeAgent:
                 # its snapshots are memory nobody will read again. Otherwise a relaunch may use them.
                 if gen.state is GenerationState.SUCCEEDED or gen.plan.job in self._ended:
                     self._learned.pop(gen.plan.job, None)
+                    self._saves.pop(gen.plan.job, None)
                     self._spawn(self._remove_snapshots_after(gen))  # (standbys and snapshots: _let_go)
                 else:
                     self.standbys.retire(gen.plan.job, False, functools.partial(self._running, gen.plan.job))

@@ -212,7 +212,7 @@ def _refuse_unsupported_embedded(accept: str) -> None:
     line = (f"the embedded etcd would be {version} ({etcd_binary()}), below the supported versions "
             f"({versions.POLICY}): install a supported one (Debian/Ubuntu: apt-get install etcd-server; or "
             f"MSELASTIC_ETCD_BIN=PATH), or accept this exact version with etcd_accept_version = \"{version}\"")
-    if os.environ.get("INVOCATION_ID"):
+    if os.environ.get("INVOCATION_ID") and os.environ.get("NOTIFY_SOCKET"):  # (elasticd's unit is Type=notify)
         raise bad("embedded_etcd_dir", line)
     print(f"elasticd: warning: {line}; a trial goes on, a service (under systemd) would refuse", file=sys.stderr,
           flush=True)
@@ -423,11 +423,17 @@ def waiting_on(limit: int = 12) -> str:
     for t in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
         if t is me or t.done():
             continue
-        frames = t.get_stack(limit=3)
-        if frames and frames[-1].f_code.co_filename.endswith(".pyx.pxi"):
+        frames: list[Any] = []  # (the task's coroutine, then each one it awaits: get_stack stops at the first)
+        coro: Any = t.get_coro()
+        while coro is not None and len(frames) < 16:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                frames.append(frame)
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if any(f.f_code.co_filename.endswith(".pyx.pxi") for f in frames):
             continue  # (grpc's server waiting for the next call: not what holds a shutdown)
         where = " < ".join(f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
-                           for f in reversed(frames)) or "not started"
+                           for f in reversed(frames[-3:])) or "not started"
         said.append(f"{t.get_name()}: {where}")
     return "; ".join(said[:limit]) + (f"; and {len(said) - limit} more" if len(said) > limit else "")
 
@@ -440,10 +446,14 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.overran: list[str] = []
+        #: Ask systemd (236+) for each step's time before it runs (a stop longer than TimeoutStopSec).
+        self.extend = False
 
     async def step(self, what: str, work: Awaitable[Any], within_s: float) -> None:
         """Run ``work`` for at most ``within_s``: past that it is cancelled and left (not awaited:
         a cancelled gather waits for its children, and a shielded kill may not end), and named."""
+        if self.extend:
+            notify.extend_timeout(within_s + 30)
         task = asyncio.ensure_future(work)
         done, _ = await asyncio.wait({task}, timeout=within_s)
         if not done:
@@ -505,7 +515,7 @@ async def _run(s: Settings, agent: NodeAgent, coordinator: Coordinator, etcd_ver
         workers_s = grace + SHUTDOWN_MARGIN_S + STEPS_TO_GO_MAX_S + 30
         if grace > s.shutdown_grace_s:
             log.info("a job's checkpoints took longer here than shutdown_grace_s: its ranks get %.0fs", grace)
-            notify.extend_timeout(2 * workers_s + 60)  # (the unit's TimeoutStopSec counts for less)
+            shutdown.extend = True  # (each step asks systemd for its time: the unit's TimeoutStopSec may be less)
         if not why_not:
             log.info("shutting down (SIGTERM): generations left to their shims for the next elasticd; the others "
                      "stopped (grace %.0fs)", s.shutdown_grace_s)

@@ -505,7 +505,8 @@ HELP: dict[str, str] = {
     "etcd_user": "etcd user (auth enabled), with etcd_password",
     "etcd_password": "etcd user's password",
     "etcd_accept_version": "accept this exact etcd version although it is below the supported ones "
-                           f"({versions.POLICY}); warned about in the log and in status",
+                           f"({versions.POLICY}); warned about in the log and in status; a service on an embedded "
+                           f"etcd below them needs it",
     "worker_user": "user the workers run as (default: the mselastic system user; nobody is refused; root only "
                    "if named)",
     "allow_env": "comma-separated loader/interpreter variables (LD_*, PYTHON*, PATH) jobs may set anyway",

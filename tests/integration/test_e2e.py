@@ -358,8 +358,9 @@ def test_elasticd_stopped_with_its_jobs_and_started_again_is_a_planned_relaunch_
         stopped = etcd.report(JOB, g, "n0")
         assert stopped is not None and stopped.state is GenerationState.STOPPED, stopped
         assert stopped.cause is FailureCause.AGENT_SHUTDOWN and stopped.exit_step >= running.step, stopped
-        with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
-            assert "a job's checkpoints took longer here than shutdown_grace_s: its ranks get" in f.read()
+        with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:  # (each elasticd's lines, appended)
+            assert f.read().count("a job's checkpoints took longer here than shutdown_grace_s: its ranks get") == \
+                restart + 1
         start_node(procs, etcd, namespace, work, "--shutdown-grace-s", "1")
         resumed = wait_for(f"generation {g + 1} first step", lambda: (r := etcd.report(JOB, g + 1, "n0"))
                            and r.first_step_at and r, 120, 0.2)

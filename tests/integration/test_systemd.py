@@ -67,9 +67,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         lines = c.run("journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout
         assert refused.returncode != 0 and "below the supported versions" in lines and \
             "etcd_accept_version = " in lines, lines[-2000:]
-        assert c.show(UNIT, "NRestarts")["NRestarts"] == "0"  # (exit 2: RestartPreventExitStatus)
         version = lines.split("the embedded etcd would be ", 1)[1].split()[0]
-        c.run("systemctl", "reset-failed", UNIT)
+        c.run("systemctl", "stop", UNIT)  # (Restart=on-failure would try again with the same line)
+        c.run("systemctl", "reset-failed", UNIT, check=False)
         c.write("/etc/mselastic/elasticd.toml", CONFIG + ACCEPT.format(version))
         c.run("install", "-d", "-o", "mselastic", "-g", "mselastic", "-m", "0750", JOBS)
         yield c

@@ -80,4 +80,5 @@ def test_an_overrun_step_says_what_it_waited_on(caplog) -> None:  # type: ignore
     with caplog.at_level("ERROR"):
         asyncio.run(go())
     line = next(r.getMessage() for r in caplog.records if "did not finish" in r.getMessage())
-    assert "waiting were: " in line and "the-agent: held_by_a_lock (test_shutdown.py:" in line, line
+    assert "waiting were: " in line and "the-agent: acquire (locks.py:" in line and \
+        "< held_by_a_lock (test_shutdown.py:" in line, line  # (the innermost frame first)

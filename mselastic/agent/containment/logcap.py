@@ -33,7 +33,7 @@ ROTATE_S = 60.0
 
 #: Empties ``$2`` after keeping its first ``$3`` bytes in ``$2.0`` (once: the first rotation's) and
 #: its last ``$1`` bytes in ``$2.1``.
-_ROTATE = ('{ [ -e "$2.0" ] || { head -c "$3" -- "$2" > "$2.0.tmp" && mv -f -- "$2.0.tmp" "$2.0"; }; } && '
+_ROTATE = ('{ [ -e "$2.0" ] || { head -c "$3" -- "$2" > "$2.0.tmp" && mv -f -- "$2.0.tmp" "$2.0"; }; }; '
            'tail -c "$1" -- "$2" > "$2.1.tmp" && mv -f -- "$2.1.tmp" "$2.1" && truncate -s 0 -- "$2"')
 #: Names of the kept parts (and their temporary files), which are not rotated themselves.
 KEPT = (".0", ".0.tmp", ".1", ".1.tmp")
@@ -85,8 +85,8 @@ async def rotate(path: str, uid: int, gid: int, keep_bytes: int, cgroups: Tree |
         if proc.returncode:
             log.warning("log %s not rotated: %s", path, err.decode(errors="replace").strip()[-300:])
         else:
-            log.info("log %s was over its cap: its first %d MiB kept in %s.0 (at the first rotation), its last "
-                     "%d MiB in %s.1, the file emptied", path, keep_bytes >> 21, path, keep_bytes >> 20, path)
+            log.info("log %s was over its cap: its first %g MiB kept in %s.0 (at the first rotation), its last "
+                     "%g MiB in %s.1, the file emptied", path, keep_bytes / 2**21, path, keep_bytes / 2**20, path)
     except (OSError, RuntimeError, asyncio.TimeoutError) as e:  # (RuntimeError: a CgroupError)
         log.warning("log %s not rotated: %s", path, e or "not done in time")
     finally:
