@@ -306,25 +306,24 @@ def test_a_rank_stopped_from_outside_is_blamed_within_the_hang_timeout(procs: Pr
 
 def test_without_a_hang_timeout_the_limits_are_learned_from_the_job_and_a_healthy_job_is_never_called_hung(
         procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str], digits: str) -> None:
-    """#47: no hang_timeout_s in the spec. Generation 1 (0.1 s steps) does what a healthy job does
-    that a fixed short limit would call a hang: a first step of 10 s, a save of 2 s every 20 steps
-    (rank 0 writes, rank 1 waits for it), an evaluation of 3 s every 30 steps on rank 0 alone
+    """#47: no hang_timeout_s in the spec. The job (0.1 s of sleep a step) does what a healthy job
+    does that a fixed short limit would call a hang: a first step of 10 s, a save of 2 s every 20
+    steps (rank 0 writes, rank 1 waits for it), an evaluation of 3 s every 30 steps on rank 0 alone
     (unmarked: rank 1 waits in the next collective), and is not relaunched for it. Then rank 1 is
     SIGSTOPped: blamed on the limit learned from the steps (10 typical steps, at least 1 s), not the
-    default's 30 s. Generation 2 (its first step judged by the one learned) deadlocks on rank 1
-    (asleep on a lock, not stopped; rank 0 waits for it): found once both are seen idle past the
-    learned limit, not after the default's 60 s."""
+    default's 30 s. (A deadlock, found once the whole job is idle past the learned limit and at
+    least 30 s, is measured end to end by `make bench-hang`; what tells idle from working, by
+    tests/integration/test_supervisor.py on real cgroups.)"""
     tmp = str(tmp_path)
     endpoint = start_node(procs, etcd, namespace, os.path.join(tmp, "w0"))
     out = os.path.join(tmp, "out")
     spec = lenet_spec(os.path.join(tmp, "job.toml"), JOB, out, os.path.join(tmp, "ckpt"), total_steps=400,
                       hang_timeout_s=0, checkpoint_interval_steps=20,
                       args=["--data", digits, "--out", out, "--lr", "0.05", "--step-sleep-s", "0.1", "--first-step-s",
-                            "10", "--save-s", "2", "--eval-every", "30", "--eval-s", "3"],
-                      env={"MSELASTIC_FAULT": "hang:rank=1:generation=2:step=85"})
+                            "10", "--save-s", "2", "--eval-every", "30", "--eval-s", "3"])
     assert elasticctl("submit", spec, endpoint=endpoint).returncode == 0
-    wait_for("generation 1 past two saves and two evaluations",
-             lambda: (r := etcd.report(JOB, 1, "n0")) and (r.state.terminal or r.step >= 65), 180, 0.1)
+    wait_for("past two saves and an evaluation",
+             lambda: (r := etcd.report(JOB, 1, "n0")) and (r.state.terminal or r.step >= 45), 180, 0.1)
     report = etcd.report(JOB, 1, "n0")
     assert report is not None and report.state is GenerationState.RUNNING, report
     victim = rank_pid(procs, 1, 1)
@@ -337,18 +336,10 @@ def test_without_a_hang_timeout_the_limits_are_learned_from_the_job_and_a_health
     assert failed.cause is FailureCause.RANK_HUNG and "state T" in failed.reason, failed.reason
     assert "learned: 10 typical steps" in failed.reason, failed.reason
     print(f"stopped rank found {failed.detected_at - stopped_at:.2f}s after its SIGSTOP: {failed.reason}")
-    hung = wait_for("generation 2 failed", lambda: (r := etcd.report(JOB, 2, "n0")) and r.state.terminal and r,
-                    120, 0.1)
-    assert hung.state is GenerationState.FAILED and hung.failed_rank == 1, hung
-    assert hung.cause is FailureCause.RANK_HUNG and "the whole job idle (learned: 4x the longest" in hung.reason, \
-        hung.reason
     with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
         log = f.read()
-    assert "first_step not learned" not in log and "not learned yet" not in log, log[-3000:]
-    print(f"deadlocked rank found {hung.detected_at - hung.first_step_at:.1f}s after generation 2's first step: "
-          f"{hung.reason}")
-    status = wait_for("generation 3", lambda: (s := etcd.status(JOB)) and s.generation >= 3 and s, 60, 0.1)
-    assert status.restart_count == 2, status
+    assert "hang limits learned from the job: a stopped rank after" in log, log[-3000:]
+    wait_for("generation 2", lambda: (s := etcd.status(JOB)) and s.generation >= 2 and s, 60, 0.1)
     assert elasticctl("stop", JOB, endpoint=endpoint).returncode == 0
 
 

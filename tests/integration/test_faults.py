@@ -27,7 +27,7 @@ from tests.harness import DATA_DIR, REFUSED, check_history, elasticctl, generati
 pytestmark = pytest.mark.slow
 JOB = "lenet"
 TOTAL, FAULT_STEP, HANG_TIMEOUT_S = 20, 15, 6
-# (A deadlock, Fault.HANG, is found by the limits learned from the job: tests/integration/test_control_plane.py.)
+# (A deadlock, Fault.HANG, is found by the limits learned from the job: bench/hang_detection.py.)
 RANK_FAULTS = [f for f in Fault if f not in (Fault.CORRUPT_CHECKPOINT, Fault.STUCK_STARTUP, Fault.SIGKILL_IN_SAVE,
                                              Fault.HANG)]
 
