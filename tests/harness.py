@@ -71,9 +71,9 @@ class Processes:
         self._stop_signal: dict[int, int] = {}
 
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        full_env = dict(os.environ, **(env or {}))
-        for var in ("INVOCATION_ID", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # (a runner's service's)
-            full_env.pop(var, None)
+        full_env = {k: v for k, v in os.environ.items()  # (not a runner's service's: a test gives its own)
+                    if k not in ("INVOCATION_ID", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        full_env.update(env or {})
         full_env[TEST_MARK] = self.mark
         full_env["PATH"] = VENV_BIN + os.pathsep + full_env.get("PATH", "")
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")

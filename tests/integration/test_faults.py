@@ -40,7 +40,7 @@ def start(cluster: Cluster, fault: str, total: int = TOTAL, **overrides: object)
     cluster.start_nodes(0, 1)
     ckpt = os.path.join(cluster.tmp, "ckpt")
     spec = lenet_spec(os.path.join(cluster.tmp, "job.toml"), JOB, os.path.join(cluster.tmp, "out"), ckpt, total,
-                      workers=1, min_nodes=1, max_nodes=2, hang_timeout_s=HANG_TIMEOUT_S,
+                      workers=1, min_nodes=1, max_nodes=2, hang_timeout_s=overrides.pop("hang_timeout_s", HANG_TIMEOUT_S),
                       # A SIGTERM to one rank of this two-node job names no step: the ranks agree on
                       # it at the backstop, every 5 steps (FAULT_STEP is one).
                       stop_check_interval_steps=5, env={"MSELASTIC_FAULT": fault}, **overrides)
@@ -66,8 +66,11 @@ def test_every_rank_fault_is_recovered_from_the_last_checkpoint(cluster: Cluster
     assert sorted(f.value for f in faults) == sorted(f.value for f in RANK_FAULTS)
     at = {g: 10 * g + 5 for g in range(1, len(faults) + 1)}
     total = at[len(faults)] + 10
+    # (No hang_timeout_s: the limits are learned, as by default. A fixed 6 s called a warm relaunch's
+    # first step hung once, on a loaded machine: its rank waited for n0's in the first collective.)
     start(cluster, ";".join(f"{f.value}:rank=1:generation={g}:step={at[g]}" for g, f in enumerate(faults, 1)),
-          total=total, max_restarts=len(faults), quarantine_after_failures=len(faults) + 1)  # (all on n1)
+          total=total, max_restarts=len(faults), quarantine_after_failures=len(faults) + 1,  # (all on n1)
+          hang_timeout_s=0)
     etcd = cluster.etcd
     assert etcd is not None
     for g, fault in enumerate(faults, 1):
