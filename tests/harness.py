@@ -28,7 +28,7 @@ from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
 from mselastic.store import versions
 from mselastic.store.embedded import etcd_version, free_port
-from mselastic.store.etcd import Store
+from mselastic.store.etcd import EtcdAuth, Store
 from mselastic.store.keys import Keys
 
 T = TypeVar("T")
@@ -129,13 +129,14 @@ def _killpg(pid: int, sig: int) -> None:
 class Etcd:
     """Synchronous reads of the cluster state for assertions (one short client per call)."""
 
-    def __init__(self, endpoint: str, namespace: str) -> None:
+    def __init__(self, endpoint: str, namespace: str, auth: EtcdAuth = EtcdAuth()) -> None:
         self.endpoint = endpoint
         self.keys = Keys(namespace)
+        self.auth = auth
 
     def _run(self, fn: Callable[[Store], Any]) -> Any:
         async def go() -> Any:
-            store = Store(self.endpoint, self.keys)
+            store = Store(self.endpoint, self.keys, auth=self.auth)
             try:
                 return await fn(store)
             finally:
@@ -147,6 +148,11 @@ class Etcd:
             kv = await s.get(key)
             return kv.value if kv else None
         return self._run(fn)
+
+    def put(self, key: str, value: str) -> None:
+        async def fn(s: Store) -> None:
+            await s.put(key, value)
+        self._run(fn)
 
     def lease_of(self, key: str) -> int:
         """The lease ``key`` is held under (0: none, or no such key)."""

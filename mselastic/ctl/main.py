@@ -15,6 +15,7 @@ Examples::
     elasticctl scale lenet --min 1 --max 4     # change the node range (world sizes must stay valid)
     elasticctl drain n1                        # move jobs off n1, nothing lost; waits until done
     elasticctl cordon n1 / uncordon n1         # no new generations on n1 / back in service
+    elasticctl remove-node n1                  # n1 gone for good (its elasticd stopped): forget its records
     elasticctl watch lenet                     # live: step, samples/s, loss, generation, world size
     elasticctl report lenet -o timeline.png    # picture of the run: step over time, faults, world size
 
@@ -52,7 +53,7 @@ from mselastic.core.spec import INT32_MAX, MAX_INTS, MAX_SECONDS, SpecError, loa
 from mselastic import __version__, systemd
 from mselastic.ctl import render
 from mselastic.ctl.render import LogLines
-from mselastic.tls import ROLES, TlsError, TlsFiles, issue, make_ca
+from mselastic.tls import CA_DAYS, CERT_DAYS, ROLES, TlsError, TlsFiles, describe, issue, make_ca, revoke
 from mselastic.v1 import elastic_pb2 as pb
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
@@ -268,14 +269,17 @@ def _job_actions(cmd: _Command) -> None:
 
 def _setting_up(cmd: _Command) -> None:
     """Commands that make certificates and install the unit."""
-    s = cmd("certs", "make a CA (certs ca DIR) or a certificate it signs (certs issue DIR NAME --role ROLE)",
-            "elasticctl certs issue /etc/mselastic/pki node-a --role node --host 10.0.0.1", output=False)
-    s.add_argument("action", choices=("ca", "issue"))
+    s = cmd("certs", "make a CA (certs ca DIR), a certificate it signs (certs issue DIR NAME --role ROLE; again to "
+            "renew it), or revoke one (certs revoke DIR NAME: DIR/crl.pem, elasticd's tls_crl)",
+            "elasticctl certs issue /etc/mselastic/pki node-a --role node --host 10.0.0.1 --days 90", output=False)
+    s.add_argument("action", choices=("ca", "issue", "revoke"))
     s.add_argument("dir", help="where the CA is (ca.pem, ca-key.pem) and the certificate goes")
     s.add_argument("name", nargs="?", default="", help="issue: the node id (role node) or who it is for (CN)")
     s.add_argument("--role", choices=ROLES, default="", help="issue: node, admin or viewer (the certificate's O)")
     s.add_argument("--host", action="append", default=[], help="issue, role node: an address or name the node is "
                                                                 "reached at (repeat)")
+    s.add_argument("--days", type=_bounded(1, 36500), default=0,
+                   help=f"ca, issue: how long it is valid (default: a CA {CA_DAYS} days, a certificate {CERT_DAYS})")
     s = cmd("install-unit", "install elasticd's systemd unit (ExecStart: the elasticd beside this elasticctl), the "
             "mselastic user the jobs run as (sysusers.d) and /etc/mselastic/elasticd.toml if absent; starts nothing",
             "elasticctl install-unit && systemctl enable --now elasticd", output=False)
@@ -309,6 +313,10 @@ def _node_actions(cmd: _Command) -> None:
             "scale up to it)", "elasticctl uncordon n1; elasticctl uncordon n1 --device 3")
     s.add_argument("node")
     s.add_argument("--device", type=int, help="put this device of the node back, not the node")
+    s = cmd("remove-node", "forget a node taken out of the cluster for good: its cordon and its devices' records "
+            "(refused while its elasticd runs or a job still counts on it)",
+            "elasticctl drain n1; (on n1: systemctl disable --now elasticd); elasticctl remove-node n1")
+    s.add_argument("node")
 
 def _following(cmd: _Command) -> None:
     """Commands that follow a job (live view, report)."""
@@ -520,6 +528,12 @@ def cmd_scale(c: Client, a: argparse.Namespace, out: Any) -> int:
 def cmd_cordon(c: Client, a: argparse.Namespace, out: Any) -> int:
     cordon, drain = a.command != "uncordon", a.command == "drain"
     req = pb.CordonRequest(node_id=a.node, cordon=cordon, drain=drain, reason=getattr(a, "reason", ""))
+    if a.command == "remove-node":
+        req = pb.CordonRequest(node_id=a.node, remove=True)
+        res = c.call(lambda s: lambda **kw: s.Cordon(req, **kw))
+        render.emit(out, a.output, {"node": a.node, "removed": res.removed},
+                    lambda: f"node {a.node} removed ({res.removed} record(s) deleted)")
+        return EXIT_OK
     device = getattr(a, "device", None)
     if device is not None:
         if device < 0:
@@ -622,18 +636,27 @@ def cmd_certs(c: Client, a: argparse.Namespace, out: Any) -> int:
     """Certificates without a PKI team: one CA, and node/admin/viewer certificates it signs."""
     try:
         if a.action == "ca":
-            cert, key = make_ca(a.dir)
+            cert, key = make_ca(a.dir, days=a.days or CA_DAYS)
             out.write(f"CA: {cert} (give it to every node and elasticctl: tls_cacert / --cacert); key: {key} "
-                      f"(keep it off the nodes)\n")
+                      f"(keep it off the nodes); revocation list: {os.path.join(a.dir, 'crl.pem')} (empty; every "
+                      f"node's tls_crl)\n")
+            return EXIT_OK
+        if a.action == "revoke":
+            if not a.name:
+                raise CtlError("certs revoke needs the NAME of a certificate the CA in DIR signed (or its .pem file)",
+                               EXIT_USAGE)
+            crl, serial = revoke(a.dir, a.name)
+            out.write(f"revoked {a.name} (serial {serial:x}); copy {crl} to every node (their tls_crl): it is "
+                      f"refused from the next call on, no restart\n")
             return EXIT_OK
         if not a.name or not a.role:
             raise CtlError("certs issue needs a NAME and --role node|admin|viewer", EXIT_USAGE)
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", a.name):
             raise CtlError(f"certificate name {a.name!r}: letters, digits, '.', '_', '-' (a node id)", EXIT_USAGE)
-        cert, key = issue(a.dir, a.name, a.role, tuple(a.host))
+        cert, key = issue(a.dir, a.name, a.role, tuple(a.host), days=a.days or CERT_DAYS)
     except TlsError as e:
         raise CtlError(str(e), EXIT_USAGE) from None
-    out.write(f"{a.role} certificate for {a.name}: {cert}, key {key} (mode 0600)\n")
+    out.write(f"{a.role} certificate for {a.name}: {cert}, key {key} (mode 0600); {describe(cert)}\n")
     return EXIT_OK
 
 
@@ -641,7 +664,7 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Any], int]] = {
     "status": cmd_status, "nodes": cmd_nodes, "jobs": cmd_jobs, "describe": cmd_describe, "events": cmd_events,
     "logs": cmd_logs, "submit": cmd_submit, "stop": cmd_stop, "restart": cmd_restart, "scale": cmd_scale,
     "delete": cmd_delete, "certs": cmd_certs, "install-unit": cmd_install_unit,
-    "cordon": cmd_cordon, "drain": cmd_cordon, "uncordon": cmd_cordon, "watch": cmd_watch, "report": cmd_report,
+    "cordon": cmd_cordon, "drain": cmd_cordon, "uncordon": cmd_cordon, "remove-node": cmd_cordon, "watch": cmd_watch, "report": cmd_report,
 }
 
 

@@ -56,12 +56,20 @@ class Agents:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._used: dict[str, float] = {}  # address -> when its channel's latest call ends at most (monotonic)
         self._closing: set[asyncio.Task[None]] = set()
+        self._stamps: dict[str, object] = {}  # address -> the TLS files' stamp its channel was dialled with
         #: The registered nodes, as the leader last saw them: a new channel's keepalive interval
         #: is sized for them (``liveness.client_options``).
         self.cluster_size = 0
 
     def channel(self, address: str) -> grpc.aio.Channel:
+        stamp = self.tls.stamp()
+        if address in self._channels and self._stamps.get(address) != stamp:
+            # A certificate renewed in place: this call dials anew with it; the old channel's calls
+            # in flight end (or run out of time) before it closes.
+            grace = max(0.0, self._used.get(address, 0.0) - time.monotonic())
+            self._close(self._channels.pop(address), address, grace)
         if address not in self._channels:
+            self._stamps[address] = stamp
             options = {**CHANNEL_OPTIONS, **liveness.client_options(max(self.cluster_size, len(self._channels) + 1),
                                                                     pings=self.keepalive)}
             self._channels[address] = self.tls.aio_channel(self.local.get(address, address),
@@ -76,9 +84,12 @@ class Agents:
         now = time.monotonic()
         for address in [a for a, used in self._used.items() if a not in keep and now - used > idle_s]:
             del self._used[address]
-            task = asyncio.create_task(self._channels.pop(address).close(), name=f"close-{address}")
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close(self._channels.pop(address), address)
+
+    def _close(self, channel: grpc.aio.Channel, address: str, grace: float | None = None) -> None:
+        task = asyncio.create_task(channel.close(grace), name=f"close-{address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def stub(self, address: str, timeout_s: float) -> pb_grpc.AgentStub:
         """A stub for one call that gives up after ``timeout_s`` (its channel is kept that long)."""

@@ -55,8 +55,9 @@ LEADER_ONLY = frozenset({"/mselastic.v1.Agent/Launch", "/mselastic.v1.Agent/Stop
 class Caller:
     """Who called: the roles and, for a certificate, its common name ("" otherwise)."""
 
-    def __init__(self, roles: frozenset[Role], name: str = "", via: str = "", certified: bool = False) -> None:
-        self.roles, self.name, self.via, self.certified = roles, name, via, certified
+    def __init__(self, roles: frozenset[Role], name: str = "", via: str = "", certified: bool = False,
+                 serial: int = 0) -> None:
+        self.roles, self.name, self.via, self.certified, self.serial = roles, name, via, certified, serial
 
 
 def caller(context: grpc.aio.ServicerContext, insecure: bool) -> Caller:
@@ -74,18 +75,21 @@ def caller(context: grpc.aio.ServicerContext, insecure: bool) -> Caller:
         names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
         roles = frozenset(r for r in Role if r.value in orgs)
         name = names[0] if names else ""
-        return Caller(roles, name, via=f"certificate {name or '(no CN)'}", certified=True)
+        return Caller(roles, name, via=f"certificate {name or '(no CN)'}", certified=True, serial=cert.serial_number)
     if insecure:
         return Caller(ALL, via="plaintext (insecure_listen = true)")
     return Caller(frozenset({Role.VIEWER}), via="plaintext TCP")
 
 
 class Authorizer(grpc.aio.ServerInterceptor):
-    """Checks every call; ``leader`` returns the node id that currently leads ("" unknown)."""
+    """Checks every call; ``leader`` returns the node id that currently leads ("" unknown),
+    ``revoked`` the serials of the certificates the CA revoked (``tls_crl``; read per call)."""
 
-    def __init__(self, insecure: bool, leader: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, insecure: bool, leader: Callable[[], Awaitable[str]],
+                 revoked: Callable[[], frozenset[int]] = frozenset) -> None:
         self.insecure = insecure
         self.leader = leader
+        self.revoked = revoked
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -97,6 +101,9 @@ class Authorizer(grpc.aio.ServerInterceptor):
 
         async def check(context: grpc.aio.ServicerContext) -> None:
             who = caller(context, self.insecure)
+            if who.certified and who.serial in self.revoked():
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    f"{who.via} (serial {who.serial:x}) is revoked (tls_crl): ask for a new one")
             if not who.roles & allowed:
                 need = " or ".join(sorted(r.value for r in allowed)) or "nobody"
                 hint = (" (elasticctl reaches elasticd as admin through its Unix socket, --endpoint unix:PATH, or "

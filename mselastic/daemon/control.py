@@ -356,7 +356,7 @@ class ControlService(pb_grpc.ControlServicer):
         """The compare and the puts that give ``job`` a uid of ``job_uids`` in the submit's
         transaction (none without job_uids): the one this job name had before (its files on disk
         are that uid's), else one no job ever had, else one a deleted job released (then that
-        job's files left on disk become this one's: said in the README)."""
+        job's files left on disk become this one's: said in docs/security.md)."""
         if self.job_uids is None:
             return [], []
         k, tx = self.store.keys, self.store.tx
@@ -510,6 +510,8 @@ class ControlService(pb_grpc.ControlServicer):
         The reconcile pass does the rest: a draining member gets a planned relaunch without it."""
         if request.drain and not request.cordon:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "drain implies cordon")
+        if request.remove and (request.cordon or request.HasField("device")):
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a node is removed whole, not cordoned")
         await self._require_leader(context)
         k = self.store.keys
         try:
@@ -521,6 +523,8 @@ class ControlService(pb_grpc.ControlServicer):
                             f"no node named {request.node_id!r} is registered (see elasticctl status)")
             if request.HasField("device"):
                 return await self._cordon_device(request, cluster, context)
+            if request.remove:
+                return await self._remove_node(request.node_id, cluster, context)
             term = await self._term(context)
             if request.cordon:
                 rec = CordonRecord(request.node_id, request.drain, time.time(), request.reason)
@@ -536,6 +540,35 @@ class ControlService(pb_grpc.ControlServicer):
                  extra=dict(node=request.node_id))
         self.coordinator.wake()
         return pb.CordonResponse(node_id=request.node_id, cordoned=request.cordon, draining=request.drain)
+
+    async def _remove_node(self, node_id: str, cluster: ClusterView,
+                           context: grpc.aio.ServicerContext) -> pb.CordonResponse:
+        """A node taken out of the cluster for good: its cordon and its devices' records go (its
+        registration went with its lease). Refused while it is registered, or while a job that has
+        not ended still has it in its current plan (the leader replans without it first)."""
+        if any(n.node_id == node_id for n in cluster.nodes):
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"node {node_id} is registered: stop its elasticd for good first (on it: systemctl "
+                        f"disable --now elasticd; elasticctl drain {node_id} before, to move its jobs off it)")
+        counting = sorted(v.name for v in cluster.jobs.values()
+                          if v.plan is not None and not v.status.state.terminal
+                          and any(m.node_id == node_id for m in v.plan.members))
+        if counting:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"job(s) {', '.join(counting)} still have node {node_id} in their current plan: wait until "
+                        f"the leader has relaunched them without it (elasticctl describe job {counting[0]})")
+        k = self.store.keys
+        devices = k.device_cordon(node_id, 0).rpartition("/")[0] + "/"
+        records = (node_id in cluster.cordons) + len(cluster.device_cordons.get(node_id, []))
+        term = await self._term(context)
+        if not await self.store.txn([term.guard(self.store), self.store.tx.create(k.node(node_id).encode()) == 0], [
+                self.store.tx.delete(k.cordon(node_id).encode()),
+                self.store.tx.delete(devices.encode(), range_end=k.range_end(devices).encode())]):
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"leadership lost, or node {node_id} registered meanwhile; nothing removed (retry)")
+        log.info("node %s removed: %d record(s) deleted", node_id, records, extra=dict(node=node_id))
+        self.coordinator.wake()
+        return pb.CordonResponse(node_id=node_id, removed=records)
 
     async def _cordon_device(self, request: pb.CordonRequest, cluster: ClusterView,
                              context: grpc.aio.ServicerContext) -> pb.CordonResponse:

@@ -75,7 +75,7 @@ from mselastic.store import versions
 from mselastic.store.embedded import EmbeddedEtcd, PortTaken, etcd_binary, etcd_version
 from mselastic.store.etcd import EtcdAuth, PermanentError, RetryPolicy, Store, TemporaryError
 from mselastic.store.keys import Keys
-from mselastic.tls import TlsError, private_pki
+from mselastic.tls import Revocations, TlsError, private_pki
 from mselastic.v1 import elastic_pb2_grpc as pb_grpc
 
 log = logging.getLogger("elasticd")
@@ -229,7 +229,8 @@ def _grpc_server(s: Settings, store: Store) -> tuple[grpc.aio.Server, str, str]:
             return ""
 
     # Requests are small (a spec is bounded far below this); answers may be larger (events).
-    server = grpc.aio.server(interceptors=[Authorizer(s.plaintext_listen, leader)],
+    revocations = Revocations(s.tls_crl, s.tls_cacert)
+    server = grpc.aio.server(interceptors=[Authorizer(s.plaintext_listen, leader, revocations.serials)],
                              options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                                       # (gRPC's default would let a second elasticd bind the same
                                       # address: it would take the first one's registration for its

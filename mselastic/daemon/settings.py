@@ -23,7 +23,7 @@ from mselastic.core.planner import PortRange
 from mselastic.store import versions
 from mselastic.store.etcd import EtcdAuth
 from mselastic.store.keys import BadName, Keys, check_id
-from mselastic.tls import TlsFiles
+from mselastic.tls import Revocations, TlsError, TlsFiles
 
 
 DEFAULT_CONFIG = "/etc/mselastic/elasticd.toml"
@@ -113,6 +113,11 @@ class Settings:
     tls_key: str = ""
     #: CA that signed the peers' and clients' certificates; with tls_cert, clients must present one.
     tls_cacert: str = ""
+    #: A revocation list (PEM) signed by tls_cacert's CA (``elasticctl certs revoke DIR NAME``
+    #: writes DIR/crl.pem): a caller presenting a certificate it names is refused. Read again
+    #: whenever the file changes (copy the new list to every node; no restart), as the
+    #: certificate and key are: a renewed certificate serves from the next connection on.
+    tls_crl: str = ""
     #: etcd over TLS (named like etcdctl's --cacert, --cert, --key): the CA of etcd's certificate,
     #: and a client certificate and key (etcd with --client-cert-auth takes its CN as the user).
     #: (An embedded etcd ignores them: it uses a private CA in embedded_etcd_dir/pki.)
@@ -340,6 +345,13 @@ class Settings:
         if self.tls_cert and not self.tls_cacert:
             raise bad("tls_cacert", "tls_cert without tls_cacert would accept any client; give the CA that signs the "
                                      "nodes' and clients' certificates")
+        if self.tls_crl:
+            if not self.tls_cacert:
+                raise bad("tls_crl", "a revocation list needs tls_cacert (the CA that signed it)")
+            try:
+                Revocations(self.tls_crl, self.tls_cacert)
+            except TlsError as e:
+                raise bad("tls_crl", str(e)) from None
         for key in ("tls_key", "etcd_key"):
             path = getattr(self, key)
             if path and os.stat(path).st_mode & 0o077:
@@ -376,7 +388,7 @@ class Settings:
         if self.etcd_cacert and self.tls_cacert and _same_certificates(self.etcd_cacert, self.tls_cacert):
             raise bad("etcd_cacert", f"{self.etcd_cacert} is the cluster's CA (tls_cacert): etcd trusting it takes "
                                      f"every admin and viewer certificate as a writer. Give etcd a CA of its own "
-                                     f"(elasticctl certs ca DIR; README \"Three nodes\")")
+                                     f"(elasticctl certs ca DIR; docs/operations.md, \"Three nodes\")")
 
     @property
     def etcd_auth(self) -> EtcdAuth:
@@ -498,6 +510,8 @@ HELP: dict[str, str] = {
     "tls_cert": "this node's TLS certificate (PEM)",
     "tls_key": "this node's TLS key (PEM)",
     "tls_cacert": "CA of the peers' and clients' certificates (PEM)",
+    "tls_crl": "revocation list (PEM) signed by tls_cacert's CA: certificates it names are refused; read again "
+               "when it changes",
     "log_format": "text or json",
     "etcd_cacert": "CA of etcd's certificate (PEM): etcd over TLS",
     "etcd_cert": "client certificate for etcd (PEM; its CN is the etcd user with --client-cert-auth)",

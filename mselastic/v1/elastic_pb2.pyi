@@ -446,28 +446,32 @@ class StopJobResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
 
 class CordonRequest(_message.Message):
-    __slots__ = ("node_id", "cordon", "drain", "reason", "device")
+    __slots__ = ("node_id", "cordon", "drain", "reason", "device", "remove")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CORDON_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cordon: bool
     drain: bool
     reason: str
     device: int
-    def __init__(self, node_id: _Optional[str] = ..., cordon: _Optional[bool] = ..., drain: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
+    remove: bool
+    def __init__(self, node_id: _Optional[str] = ..., cordon: _Optional[bool] = ..., drain: _Optional[bool] = ..., reason: _Optional[str] = ..., device: _Optional[int] = ..., remove: _Optional[bool] = ...) -> None: ...
 
 class CordonResponse(_message.Message):
-    __slots__ = ("node_id", "cordoned", "draining")
+    __slots__ = ("node_id", "cordoned", "draining", "removed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CORDONED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cordoned: bool
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    removed: int
+    def __init__(self, node_id: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., removed: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("at", "kind", "generation", "message", "node_id", "rank", "detected_at", "step", "world_size", "loss")

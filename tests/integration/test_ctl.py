@@ -257,3 +257,44 @@ def test_logs_are_never_read_through_a_symlink_or_a_fifo(endpoint: str, tmp_path
                 list(pb_grpc.AgentStub(ch).Logs(pb.LogsRequest(job="fake", rank=rank, generation=1), timeout=5))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
         assert pb_grpc.AgentStub(ch).Status(pb.AgentStatusRequest(), timeout=5).node_id == "n0"  # still serving
+
+
+def test_a_node_removed_for_good_leaves_no_record_and_one_still_running_cannot_be(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """The operations guide's removal: drain n1 (cordoned, one of its devices set aside), then
+    `remove-node` is refused while its elasticd runs; once stopped, it deletes the node's cordon
+    and device records, and nothing else (n0's cordon stays); a second removal finds nothing."""
+    import signal
+
+    tmp = str(tmp_path)
+    nodes = {}
+    for n in ("n0", "n1"):
+        work = os.path.join(tmp, n)
+        nodes[n] = procs.start(f"elasticd-{n}", elasticd_cmd(n, etcd.endpoint, free_port(), work, namespace)
+                               + ["--devices", "0-1", "--device-kind", "gpu"])
+        if n == "n0":
+            wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+    wait_for("both registered", lambda: len(etcd.prefix(etcd.keys.nodes)) == 2, 30)
+    endpoint = "unix:" + local_socket(os.path.join(tmp, "n0"))
+    for args in (["cordon", "n1", "--device", "1"], ["drain", "n1"], ["cordon", "n0", "--reason", "kept"]):
+        r = elasticctl(*args, endpoint=endpoint)
+        assert r.returncode == 0, r.stderr
+    cordons = etcd.keys.cordons
+    # A node gone earlier whose id starts with n1's: its records are not n1's.
+    from mselastic.core.model import CordonRecord, DeviceCordon
+
+    etcd.put(cordons + "n10", CordonRecord("n10", False, time.time(), "gone").to_json())
+    etcd.put(etcd.keys.device_cordon("n10", 1), DeviceCordon("n10", 1, "gone", time.time()).to_json())
+    assert sorted(etcd.prefix(cordons)) == [cordons + k for k in ("n0", "n1", "n1/devices/1", "n10", "n10/devices/1")]
+    r = elasticctl("remove-node", "n1", endpoint=endpoint)
+    assert r.returncode == 1 and "node n1 is registered: stop its elasticd for good first" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and len(etcd.prefix(cordons)) == 5
+    nodes["n1"].send_signal(signal.SIGINT)  # (systemctl disable --now elasticd, on n1)
+    nodes["n1"].wait(timeout=60)
+    assert nodes["n1"].returncode == 0
+    assert list(etcd.prefix(etcd.keys.nodes)) == [etcd.keys.node("n0")]  # its registration went with it
+    r = elasticctl("remove-node", "n1", endpoint=endpoint)
+    assert r.returncode == 0 and "node n1 removed (2 record(s) deleted)" in r.stdout, r.stderr
+    assert sorted(etcd.prefix(cordons)) == [cordons + "n0", cordons + "n10", cordons + "n10/devices/1"]
+    again = elasticctl("remove-node", "n1", endpoint=endpoint)
+    assert again.returncode == 1 and "no node named 'n1'" in again.stderr, again.stderr

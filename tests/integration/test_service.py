@@ -19,7 +19,7 @@ import grpc
 import psutil
 import pytest
 
-from mselastic.daemon.settings import FIELDS, Settings, SettingsError, parse_args
+from mselastic.daemon.settings import Settings, SettingsError, parse_args
 from mselastic.store.embedded import free_port
 from tests.harness import REPO, VENV_BIN, Etcd, Processes, elasticd_cmd, lenet_spec, wait_for
 
@@ -66,19 +66,6 @@ def test_sample_config_documents_every_key_with_its_default() -> None:
     documented = tomllib.loads(uncommented)
     defaults = dataclasses.asdict(Settings())
     assert documented == defaults, set(documented.items()) ^ set(defaults.items())
-
-
-def test_the_readme_lists_every_setting_with_its_default() -> None:
-    """README's settings table (key, default, meaning) says what the code does: every key of
-    Settings once, with its default (as TOML), and nothing else."""
-    with open(os.path.join(REPO, "README.md")) as f:
-        rows = [line for line in f if line.startswith("| `") and line.count("|") == 4]
-    table = {}
-    for row in rows:
-        key, default = (cell.strip().strip("`") for cell in row.split("|")[1:3])
-        if key in FIELDS:
-            table[key] = tomllib.loads(f"v = {default}")["v"]
-    assert table == dataclasses.asdict(Settings()), set(table.items()) ^ set(dataclasses.asdict(Settings()).items())
 
 
 def test_settings_precedence_defaults_file_environment_flags(tmp_path: os.PathLike[str]) -> None:
@@ -320,6 +307,94 @@ def test_tls_everywhere_with_roles(procs: Processes, etcd: Etcd, namespace: str,
         res = pb_grpc.AgentStub(ch).Launch(pb.LaunchRequest(plan=stale), timeout=10)
         assert not res.accepted and "is not the plan committed in etcd" in res.message, res
 
+
+
+def _served_serial(port: int, ca: str, cert: str, key: str) -> int:
+    """The serial of the certificate elasticd serves on a new connection (a TLS handshake as a
+    client with ``cert``, as elasticctl makes one)."""
+    import ssl
+
+    from cryptography import x509
+
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return int(x509.load_der_x509_certificate(der).serial_number)
+
+
+def test_a_certificate_renewed_in_place_serves_without_a_restart_and_a_revoked_one_is_refused(
+        procs: Processes, etcd: Etcd, namespace: str, tmp_path: os.PathLike[str]) -> None:
+    """`elasticctl certs` with --days; the node's certificate issued again (a renewal) is what
+    the next connection gets, from the same elasticd; `certs revoke` writes the CA's list, and
+    the next call with that certificate is refused while another admin's goes on. A list that is
+    not the CA's is not taken (the previous one holds); one at start is refused in one line."""
+    from cryptography import x509
+
+    tmp = str(tmp_path)
+    pki, other = os.path.join(tmp, "pki"), os.path.join(tmp, "other")
+    certs = [os.path.join(VENV_BIN, "elasticctl"), "certs"]
+    for args in (["ca", pki, "--days", "30"], ["issue", pki, "n0", "--role", "node", "--host", "127.0.0.1", "--days", "2"],
+                 ["issue", pki, "ops", "--role", "admin"], ["issue", pki, "eve", "--role", "admin", "--days", "1"],
+                 ["ca", other]):
+        r = subprocess.run([*certs, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    days = {name: (c.not_valid_after_utc - c.not_valid_before_utc).days for name in ("ca", "n0", "ops", "eve")
+            for c in [x509.load_pem_x509_certificate(open(os.path.join(pki, f"{name}.pem"), "rb").read())]}
+    assert days == {"ca": 30, "n0": 2, "ops": 825, "eve": 1}, days  # (valid from 5 minutes before: clock skew)
+    ca, crl = os.path.join(pki, "ca.pem"), os.path.join(pki, "crl.pem")
+    tls = ["--tls-cert", os.path.join(pki, "n0.pem"), "--tls-key", os.path.join(pki, "n0-key.pem"), "--tls-cacert", ca]
+    port = free_port()
+    work = os.path.join(tmp, "work")
+    # A list another CA signed is refused at start, in one line.
+    bad = subprocess.run(elasticd_cmd("n0", etcd.endpoint, port, work, namespace) + tls
+                         + ["--tls-crl", os.path.join(other, "crl.pem")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "tls_crl" in bad.stderr and "not signed by the CA" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    elasticd = procs.start("elasticd-n0", elasticd_cmd("n0", etcd.endpoint, port, work, namespace) + tls
+                           + ["--tls-crl", crl])
+    wait_for("n0 leading", lambda: etcd.leader() == "n0", 30)
+    ctl = [os.path.join(VENV_BIN, "elasticctl"), "--endpoints", f"127.0.0.1:{port}", "--timeout-s", "5", "--cacert", ca]
+
+    def run(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*ctl, "--cert", os.path.join(pki, f"{name}.pem"), "--key",
+                               os.path.join(pki, f"{name}-key.pem"), *args], capture_output=True, text=True, timeout=60)
+
+    assert run("eve", "nodes").returncode == 0 and run("ops", "nodes").returncode == 0
+    first = _served_serial(port, ca, os.path.join(pki, "ops.pem"), os.path.join(pki, "ops-key.pem"))
+    assert first == x509.load_pem_x509_certificate(open(os.path.join(pki, "n0.pem"), "rb").read()).serial_number
+    # Renewed in place: the next connection gets the new certificate, from the same process.
+    r = subprocess.run([*certs, "issue", pki, "n0", "--role", "node", "--host", "127.0.0.1", "--days", "90"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    renewed = x509.load_pem_x509_certificate(open(os.path.join(pki, "n0.pem"), "rb").read())
+    assert renewed.serial_number != first
+    assert _served_serial(port, ca, os.path.join(pki, "ops.pem"), os.path.join(pki, "ops-key.pem")) == \
+        renewed.serial_number
+    assert run("ops", "nodes").returncode == 0
+    # Revoked: eve's next call is refused; ops goes on.
+    shutil.copy(crl, crl + ".before")
+    r = subprocess.run([*certs, "revoke", pki, "eve"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "revoked eve" in r.stdout, r.stderr
+    refused = run("eve", "nodes")
+    assert refused.returncode == 1 and "certificate eve" in refused.stderr and "is revoked (tls_crl)" in refused.stderr, \
+        refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert run("ops", "nodes").returncode == 0
+    # A list that is not the CA's, then the CA's own older one, copied over it: neither is taken,
+    # eve stays refused.
+    for stale in (os.path.join(other, "crl.pem"), crl + ".before"):
+        shutil.copy(stale, crl + ".other")
+        os.replace(crl + ".other", crl)
+        assert run("eve", "nodes").returncode == 1 and run("ops", "nodes").returncode == 0
+    assert elasticd.poll() is None
+    with open(os.path.join(procs.log_dir, "elasticd-n0.log")) as f:
+        log = f.read()
+    assert "TLS certificate reloaded: O=node,CN=n0" in log and "revocation list not reloaded" in log, log[-3000:]
+    assert "list number 1 is older than the one in force (2)" in log, log[-3000:]
 
 
 def test_a_local_unprivileged_user_cannot_get_a_job_run(procs: Processes, etcd: Etcd, namespace: str,
