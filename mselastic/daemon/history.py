@@ -51,7 +51,10 @@ class History:
     async def note_progress(self, term: Term, view: JobView) -> None:
         """Job gauges on every pass; a ``progress`` event every ``progress_interval_s`` (for reports)."""
         plan, step = view.plan, view.step
-        if plan is None or view.status.state.terminal or step < 0:
+        if plan is None or view.status.state.terminal:
+            return
+        if step < 0:  # a generation starting (no step yet): no steps a second, until it steps
+            metrics.STEP_RATE.labels(view.name).set(0)
             return
         now = time.monotonic()  # durations only; the event's time is the wall clock
         metrics.STEP.labels(view.name).set(step)
@@ -60,6 +63,8 @@ class History:
         memo = self._memo(view.name)
         since, from_step = memo.rate
         if step < from_step or now - since > 30:
+            if step == from_step:  # no step for 30 s: say so (an alert on a rate of 0 while RUNNING)
+                metrics.STEP_RATE.labels(view.name).set(0)
             memo.rate = (now, step)
         elif now - since >= 3 and step > from_step:
             metrics.STEP_RATE.labels(view.name).set((step - from_step) / (now - since))

@@ -28,6 +28,10 @@ checkpoint of the job, was taken by the generation that owns the folder (or a la
 continues the folder's lineage (a random id ``latest.json`` keeps from its first pointer on): a
 crash then costs the steps since the last snapshot, not since the last checkpoint (DLRover's
 flash checkpoint: the copy in the node's memory is the snapshot, persisted off the training path).
+A snapshot costs the training thread at most ``SNAPSHOT_BUDGET`` of its time at any model size:
+one is taken only once the training since the last has run ``1 / SNAPSHOT_BUDGET`` times as long
+as that one took (each is timed), so a model whose copy takes longer than a twentieth of a step
+gets one every few steps instead of every step, and a crash costs those few.
 
 ``load`` makes every rank resume from the same checkpoint: rank 0 proposes its
 candidates (the pointer's, then the newest first), each rank tries to load the
@@ -57,6 +61,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from typing import Any, NoReturn
 
@@ -64,6 +69,11 @@ from mselastic.core.contract import LATEST_CHECKPOINT
 from mselastic.trainer import agreement, snapshots
 from mselastic.trainer.layout import MANIFEST, Manifest, Resumed, file_stem, fsync_file, sha256, write_atomic
 from mselastic.trainer.tensors import as_tensors, parameters_of, rng_state
+
+#: The share of the training thread's time snapshots may take (see the module's notes): with a
+#: snapshot's copy at 5 % of a step or less, one every ``snapshot_interval_steps``; past that,
+#: fewer (a 1 GiB state's second-long copy on a 0.5 s step: one every ~40 steps, not a 3x slower job).
+SNAPSHOT_BUDGET = 0.05
 
 log = logging.getLogger("mselastic.trainer")
 
@@ -80,7 +90,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, rank: int, world_size: int, generation: int, keep: int = 3,
                  job: str = "", ctx: Any = None, snapshot_dir: str = "", snapshot_interval: int = 0,
-                 keeper: bool = False) -> None:
+                 keeper: bool = False, snapshot_budget: float | None = SNAPSHOT_BUDGET) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         #: This node's in-memory folder for snapshots ("": none), every how many steps, and
@@ -88,7 +98,13 @@ class Checkpointer:
         self.snapshot_dir = snapshot_dir
         self.snapshot_interval = snapshot_interval
         self.keeper = keeper
+        #: The share of the training thread snapshots may take; None: one every interval, whatever it costs.
+        self.snapshot_budget = snapshot_budget
         self._lineage: str | None = None
+        #: The last snapshot kept: its step, what it cost the training thread, when it ended
+        #: (monotonic); and whether thinning them was said in the log.
+        self._last_snapshot: tuple[int, float, float] | None = None
+        self._thinned = False
         self.dir = directory
         self.rank = rank
         self.world_size = world_size
@@ -231,13 +247,38 @@ class Checkpointer:
                             self.dir)
         if not self._lineage:
             return False
+        started = time.monotonic()
+        if not self._within_budget(step, started):
+            return False
         params = parameters_of(list(obj) if isinstance(obj, (list, tuple)) else [obj])
         try:
             self._write_snapshot(params, step, epoch, cursor, seed, extra or {}, rng_state())
         except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation: the checkpoints stand
             log.warning("snapshot of step %d not kept (%s)", step, e)
             return False
+        finally:  # (a failed one cost the thread too: the next waits its turn all the same)
+            ended = time.monotonic()
+            self._last_snapshot = (step, ended - started, ended)
         return True
+
+    def _within_budget(self, step: int, now: float) -> bool:
+        """Whether the training since the last snapshot ran long enough to pay for one more
+        (:data:`SNAPSHOT_BUDGET`); the first is always taken (it measures what one costs)."""
+        if self._last_snapshot is None or not self.snapshot_budget:
+            return True
+        last_step, cost, ended = self._last_snapshot
+        budget = self.snapshot_budget
+        if now - ended >= cost / budget:
+            return True
+        if not self._thinned and step > last_step:
+            self._thinned = True
+            per_step = (now - ended) / (step - last_step)
+            log.warning("snapshots thinned: one costs %.0f ms on the training thread, %.0f%% of a %.0f ms step; one "
+                        "is kept once %.1f s of training has passed since the last (%.0f%% of the thread at most): "
+                        "a crash may cost about %d steps (raise snapshot_interval_steps to choose)", cost * 1e3,
+                        100 * cost / max(per_step, 1e-9), per_step * 1e3, cost / budget,
+                        100 * budget, max(1, round(cost / budget / max(per_step, 1e-9))))
+        return False
 
     def _write_snapshot(self, params: dict[str, Any], step: int, epoch: int, cursor: int, seed: int,
                         extra: dict[str, Any], rng: dict[str, Any]) -> None:

@@ -193,7 +193,7 @@ def test_a_snapshot_keeps_every_dtype_and_shape_and_a_failed_one_leaves_nothing(
     d, snaps = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "snap")
     os.makedirs(snaps)
     g1 = Checkpointer(d, rank=0, world_size=1, generation=1, job="j", snapshot_dir=snaps, snapshot_interval=1,
-                      keeper=True)
+                      keeper=True, snapshot_budget=None)
     assert g1.load() is None
     values = {"bf": ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)).astype(ms.bfloat16),
               "half": ms.Tensor(np.array([0.5, -2.0], dtype=np.float16)), "count": ms.Tensor(np.array(7, np.int32)),
@@ -221,6 +221,31 @@ def test_a_snapshot_keeps_every_dtype_and_shape_and_a_failed_one_leaves_nothing(
                               value.float().asnumpy() if value.dtype == ms.bfloat16 else value.asnumpy()), name
 
 
+def test_snapshots_take_at_most_their_share_of_the_training_thread(tmp_path: os.PathLike[str]) -> None:
+    """#49: a snapshot is kept only once the training since the last one has run 1/SNAPSHOT_BUDGET
+    times what that one cost (each is timed): a model whose copy is a large share of its step gets
+    one every few steps; the first is always taken, and a quick one every step."""
+    import time
+
+    from mselastic.trainer.checkpoint import SNAPSHOT_BUDGET
+
+    d, snaps = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "snap")
+    os.makedirs(snaps)
+    ck = Checkpointer(d, rank=0, world_size=1, generation=1, job="j", snapshot_dir=snaps, snapshot_interval=1,
+                      keeper=True)
+    assert ck.load() is None
+    opt = make_opt(1)
+    assert ck.snapshot(opt, step=1, epoch=0)  # the first: it measures
+    assert ck._last_snapshot is not None and ck._last_snapshot[0] == 1 and ck._last_snapshot[1] > 0
+    # As if that one had taken 0.1 s and ended just now: training must run 2 s before the next.
+    ck._last_snapshot = (1, 0.1, time.monotonic())
+    assert not ck.snapshot(opt, step=2, epoch=0) and not ck.snapshot(opt, step=3, epoch=0)
+    ck._last_snapshot = (1, 0.1, time.monotonic() - 0.1 / SNAPSHOT_BUDGET)
+    assert ck.snapshot(opt, step=4, epoch=0)
+    assert sorted(n for n in os.listdir(snaps) if n.endswith(".json")) == ["ckpt-00000001-g000001.json",
+                                                                          "ckpt-00000004-g000001.json"]
+
+
 def test_a_snapshot_newer_than_every_checkpoint_becomes_one_and_only_the_owners(tmp_path: os.PathLike[str]) -> None:
     """Snapshots (the node's memory) between checkpoints: the next generation's rank 0 keeps the
     newest as an ordinary checkpoint, loadable by plain MindSpore, when it is newer than every
@@ -228,7 +253,7 @@ def test_a_snapshot_newer_than_every_checkpoint_becomes_one_and_only_the_owners(
     d, snaps = os.path.join(str(tmp_path), "ckpt"), os.path.join(str(tmp_path), "snap")
     os.makedirs(snaps)
     g1 = Checkpointer(d, rank=0, world_size=2, generation=1, job="j", snapshot_dir=snaps, snapshot_interval=1,
-                      keeper=True)
+                      keeper=True, snapshot_budget=None)  # (one every step, however quick the calls)
     assert g1.load() is None  # claims the folder for generation 1
     g1.save(make_opt(10), step=10, epoch=0)
     for step in (11, 12, 13):

@@ -174,17 +174,31 @@ def test_a_plan_is_launched_only_on_devices_the_node_has_and_no_other_job_uses()
     assert unfit(m, "", (), {})[0] and unfit(bare, "", (), {}) == (False, "")
 
 
-def test_the_device_series_of_a_node_gone_are_removed() -> None:
+def test_the_leaders_series_of_a_node_or_job_gone_are_removed() -> None:
+    """The devices by state, each job's state (1 for the current one), and whether a node is
+    registered: set from the leader's view, removed once what they name is gone."""
     from mselastic import metrics
+    from mselastic.core.states import JobState
 
-    def series() -> set[tuple[str, str]]:
-        return {(s.labels["node"], s.labels["state"]) for m in metrics.DEVICES.collect() for s in m.samples}
+    def series(gauge: object) -> dict[tuple[str, ...], float]:
+        return {tuple(s.labels.values()): s.value for m in gauge.collect() for s in m.samples  # type: ignore[attr-defined]
+                if next(iter(s.labels.values())).startswith("t-")}
 
-    shown = metrics.show_devices({"t-n0": {"in_use": 1, "free": 2, "unhealthy": 1}, "t-n1": {"free": 4}}, set())
-    assert {("t-n0", "free"), ("t-n1", "free")} <= series() and shown == {"t-n0", "t-n1"}
-    shown = metrics.show_devices({"t-n0": {"in_use": 2, "free": 1, "unhealthy": 1}}, shown)
-    assert not {s for s in series() if s[0] == "t-n1"} and ("t-n0", "in_use") in series()
-    assert metrics.show_devices({}, shown) == set() and not {s for s in series() if s[0].startswith("t-")}
+    shown = metrics.show_cluster({"t-n0": {"in_use": 1, "free": 2, "unhealthy": 1}, "t-n1": {"free": 4}},
+                                 {"t-a": JobState.RUNNING, "t-b": JobState.FAILED}, {"t-n0": True, "t-n1": False}, {})
+    assert {("t-n0", "free"), ("t-n1", "free")} <= set(series(metrics.DEVICES))
+    states = series(metrics.JOB_STATE)
+    assert states[("t-a", "RUNNING")] == 1 and states[("t-a", "PENDING")] == 0 and states[("t-b", "FAILED")] == 1
+    assert len(states) == 2 * len(JobState)
+    assert series(metrics.NODE_REGISTERED) == {("t-n0",): 1, ("t-n1",): 0}
+    shown = metrics.show_cluster({"t-n0": {"in_use": 2, "free": 1, "unhealthy": 1}}, {"t-a": JobState.SUCCEEDED},
+                                 {"t-n0": True}, shown)
+    assert not {s for s in series(metrics.DEVICES) if s[0] == "t-n1"} and ("t-n0", "in_use") in series(metrics.DEVICES)
+    assert {s[0] for s in series(metrics.JOB_STATE)} == {"t-a"} and series(metrics.JOB_STATE)[("t-a", "SUCCEEDED")] == 1
+    assert series(metrics.NODE_REGISTERED) == {("t-n0",): 1}
+    assert metrics.show_cluster({}, {}, {}, shown) == {metrics.DEVICES: set(), metrics.JOB_STATE: set(),
+                                                      metrics.NODE_REGISTERED: set()}
+    assert not series(metrics.DEVICES) and not series(metrics.JOB_STATE) and not series(metrics.NODE_REGISTERED)
 
 
 def test_the_planners_launch_comes_with_its_devices_assigned_or_waits_for_them() -> None:

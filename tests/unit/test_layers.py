@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "tls": set(),
     "metrics": {"core"},
     "systemd": set(),  # the unit and its installer: files and systemctl, nothing of the daemon
+    "monitoring": set(),  # alert rules and a scrape configuration: files only
 }
 
 
