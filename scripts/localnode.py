@@ -153,7 +153,7 @@ class LocalNode:
             why = str(e)
         user = ["--worker-user", "root"] if why else []
         if why:
-            say(f"workers run as root here: {why} (on a node they run as an unprivileged user: README, Security)")
+            say(f"workers run as root here: {why} (on a node they run as an unprivileged user: docs/security.md)")
         with open(os.path.join(self.work, "elasticd.log"), "wb") as log:
             self.daemon = subprocess.Popen(
                 [os.path.join(BIN, "elasticd"), "--config", os.devnull, "--namespace", "/mselastic",

@@ -26,7 +26,7 @@ def is_job_name(name: str) -> bool:
     """A name a job may have (lowercase letters, digits and '-', at most 63): never a path."""
     return bool(_NAME.match(name))
 
-#: Upper bounds of the numeric fields (inclusive), documented in the README. They keep every
+#: Upper bounds of the numeric fields (inclusive), documented in docs/user-guide.md. They keep every
 #: computation on a spec small (the planner, the valid world sizes) and every value inside the
 #: wire contract's int32/int64 and a float's exact integers.
 INT32_MAX = 2**31 - 1

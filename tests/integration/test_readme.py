@@ -1,7 +1,8 @@
-"""The README, run as written. Its trainer snippet, extracted from the README (not copied), runs
-under elasticd: it trains, a rank SIGKILLed mid-run is recovered, and the next generation
-resumes from the checkpoint of step 10 and finishes. Its command blocks (marked
-``<!-- readme-run: NAME -->``) run in order as a user would type them: as root, and as a user
+"""The README and the getting-started guide, run as written. The user guide's trainer snippet,
+extracted from docs/user-guide.md (not copied), runs under elasticd: it trains, a rank SIGKILLed
+mid-run is recovered, and the next generation resumes from the checkpoint of step 10 and
+finishes. The command blocks (marked ``<!-- readme-run: NAME -->``: the README's one machine,
+then docs/getting-started.md's) run in order as a user would type them: as root, and as a user
 with a venv of their own."""
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ MARK = "<!-- trainer-snippet -->"
 
 
 def snippet() -> str:
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, "docs", "user-guide.md")) as f:
         text = f.read()
     found = re.search(re.escape(MARK) + r"\s*```python\n(.*?)```", text, re.S)
-    assert found, f"README.md has no python block after {MARK}"
+    assert found, f"docs/user-guide.md has no python block after {MARK}"
     return found.group(1)
 
 
@@ -58,16 +59,19 @@ def test_the_readme_snippet_is_complete_and_resumes(procs: Processes, etcd: Etcd
 
 DEFAULT_SOCKET = "/run/mselastic/elasticd.sock"
 RUN = re.compile(r"<!-- readme-run: (.+?) -->\s*```\n(.*?)```", re.S)
-#: The blocks, in the README's order.
-BLOCKS = ("one machine", "then", "starting over")
+#: The pages with blocks, in the order a reader follows them, and their blocks in order.
+PAGES = {"README.md": ("one machine",), "docs/getting-started.md": ("then", "starting over")}
 #: What the blocks need of a clone: the example, its data (made by `make`), and a venv.
 WORKSPACE = ("examples/lenet/train.py", "examples/lenet/job.toml", "examples/lenet/long.toml")
 
 
 def readme_blocks() -> dict[str, str]:
-    with open(os.path.join(REPO, "README.md")) as f:
-        found = {name: body for name, body in RUN.findall(f.read())}
-    assert tuple(found) == BLOCKS, f"README.md's runnable blocks are {tuple(found)}, this test knows {BLOCKS}"
+    found: dict[str, str] = {}
+    for page, names in PAGES.items():
+        with open(os.path.join(REPO, page)) as f:
+            blocks = dict(RUN.findall(f.read()))
+        assert tuple(blocks) == names, f"{page}'s runnable blocks are {tuple(blocks)}, this test knows {names}"
+        found.update(blocks)
     return found
 
 
@@ -179,7 +183,7 @@ def test_the_readme_runs_as_written_as_a_user_with_a_venv_of_their_own(procs: Pr
         with open(os.path.join(venv, "bin", tool), "w") as f:
             f.write(f"#!{venv}/bin/python3.11\n{body}")
         os.chmod(os.path.join(venv, "bin", tool), 0o755)
-    printed = run_blocks(procs, readme_home, ws, "nobody", BLOCKS)
+    printed = run_blocks(procs, readme_home, ws, "nobody", tuple(n for names in PAGES.values() for n in names))
     # One machine: the job trained to its end, as nobody.
     assert re.search(r"lenet SUCCEEDED gen=1 world=2 step=60/60", printed), printed[-2000:]
     # Then: two nodes; the job ran on both, was restarted, drained off n1, narrowed to one node, stopped.

@@ -46,8 +46,8 @@ def test_the_classic_script_becomes_elastic_with_three_added_lines_and_none_chan
     assert not removed, f"lines of the plain script changed: {removed}"
     assert 1 <= len(added) <= 3, f"{len(added)} lines added: {added}"
     assert all(line.rstrip().endswith("# elastic") for line in added), added
-    # The README opens its trainer section with this diff: the same added lines.
-    with open(os.path.join(REPO, "README.md")) as f:
+    # The user guide opens its trainer section with this diff: the same added lines.
+    with open(os.path.join(REPO, "docs", "user-guide.md")) as f:
         readme = f.read()
     block = readme.split("<!-- classic-diff -->", 1)[1].split("```diff\n", 1)[1].split("```", 1)[0]
     assert [line[1:] for line in block.splitlines() if line.startswith("+")] == [a[2:] for a in added]

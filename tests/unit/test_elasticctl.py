@@ -1,4 +1,4 @@
-"""elasticctl without a cluster: its help and the README agree with the code (exit codes, the
+"""elasticctl without a cluster: its help and the user guide agree with the code (exit codes, the
 default endpoint), a rank's log as it shows it, the report's line. Nothing runs."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ def _codes(text: str) -> set[int]:
     return {int(n) for n in re.findall(r"(?:^|;)\s*(\d)\s", listing)}
 
 
-def test_elasticctl_help_and_the_readme_list_every_exit_code() -> None:
+def test_elasticctl_help_and_the_user_guide_list_every_exit_code() -> None:
     codes = {ctl.EXIT_OK, ctl.EXIT_REFUSED, ctl.EXIT_USAGE, ctl.EXIT_UNREACHABLE, ctl.EXIT_NOT_ELASTICD,
              ctl.EXIT_ETCD_DOWN}
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, "docs", "user-guide.md")) as f:
         readme = f.read()
     assert _codes(ctl.__doc__ or "") == codes
     assert _codes(readme) == codes
