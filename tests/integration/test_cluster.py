@@ -501,12 +501,12 @@ def test_joining_node_leaves_the_generation_alone_and_is_used_at_the_next_relaun
 
 #: test_the_leaders_and_a_members_elasticd_restarted_leave_a_two_node_job_untouched: whose elasticd
 #: (1: a member's, 0: the leader's, at first) stops how, in turn.
-RESTARTS = ((1, signal.SIGKILL), (0, signal.SIGKILL), *((1, signal.SIGTERM), (0, signal.SIGTERM)) * 5)
+RESTARTS = ((1, signal.SIGKILL), (0, signal.SIGKILL), *((1, signal.SIGTERM), (0, signal.SIGTERM)) * 2)
 
 
 def test_the_leaders_and_a_members_elasticd_restarted_leave_a_two_node_job_untouched(cluster: Cluster) -> None:
     """#45 across nodes: the job spans n0 and n1 (a rank each). n1's elasticd, then the leader's own
-    (n0's), SIGKILLed (a crash), then each SIGTERMed (a restart) five times, in turn, and started
+    (n0's), SIGKILLed (a crash), then each SIGTERMed (a restart) twice, in turn, and started
     again at once with the same command: each adopts its rank's generation (the leadership may
     move); the same worker pids on both nodes, generation 1 to the end, no restart counted, no gap
     between two steps of rank 0 longer than 2 x the step time + 1 s."""
@@ -545,4 +545,5 @@ def test_the_leaders_and_a_members_elasticd_restarted_leave_a_two_node_job_untou
         with open(os.path.join(cluster.procs.log_dir, f"elasticd-n{i}.log")) as f:
             log = f.read()
         assert log.count("generation adopted: msrun pid") == sum(1 for n, _ in RESTARTS if n == i), f"n{i}"
-        assert log.count("generation left to its shim") == 5, f"n{i}"
+        assert log.count("generation left to its shim") == sum(1 for n, s in RESTARTS if n == i and s == signal.SIGTERM), \
+            f"n{i}"
