@@ -136,7 +136,9 @@ def test_the_shim_as_msruns_parent_exits_as_msrun_did_and_records_it(procs: Proc
     tmp = str(tmp_path)
     paths, _ = generation(procs, tmp)
     shim.write_deadline(paths, fencing.clock() + 60)
-    sh, pid, log_path = parent_of(procs, paths, tmp, "pwd; echo $CHILD_SAYS $$; sleep 0.5; exit 3")
+    # (The child lives 2 s: long enough to be read from outside on a loaded machine, where 0.5 s was
+    # not once; an exited child's environment reads empty.)
+    sh, pid, log_path = parent_of(procs, paths, tmp, "pwd; echo $CHILD_SAYS $$; sleep 2; exit 3")
     assert psutil.Process(pid).ppid() == sh.pid
     # (The shim runs as root: the generation's marker is its child's, not its own.)
     assert ENV_RUN_ID not in psutil.Process(sh.pid).environ()
