@@ -83,25 +83,28 @@ class Timing:
     stop_grace_period_s: float
     learned: learned_rules.Learned | None = None
 
+    @property
+    def fixed_s(self) -> float:
+        """The fixed limit: the spec's ``hang_timeout_s``, else the default before anything is learned."""
+        return self.hang_timeout_s or learned_rules.FALLBACK_S
+
     def silence(self, section: str) -> learned_rules.Limit:
         """How long a rank in ``section`` may go without a beat."""
         if self.hang_timeout_s or self.learned is None:
-            hang = self.hang_timeout_s or learned_rules.FALLBACK_S
-            return learned_rules.Limit(hang, hang, f"hang_timeout_s={hang:g}")
+            return learned_rules.Limit(self.fixed_s, self.fixed_s, f"hang_timeout_s={self.fixed_s:g}")
         return self.learned.limit(section or learned_rules.STEP)
 
     def stopped(self, traced: bool = False) -> tuple[float, str]:
         """How long a rank may stay stopped (state T; ``traced``: t, a debugger's), and why."""
         if self.hang_timeout_s or self.learned is None or traced:
-            hang = self.hang_timeout_s or learned_rules.FALLBACK_S
-            return hang / 2, f"half of {'hang_timeout_s' if self.hang_timeout_s else 'the default'}={hang:g}" + \
-                (", a tracing stop" if traced else "")
+            return self.fixed_s / 2, f"half of {'hang_timeout_s' if self.hang_timeout_s else 'the default'}=" \
+                f"{self.fixed_s:g}" + (", a tracing stop" if traced else "")
         return self.learned.stopped_limit()
 
     @property
     def phase_s(self) -> float:
         """How long a rank may stay in a start-up phase a peer passed (not learned: rare)."""
-        return self.hang_timeout_s or learned_rules.FALLBACK_S
+        return self.fixed_s
 
 
 @dataclasses.dataclass(frozen=True)
