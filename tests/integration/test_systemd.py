@@ -10,10 +10,13 @@ a healthy training run outlives many watchdog periods."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import Any, Iterator
 
@@ -43,12 +46,17 @@ shutdown_grace_s = 20.0
 ACCEPT = 'etcd_accept_version = "{}"\n'
 
 
+#: The host folder the module's container sees as /mnt/dist (the wheels it installs).
+DIST: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     assert not WHY_NOT, f"CI must boot a systemd container: {WHY_NOT}"
     tmp = str(tmp_path_factory.mktemp("systemd"))
     dist = os.path.join(tmp, "dist")
     os.makedirs(dist)
+    DIST[:] = [dist]
     whl = os.path.basename(wheel(dist))
     binds = {dist: "/mnt/dist", os.path.join(REPO, "build", "systemd", "wheelhouse"): "/mnt/wheelhouse",
              os.path.join(REPO, "examples"): "/srv/examples", DATA_DIR: "/srv/data"}
@@ -327,6 +335,53 @@ def etcd_nodes(pki: str, endpoint: str) -> list[str]:
                         f"--cert={pki}/etcd.pem", f"--key={pki}/etcd-key.pem", "get", "/mselastic/nodes/", "--prefix",
                         "--keys-only"], capture_output=True, text=True, timeout=30, check=True)
     return sorted(k.rsplit("/", 1)[-1] for k in r.stdout.split())
+
+
+def _release(version: str, out_dir: str) -> str:
+    """This checkout's wheel, built as release ``version`` (a copy of the package with that version
+    in pyproject.toml and ``mselastic.__version__``): what an upgrade installs."""
+    src = os.path.join(out_dir, "src")
+    shutil.copytree(os.path.join(REPO, "mselastic"), os.path.join(src, "mselastic"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(REPO, "pyproject.toml"), src)
+    for path, old in ((os.path.join(src, "pyproject.toml"), 'version = "'),
+                      (os.path.join(src, "mselastic", "__init__.py"), '__version__ = "')):
+        with open(path) as f:
+            text = f.read()
+        start = text.index(old) + len(old)
+        with open(path, "w") as f:
+            f.write(text[:start] + version + text[text.index('"', start):])
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out_dir, src], check=True,
+                   capture_output=True, timeout=300, cwd=src)
+    (found,) = glob.glob(os.path.join(out_dir, f"mselastic-{version}-*.whl"))
+    return found
+
+
+def test_an_upgrade_as_the_operations_guide_says_leaves_the_job_training(node: Container) -> None:
+    """docs/operations.md, "Upgrading", on one node: under a training job, ``pip install -U`` the
+    new release's wheel into the unit's venv (``elasticd --version`` then says it), then
+    ``systemctl restart elasticd``: the new release adopts the generation (the same worker pids,
+    generation 1, nothing counted), registers with its version, and the job ends as it would have."""
+    c = node
+    if c.show(UNIT, "ActiveState")["ActiveState"] != "active":
+        started(c)
+    new = os.path.basename(_release("0.1.1", DIST[0]))
+    submit(c, "upgraded", total_steps=80)
+    wait_for("training", lambda: step(c, "upgraded") >= 3, 120, 0.5)
+    workers = _worker_pids(c)
+    assert len(workers) == 2
+    c.run(f"{VENV}/bin/pip", "install", "--quiet", "-U", "--no-index", "--find-links", "/mnt/wheelhouse",
+          f"/mnt/dist/{new}[trainer]")
+    assert c.run("elasticd", "--version").stdout.startswith("elasticd 0.1.1 ")
+    at = step(c, "upgraded")
+    c.run("systemctl", "restart", UNIT)
+    wait_for("progress under the new release", lambda: step(c, "upgraded") > at + 2, 60, 0.3)
+    assert _worker_pids(c) == workers
+    nodes = ctl(c, "nodes", "-o", "json")
+    assert [(n["node_id"], n["version"]) for n in nodes["nodes"]] == [("n0", "0.1.1")], nodes
+    done = ended(c, "upgraded")
+    assert done["state"] == "SUCCEEDED" and done["generation"] == 1 and done.get("restart_count", 0) == 0, done
+    assert _steps(c, "upgraded", 1) == list(range(1, 81))
 
 
 def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os.PathLike[str]) -> None:
