@@ -30,7 +30,8 @@ crash then costs the steps since the last snapshot, not since the last checkpoin
 flash checkpoint: the copy in the node's memory is the snapshot, persisted off the training path).
 A snapshot costs the training thread at most ``SNAPSHOT_BUDGET`` of its time at any model size:
 one is taken only once the training since the last has run ``1 / SNAPSHOT_BUDGET`` times as long
-as that one took (each is timed), so a model whose copy takes longer than a twentieth of a step
+as that one cost the thread (its CPU time: a copy descheduled on a busy machine is not a dearer
+copy), so a model whose copy takes longer than a twentieth of a step
 gets one every few steps instead of every step, and a crash costs those few.
 
 ``load`` makes every rank resume from the same checkpoint: rank 0 proposes its
@@ -101,8 +102,8 @@ class Checkpointer:
         #: The share of the training thread snapshots may take; None: one every interval, whatever it costs.
         self.snapshot_budget = snapshot_budget
         self._lineage: str | None = None
-        #: The last snapshot kept: its step, what it cost the training thread, when it ended
-        #: (monotonic); and whether thinning them was said in the log.
+        #: The last snapshot kept: its step, what it cost the training thread (its CPU time), when
+        #: it ended (monotonic); and whether thinning them was said in the log.
         self._last_snapshot: tuple[int, float, float] | None = None
         self._thinned = False
         self.dir = directory
@@ -247,7 +248,7 @@ class Checkpointer:
                             self.dir)
         if not self._lineage:
             return False
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         if not self._within_budget(step, started):
             return False
         params = parameters_of(list(obj) if isinstance(obj, (list, tuple)) else [obj])
@@ -257,8 +258,9 @@ class Checkpointer:
             log.warning("snapshot of step %d not kept (%s)", step, e)
             return False
         finally:  # (a failed one cost the thread too: the next waits its turn all the same)
-            ended = time.monotonic()
-            self._last_snapshot = (step, ended - started, ended)
+            # Its cost is the training thread's CPU time, not the wall clock's: on a busy machine a
+            # 1 ms copy can take 30 ms of wall time descheduled, which is not the copy's cost.
+            self._last_snapshot = (step, time.thread_time() - cpu, time.monotonic())
         return True
 
     def _within_budget(self, step: int, now: float) -> bool:
@@ -273,7 +275,7 @@ class Checkpointer:
         if not self._thinned and step > last_step:
             self._thinned = True
             per_step = (now - ended) / (step - last_step)
-            log.warning("snapshots thinned: one costs %.0f ms on the training thread, %.0f%% of a %.0f ms step; one "
+            log.warning("snapshots thinned: one costs %.0f ms of the training thread's CPU, %.0f%% of a %.0f ms step; one "
                         "is kept once %.1f s of training has passed since the last (%.0f%% of the thread at most): "
                         "a crash may cost about %d steps (raise snapshot_interval_steps to choose)", cost * 1e3,
                         100 * cost / max(per_step, 1e-9), per_step * 1e3, cost / budget,
