@@ -60,9 +60,10 @@ def test_the_readme_snippet_is_complete_and_resumes(procs: Processes, etcd: Etcd
 DEFAULT_SOCKET = "/run/mselastic/elasticd.sock"
 RUN = re.compile(r"<!-- readme-run: (.+?) -->\s*```\n(.*?)```", re.S)
 #: The pages with blocks, in the order a reader follows them, and their blocks in order.
-PAGES = {"README.md": ("one machine",), "docs/getting-started.md": ("then", "starting over")}
+PAGES = {"README.md": ("one machine",), "docs/getting-started.md": ("then", "a failed job", "starting over")}
 #: What the blocks need of a clone: the example, its data (made by `make`), and a venv.
-WORKSPACE = ("examples/lenet/train.py", "examples/lenet/job.toml", "examples/lenet/long.toml")
+WORKSPACE = ("examples/lenet/train.py", "examples/lenet/job.toml", "examples/lenet/long.toml",
+             "examples/lenet/fails.toml")
 
 
 def readme_blocks() -> dict[str, str]:
@@ -196,6 +197,11 @@ def test_the_readme_runs_as_written_as_a_user_with_a_venv_of_their_own(procs: Pr
     logs = printed.split("+ elasticctl logs long --rank 1\n")[1].split("+ elasticctl report")[0]
     assert re.search(r"step \d+/3000 loss", logs) and "[WARNING]" not in logs and "[INFO]" not in logs, logs
     assert os.path.getsize(os.path.join(ws, "timeline.png")) > 10_000
+    # A failed job: watch exits 1 on it, describe names the rank and how it ended, its log the traceback.
+    failed = printed.split("+ elasticctl watch fails\n")[1].split("+ elasticctl delete fails")[0]
+    assert "fails FAILED" in failed and "rank 1" in failed, failed[-3000:]
+    log = failed.split("+ elasticctl logs fails --rank 1\n")[1]
+    assert "RuntimeError: injected fault at step 3" in log, log[-2000:]
     # Starting over: refused with the way out, then from step 0.
     assert "holds a checkpoint of step 60, at or past total_steps=60: this job is done there" in printed
     assert "final reports" not in printed  # (a shutdown after the jobs ended: nothing counted as a crash)
