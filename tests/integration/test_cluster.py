@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from mselastic.core import fencing
-from mselastic.core.model import AGENT_RESTARTED, Event
+from mselastic.core.model import AGENT_RESTARTED, Event, GenerationReport
 from mselastic.core.states import GenerationState, JobState
 from tests.cluster import Cluster, ClusterFault
 from tests.harness import DATA_DIR, LENET, REPO, Pace, Sampler, check_history, elasticctl, holds_for, lenet_spec, \
@@ -428,8 +428,18 @@ def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster
     assert etcd is not None
     wait_for("step 10", lambda: (r := etcd.report(JOB, 1, "n1")) and r.step >= 10, 180, 0.2)
     before = worker_pids(cluster.procs, 1)
+    def report(node: str) -> GenerationReport | None:
+        """The node's report, or None while etcd's members elect a leader (a read then may time out)."""
+        from mselastic.store.etcd import PermanentError, TemporaryError
+
+        try:
+            return etcd.report(JOB, 1, node)
+        except (TemporaryError, PermanentError):
+            return None
+
     for fault in (ClusterFault.FREEZE_ETCD_LEADER, ClusterFault.KILL_ETCD_LEADER):
-        step = max(r.step for n in ("n0", "n1") if (r := etcd.report(JOB, 1, n)))
+        step = wait_for("both reports readable", lambda: (rs := [report(n) for n in ("n0", "n1")]) and all(rs)
+                        and max(r.step for r in rs), 30, 0.2)
         still_running(etcd, JOB, fault.value)
         cluster.inject(fault)
         if fault is ClusterFault.FREEZE_ETCD_LEADER:
@@ -438,7 +448,7 @@ def test_etcd_leader_member_frozen_then_killed_in_a_three_member_cluster(cluster
             cluster.inject(ClusterFault.THAW_ETCD)
         # The other two members elect a new leader; the daemons fail over to them.
         wait_for(f"progress reported after {fault.value}",
-                 lambda: (r := etcd.report(JOB, 1, "n0")) and r.step > step + 10, 60, 0.5)
+                 lambda: (r := report("n0")) and r.step > step + 10, 60, 0.5)
         still_running(etcd, JOB, f"the check after {fault.value}")
         assert worker_pids(cluster.procs, 1) == before
     pace.release()
