@@ -558,7 +558,7 @@ class ControlService(pb_grpc.ControlServicer):
                         f"job(s) {', '.join(counting)} still have node {node_id} in their current plan: wait until "
                         f"the leader has relaunched them without it (elasticctl describe job {counting[0]})")
         k = self.store.keys
-        devices = k.device_cordon(node_id, 0).rpartition("/")[0] + "/"
+        devices = k.device_cordons(node_id)
         records = (node_id in cluster.cordons) + len(cluster.device_cordons.get(node_id, []))
         term = await self._term(context)
         if not await self.store.txn([term.guard(self.store), self.store.tx.create(k.node(node_id).encode()) == 0], [

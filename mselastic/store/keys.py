@@ -70,8 +70,12 @@ class Keys:
     def cordon(self, node_id: str) -> str:
         return self.cordons + check_id("node id", node_id)
 
+    def device_cordons(self, node_id: str) -> str:
+        """The prefix of one node's device cordons (ends in '/': never another node's, n10's for n1)."""
+        return f"{self.cordon(node_id)}/devices/"
+
     def device_cordon(self, node_id: str, device: int) -> str:
-        return f"{self.cordon(node_id)}/devices/{int(device)}"
+        return f"{self.device_cordons(node_id)}{int(device)}"
 
     @property
     def jobs(self) -> str:
