@@ -46,6 +46,7 @@ from mselastic.core.waits import first
 from mselastic.core.model import GenerationReport, JobStatus, MalformedRecord, NodeRecord, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, NodeState, check_node_transition
+from mselastic.core.waits import within
 from mselastic.store.etcd import KV, PermanentError, Store, TemporaryError
 from mselastic.store.lease import KeptLease
 from mselastic.v1 import elastic_pb2 as pb
@@ -314,7 +315,7 @@ class NodeAgent:
         running = [g.done.wait() for g in self.generations.values() if not g.done.is_set()]
         if running:
             try:
-                await asyncio.wait_for(asyncio.gather(*running), timeout=within_s)
+                await within(asyncio.gather(*running), timeout=within_s)
             except asyncio.TimeoutError:
                 return False
         return True
@@ -779,7 +780,7 @@ class NodeAgent:
     async def _successor_stop_step(self, job: str, generation: int) -> int:
         """The step the committed plan after ``generation`` names for it (0: none, or not known)."""
         try:
-            kv = await asyncio.wait_for(self.store.get(self.store.keys.plan(job)), timeout=2.0)
+            kv = await within(self.store.get(self.store.keys.plan(job)), timeout=2.0)
             plan = Plan.from_json(kv.value) if kv is not None else None
         except (TemporaryError, PermanentError, MalformedRecord, asyncio.TimeoutError):
             return 0

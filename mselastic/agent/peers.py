@@ -13,6 +13,7 @@ import grpc
 from mselastic.core import fencing
 from mselastic.core.model import MalformedRecord, NodeRecord
 from mselastic.core.waits import first
+from mselastic.core.waits import within
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.lease import probe_s
 from mselastic.tls import TlsFiles
@@ -28,7 +29,7 @@ async def reaches_etcd(store: Store, within_s: float) -> bool:
     most of a TTL (a peer asking earlier would be told "reachable" and fence)."""
     async def read() -> bool:
         try:
-            await asyncio.wait_for(store.once(lambda: store.client.get(store.keys.leader.encode())), timeout=within_s)
+            await within(store.once(lambda: store.client.get(store.keys.leader.encode())), timeout=within_s)
             return True
         except (asyncio.TimeoutError, TemporaryError, PermanentError):
             return False

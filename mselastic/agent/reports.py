@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 from mselastic.agent.generation.supervisor import Generation
+from mselastic.core.waits import within
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class Reports:
             self._urgent.clear()
             await self._write()
             try:
-                await asyncio.wait_for(self._urgent.wait(), timeout=self.interval_s)
+                await within(self._urgent.wait(), timeout=self.interval_s)
             except asyncio.TimeoutError:
                 pass
 
@@ -76,7 +77,7 @@ class Reports:
                     await asyncio.sleep(0.1)
 
         try:
-            await asyncio.wait_for(write_all(), within_s)
+            await within(write_all(), within_s)
         except asyncio.TimeoutError:
             log.warning("final reports not written within %.0fs: the restart counts as a crash", within_s,
                         extra=self._ctx)

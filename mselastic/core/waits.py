@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, TypeVar
+
+T = TypeVar("T")
+
+
+async def within(aw: Awaitable[T], timeout: float | None) -> T:
+    """``await aw``, raising ``TimeoutError`` after ``timeout`` seconds (None: none): what
+    ``asyncio.wait_for`` does, without its flaw in Python 3.11 (cpython gh-86296): a task cancelled
+    while the thing it waits for completes gets the result and never the cancellation, so a loop
+    told to stop runs on, and whoever awaits its end waits for ever (an elasticd's shutdown waited
+    75 s on its lease's keep-alive loop so, its generation fenced meanwhile: ci24).
+    ``asyncio.timeout`` counts cancellations (``Task.uncancel``) and loses none."""
+    async with asyncio.timeout(timeout):
+        return await aw
 
 
 async def first(*events: asyncio.Event, timeout_s: float | None = None) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import grpc
 import tenacity
 
+from mselastic.core.waits import within
 from mselastic.wire import abort, failure_cause_to_pb, job_state_to_pb, plan_to_pb
 from mselastic.agent.containment.jobfiles import READ_S, Unreadable, bounded, read_small
 from mselastic.core import retries
@@ -126,7 +127,7 @@ class CheckpointSteps:
                         del self._reads[old]
             held = self._reads[key] = (now, asyncio.create_task(self._read(job, checkpoint_dir)))
         try:
-            return await asyncio.wait_for(asyncio.shield(held[1]), self.WAIT_S)
+            return await within(asyncio.shield(held[1]), self.WAIT_S)
         except asyncio.TimeoutError:
             return None
 
@@ -503,7 +504,7 @@ class ControlService(pb_grpc.ControlServicer):
         self.coordinator.wake()
         with contextlib.suppress(tenacity.RetryError, asyncio.TimeoutError, TemporaryError, PermanentError,
                                  MalformedRecord):
-            await asyncio.wait_for(noted(), within_s + 1)
+            await within(noted(), within_s + 1)
 
     async def Cordon(self, request: pb.CordonRequest, context: grpc.aio.ServicerContext) -> pb.CordonResponse:
         """cordon / drain write ``cordons/<node>`` (kept across re-registration); uncordon deletes it.

@@ -13,6 +13,8 @@ import asyncio
 import logging
 import os
 
+from mselastic.core.waits import within
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +91,7 @@ async def watchdog(stop: asyncio.Event, within_s: float = 0.0) -> None:
     while not stop.is_set():
         _notify("WATCHDOG=1")
         try:
-            await asyncio.wait_for(stop.wait(), timeout=interval)
+            await within(stop.wait(), timeout=interval)
         except asyncio.TimeoutError:
             pass
 
@@ -130,7 +132,7 @@ async def job_on_own_unit() -> str:
         log.warning("systemctl cannot be run (%s): the SIGTERM is taken for a stop", e)
         return "stop"
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=JOBS_S)
+        out, _ = await within(proc.communicate(), timeout=JOBS_S)
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()

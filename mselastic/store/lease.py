@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from mselastic.core import fencing
+from mselastic.core.waits import within
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class KeptLease:
         owner then grants its own)."""
         sent = fencing.clock()
         try:
-            ttl = await asyncio.wait_for(self.store.refresh(lease_id), timeout=self.ttl_s / 3)
+            ttl = await within(self.store.refresh(lease_id), timeout=self.ttl_s / 3)
         except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
             log.info("lease %x not taken over (%s)", lease_id, e or "timeout")
             return False
@@ -83,7 +84,7 @@ class KeptLease:
             await asyncio.sleep(interval)
             sent = fencing.clock()
             try:
-                ttl = await asyncio.wait_for(self.store.refresh(self.id), timeout=interval)
+                ttl = await within(self.store.refresh(self.id), timeout=interval)
             except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
                 silent = time.monotonic() - self._last_ok
                 if silent >= UNREACHABLE_FRACTION * self.ttl_s and not self.unreachable.is_set():
@@ -113,11 +114,11 @@ class KeptLease:
         """Stop refreshing and revoke (best effort: an unreachable etcd lets it expire)."""
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=1)  # (a loop deaf to it is left: the revoke ends it)
             self._task = None
         if self.id and not self.lost.is_set():
             try:
-                await asyncio.wait_for(self.store.revoke(self.id), timeout=2)
+                await within(self.store.revoke(self.id), timeout=2)
             except (TemporaryError, PermanentError, asyncio.TimeoutError) as e:
                 log.info("lease %x not revoked (%s); it expires by itself", self.id, e)
         self.lost.set()
@@ -195,8 +196,8 @@ class Election:
         most: an etcd that does not answer lets the lease, and the key with it, expire."""
         key = self.store.keys.leader
         try:
-            await asyncio.wait_for(self.store.txn([self.store.tx.create(key.encode()) == term.create_revision],
-                                                  [self.store.tx.delete(key.encode())]), timeout=2)
+            await within(self.store.txn([self.store.tx.create(key.encode()) == term.create_revision],
+                                        [self.store.tx.delete(key.encode())]), timeout=2)
         except (TemporaryError, PermanentError, asyncio.TimeoutError):
             pass
         await term.lease.release()
@@ -204,6 +205,6 @@ class Election:
 
 async def _sleep_or(stop: asyncio.Event, seconds: float) -> None:
     try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
+        await within(stop.wait(), timeout=seconds)
     except asyncio.TimeoutError:
         pass

@@ -27,6 +27,7 @@ import subprocess
 
 import aetcd.rpc
 
+from mselastic.core.waits import within
 from mselastic.store.etcd import Store
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,8 @@ async def member_versions(store: Store, timeout_s: float = 5.0) -> dict[str, str
     async def one(endpoint: str) -> tuple[str, str]:
         single = store.single(endpoint)
         try:
-            await asyncio.wait_for(single.client.connect(), timeout_s)
-            res = await asyncio.wait_for(aetcd.rpc.MaintenanceStub(single.client.channel).Status(
+            await within(single.client.connect(), timeout_s)
+            res = await within(aetcd.rpc.MaintenanceStub(single.client.channel).Status(
                 aetcd.rpc.StatusRequest(), metadata=single.client.metadata), timeout_s)
             return endpoint, str(res.version)
         except Exception:  # (any failure to answer: unreachable, refused, auth) -> unknown

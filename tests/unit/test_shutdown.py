@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import time
+from typing import Any
 
+from mselastic.core.waits import within
 from mselastic.daemon.main import Shutdown, run_bounded
 from mselastic.store.embedded import free_port, port_holder
+from tests.harness import REPO
 
 
 def test_a_step_that_never_ends_or_ignores_its_cancellation_is_left_and_named() -> None:
@@ -82,3 +86,36 @@ def test_an_overrun_step_says_what_it_waited_on(caplog) -> None:  # type: ignore
     line = next(r.getMessage() for r in caplog.records if "did not finish" in r.getMessage())
     assert "waiting were: " in line and "the-agent: acquire (locks.py:" in line and \
         "< held_by_a_lock (test_shutdown.py:" in line, line  # (the innermost frame first)
+
+
+async def _cancelled_as_it_completes(wait: Any) -> str:
+    """A task waiting (through ``wait``) on a future that completes in the same turn of the loop
+    as the task is cancelled: what the task sees."""
+    fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(wait(fut, 10))
+    await asyncio.sleep(0)  # (the task now waits on fut)
+    fut.set_result(1)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return "cancelled"
+    return "result"
+
+
+def test_a_cancellation_that_comes_as_the_awaited_thing_completes_is_not_lost() -> None:
+    """waits.within keeps it (a loop told to stop stops); asyncio.wait_for of Python 3.11 loses it
+    (cpython gh-86296), which held an elasticd's shutdown 75 s on its lease's keep-alive loop."""
+    assert asyncio.run(_cancelled_as_it_completes(within)) == "cancelled"
+    if sys.version_info < (3, 12):
+        assert asyncio.run(_cancelled_as_it_completes(asyncio.wait_for)) == "result"
+
+
+def test_the_daemon_never_waits_through_asyncio_wait_for() -> None:
+    found = []
+    for folder, _, files in os.walk(os.path.join(REPO, "mselastic")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    found += [f"{name}:{i}" for i, line in enumerate(f, 1) if "asyncio.wait_for(" in line]
+    assert not found, f"use mselastic.core.waits.within (asyncio.wait_for loses cancellations): {found}"

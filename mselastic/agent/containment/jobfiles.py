@@ -16,6 +16,8 @@ import stat
 import threading
 from typing import Callable, TypeVar
 
+from mselastic.core.waits import within
+
 T = TypeVar("T")
 
 #: A manifest or ``latest.json`` is a few hundred bytes: more is not one.
@@ -104,6 +106,6 @@ async def bounded(fn: Callable[..., T], *args: object, within_s: float = READ_S,
         in_flight.release()
         raise Unreadable("no thread to read with") from None
     try:
-        return await asyncio.wait_for(asyncio.shield(done), within_s)
+        return await within(asyncio.shield(done), within_s)
     except asyncio.TimeoutError:
         raise Unreadable(f"no answer within {within_s:.0f}s (storage not answering)") from None

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from mselastic.agent.containment.cgroups import Tree, join_prefix
 from mselastic.agent.containment.users import WorkerUser, setpriv
+from mselastic.core.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ async def rotate(path: str, uid: int, gid: int, keep_bytes: int, cgroups: Tree |
         proc = await asyncio.create_subprocess_exec(*cmd, env={"PATH": "/usr/bin:/bin"}, cwd="/",
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
-            _, err = await asyncio.wait_for(proc.communicate(), ROTATE_S)
+            _, err = await within(proc.communicate(), ROTATE_S)
         except asyncio.TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

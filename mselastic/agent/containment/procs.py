@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 import psutil
 
 from mselastic.core.contract import ENV_RUN_ID
+from mselastic.core.waits import within
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +215,7 @@ async def wait_ended(processes: list[tuple[int, float]], timeout_s: float,
     looking = asyncio.create_task(look_at_unwatched()) if unwatched else None
     try:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(all_ended.wait(), timeout_s)
+            await within(all_ended.wait(), timeout_s)
     finally:
         if looking is not None:
             looking.cancel()

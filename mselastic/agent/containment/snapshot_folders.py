@@ -13,6 +13,7 @@ import time
 
 from mselastic.agent.containment.cgroups import Tree, join_prefix
 from mselastic.agent.containment.users import WorkerUser, setpriv
+from mselastic.core.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ async def remove_snapshot_folder(path: str, cgroups: Tree | None = None) -> None
                 *join_prefix([group] if group else []), *setpriv(user), "find", path, "-xdev", "-mindepth", "1",
                 "-delete", env={"PATH": "/usr/bin:/bin"}, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE)
-            _, err = await asyncio.wait_for(proc.communicate(), 300)
+            _, err = await within(proc.communicate(), 300)
             if proc.returncode:
                 raise OSError(err.decode(errors="replace").strip()[-300:] or f"find exited {proc.returncode}")
             await asyncio.to_thread(os.rmdir, path)

@@ -33,6 +33,7 @@ from mselastic.agent.containment.users import WorkerUser, inherited_env, setpriv
 from mselastic.core import retries
 from mselastic.core.devices import LOG_TAIL_BYTES, device_error, format_ids, visible_env
 from mselastic.core.model import DeviceCordon, MalformedRecord, Member
+from mselastic.core.waits import within
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ async def evidence(blame: Callable[[int, str], Awaitable[str]], member: Member, 
             log.warning("the failed rank's log names its device %s %d: %s", member.device_kind, mine, line, extra=ctx)
     for device in sorted(member.devices, key=lambda d: d != mine):
         try:
-            why = await asyncio.wait_for(blame(device, line if device == mine else ""), DEVICE_ASIDE_S)
+            why = await within(blame(device, line if device == mine else ""), DEVICE_ASIDE_S)
         except (asyncio.TimeoutError, OSError, RuntimeError) as e:
             log.error("device %d not set aside: %r", device, e, extra=ctx)
             continue
@@ -206,7 +207,7 @@ class DeviceHealth:
             if not done:
                 return f"{said} (being set aside: etcd is slow)"
             try:
-                record = (await asyncio.wait_for(self._records(), 1.5)).get(device)
+                record = (await within(self._records(), 1.5)).get(device)
             except (TemporaryError, PermanentError, asyncio.TimeoutError):
                 pass  # (etcd away: NVML's word stands)
             else:
@@ -308,7 +309,7 @@ class DeviceHealth:
         except OSError as e:
             return f"cannot run it: {e}"
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self.check_rule.timeout_s)
+            out, _ = await within(proc.communicate(), self.check_rule.timeout_s)
         except asyncio.TimeoutError:
             return f"no answer within {self.check_rule.timeout_s:g}s"
         finally:
@@ -344,7 +345,7 @@ class DeviceHealth:
         misses: dict[int, int] = {}
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), every_s)
+                await within(stop.wait(), every_s)
             if stop.is_set():
                 return
             try:

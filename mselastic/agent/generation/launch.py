@@ -34,6 +34,7 @@ from mselastic.core import retries
 from mselastic.core.model import Member
 from mselastic.core.pdeathsig import as_user, with_parent_death
 from mselastic.core.states import FailureCause
+from mselastic.core.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ async def reachable(host: str, port: int, within_s: float, stopping: Callable[[]
     nothing sent: MindSpore's scheduler drops it and goes on (a probe connecting five times
     before a plain msrun job's workers did: the job ran as without it)."""
     async def connect() -> None:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        _, writer = await within(asyncio.open_connection(host, port), 1.0)
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()

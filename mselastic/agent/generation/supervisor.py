@@ -47,6 +47,7 @@ from mselastic.core.contract import Beat, BeatKind
 from mselastic.core.model import GenerationReport, Plan
 from mselastic.core.spec import JobSpec
 from mselastic.core.states import FailureCause, GenerationState, check_generation_transition
+from mselastic.core.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -473,7 +474,7 @@ class Generation:
         left = await self.launch.teardown(grace_s=0)
         for proc in self.launch.launched():
             try:
-                await asyncio.wait_for(proc.wait(), timeout=5)
+                await within(proc.wait(), timeout=5)
             except asyncio.TimeoutError:
                 left.append(proc.pid)
         self.stopped_at = self.stopped_at or time.time()

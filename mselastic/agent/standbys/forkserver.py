@@ -43,6 +43,7 @@ from mselastic.agent.containment import procs
 from mselastic.agent.containment.cgroups import exited
 from mselastic.agent.containment.jobfiles import bounded, read_tail
 from mselastic.core.contract import STANDBY_FORKS, STANDBY_READY
+from mselastic.core.waits import within
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Standby:
             return False
 
         try:
-            ok = await asyncio.wait_for(ready(), timeout_s)
+            ok = await within(ready(), timeout_s)
         except asyncio.TimeoutError:
             ok = False
         if ok:
@@ -159,7 +160,7 @@ class Standby:
             raise OSError(f"standby pid {self.pid} exited with code {self.proc.returncode}")
         msg = json.dumps({"env": env, "argv": argv, "cwd": cwd, "log": log_path}) + "\n"
         self.writer.write(msg.encode())
-        await asyncio.wait_for(self.writer.drain(), timeout_s)
+        await within(self.writer.drain(), timeout_s)
         self.writer.write_eof()
 
     async def kill(self) -> None:
@@ -170,7 +171,7 @@ class Standby:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
         with contextlib.suppress(asyncio.TimeoutError):  # (forked: its server reaps it and says so)
-            await asyncio.wait_for(self.proc.wait(), 5)
+            await within(self.proc.wait(), 5)
         self.writer.close()
         if self._drain is not None:
             self._drain.cancel()
@@ -434,7 +435,7 @@ class ForkServer:
             waiting = self._asked[marker] = asyncio.get_running_loop().create_future()
             try:
                 socket.send_fds(self._sock, [json.dumps({"fork": marker}).encode()], [fd])
-                got = await asyncio.wait_for(asyncio.shield(waiting), FORK_ANSWER_S)
+                got = await within(asyncio.shield(waiting), FORK_ANSWER_S)
             except OSError as e:
                 raise RuntimeError(f"fork server pid {self.pid}: {e}") from None
             except asyncio.TimeoutError:
@@ -484,7 +485,7 @@ class ForkServer:
             try:
                 await asyncio.get_running_loop().sock_sendall(self._sock, json.dumps({"keep": pids,
                                                                                       "marker": marker}).encode())
-                await asyncio.wait_for(asyncio.shield(waiting), FORK_ANSWER_S)
+                await within(asyncio.shield(waiting), FORK_ANSWER_S)
             except (OSError, asyncio.TimeoutError) as e:
                 raise RuntimeError(f"fork server pid {self.pid} did not take the ranks to keep: {e!r}") from None
             finally:

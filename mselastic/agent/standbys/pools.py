@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from mselastic.agent.standbys.forkserver import READY_TIMEOUT_S, ForkServer, Spawner, Standby
+from mselastic.core.waits import within
 
 #: What stops whatever is left in a fork server's cgroup once it has ended (by its marker).
 Releaser = Callable[[str], Awaitable[None]]
@@ -93,7 +94,7 @@ class StandbyPool:
                      extra=self._ctx)
             return server
         try:  # its output ended: it exited (or is exiting); else it timed out
-            code: int | None = await asyncio.wait_for(server.proc.wait(), 2.0)
+            code: int | None = await within(server.proc.wait(), 2.0)
         except asyncio.TimeoutError:
             code = None
         self.server = None
@@ -125,7 +126,7 @@ class StandbyPool:
         if standby.taken:  # a generation's now: it reports what became of it (and was maybe stopped)
             return True
         try:
-            code: int | None = await asyncio.wait_for(standby.proc.wait(), 2.0)
+            code: int | None = await within(standby.proc.wait(), 2.0)
         except asyncio.TimeoutError:
             code = None
         if standby in self.standbys:
