@@ -61,9 +61,9 @@ class Container:
     _count = 0
 
     def __init__(self, name: str, rootfs: str, log_dir: str, binds_ro: dict[str, str] | None = None,
-                 bridge: str = "") -> None:
+                 bridge: str = "", binds_rw: dict[str, str] | None = None) -> None:
         self.name, self.rootfs, self.log_dir = name, rootfs, log_dir
-        self.binds_ro = binds_ro or {}
+        self.binds_ro, self.binds_rw = binds_ro or {}, binds_rw or {}
         self.bridge = bridge
         Container._count += 1  # two containers may share a name (a module's n0 and a test's n0)
         self.cgroup = f"mselastic-test-{name}-{os.getpid()}-{Container._count}"
@@ -86,6 +86,7 @@ class Container:
                 "--console=read-only", "--volatile=overlay"]
         args += [f"--network-bridge={self.bridge}"] if self.bridge else ["--private-network"]
         args += [f"--bind-ro={host}:{inside}" for host, inside in self.binds_ro.items()]
+        args += [f"--bind={host}:{inside}" for host, inside in self.binds_rw.items()]  # (shared storage)
         for root in CGROUP_ROOTS:
             os.makedirs(os.path.join(root, self.cgroup), exist_ok=True)
         # Join the dedicated cgroups, hide the host's on-disk /run behind a tmpfs in a private
@@ -132,6 +133,11 @@ class Container:
 
     def write(self, path: str, text: str) -> None:
         self.run("sh", "-c", f"mkdir -p \"$(dirname {path})\" && cat > {path}", input=text)
+
+    def copy(self, src: str, path: str, mode: int = 0o644) -> None:
+        """A host file copied to ``path`` inside, root's, with ``mode``."""
+        with open(src) as f:
+            self.run("install", "-D", "-m", f"{mode:o}", "/dev/stdin", path, input=f.read())
 
     def show(self, unit: str, *props: str) -> dict[str, str]:
         out = self.run("systemctl", "show", unit, "-p", ",".join(props)).stdout

@@ -45,8 +45,10 @@ class Settings:
 
     #: This node's id (etcd key name): letters, digits, '.', '_', '-'. Default: the host name.
     node_id: str = ""
-    #: etcd client endpoint host:port, or several comma-separated (the members of a cluster);
-    #: with embedded_etcd_dir, the single address the embedded member listens on.
+    #: etcd client endpoint host:port, or several comma-separated (the members of a cluster: calls go
+    #: round robin over those that answer; with TLS to one at a time, the next when it does not answer,
+    #: as each member's certificate names its own address); with embedded_etcd_dir, the single
+    #: address the embedded member listens on.
     etcd_endpoint: str = "127.0.0.1:2379"
     #: Start a single-member etcd on loopback with its data here (a first run on one machine).
     embedded_etcd_dir: str = ""

@@ -23,6 +23,7 @@ import aetcd.watcher
 import grpc
 import tenacity
 
+from mselastic.core.waits import within
 from mselastic.store.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,15 @@ class KV:
     lease: int
 
 
+def _unreachable(e: BaseException) -> bool:
+    """The member could not be reached or did not answer in time (another one might)."""
+    return isinstance(e, (aerr.ConnectionFailedError, aerr.ConnectionTimeoutError, TimeoutError))
+
+
 def _classify(e: Exception) -> Exception:
-    if isinstance(e, (aerr.ConnectionFailedError, aerr.ConnectionTimeoutError, TimeoutError)):
+    cause = e.__cause__
+    if _unreachable(e) or (isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.CANCELLED):
+        # (CANCELLED: a call in flight on a channel closed under it, to move to another member)
         return TemporaryError(str(e) or type(e).__name__)
     return PermanentError(str(e) or type(e).__name__)
 
@@ -138,26 +146,58 @@ class EtcdAuth:
                                             certificate_chain=read(self.cert))
 
 
+#: How long a member's TLS channel may take to get ready before the next member is tried.
+MEMBER_READY_S = 1.0
+
+
 class _TlsClient(aetcd.Client):
     """aetcd 1.0 opens plaintext channels only, in ``connect`` (the one place a channel is made):
     the same ``connect`` with TLS credentials. Everything else (stubs, the watcher, the token a
-    user and password get) is aetcd's."""
+    user and password get) is aetcd's.
 
-    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+    With several members, one at a time: gRPC checks one TLS name per channel (its target's host),
+    and each member's certificate names its own address, so one channel over all of them (the
+    plaintext path's round robin) would be refused by all but one. The member is the first, from
+    the one used last, whose channel gets ready within ``MEMBER_READY_S``; a call that finds it
+    unreachable or silent (``Store.once``) closes the client, which then connects to the next
+    (etcd's own Go client moves between endpoints so, each with its own TLS name)."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials, endpoints: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._credentials = credentials
+        self._credentials, self.endpoints, self._at = credentials, endpoints, 0
+
+    def member_failed(self) -> None:
+        """The member in use failed a call: the next ``connect`` starts with the next one."""
+        self._at = (self._at + 1) % len(self.endpoints)
+
+    async def _channel(self) -> grpc.aio.Channel:
+        options = list(self._options.items())
+        n = len(self.endpoints)
+        for i in range(n if n > 1 else 0):
+            at = (self._at + i) % n
+            channel = grpc.aio.secure_channel(self.endpoints[at], self._credentials, options=options)
+            try:
+                await within(channel.channel_ready(), MEMBER_READY_S)
+            except TimeoutError:
+                await channel.close()
+                continue
+            self._at = at
+            return channel
+        # One member, or none ready now: this one (its calls fail, and move to the next, until one answers).
+        channel = grpc.aio.secure_channel(self.endpoints[self._at], self._credentials, options=options)
+        self.member_failed()
+        return channel
 
     @aetcd.client._handle_errors
     async def connect(self) -> None:
         if self._connected.is_set():
             return
         if self._is_connecting:  # type: ignore[has-type]
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            await within(self._connected.wait(), self._connect_wait_timeout)
             return
         try:
             self._is_connecting = True
-            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
-                                                   options=list(self._options.items()))
+            self.channel = await self._channel()
             if self._username is not None and self._password is not None:
                 self.auth_stub = aetcd.rpc.AuthStub(self.channel)
                 resp = await self.auth_stub.Authenticate(
@@ -193,9 +233,10 @@ class Store:
             h, _, p = e.rpartition(":")
             if not h or not p.isdigit():
                 raise ValueError(f"etcd endpoint {e!r} must be host:port")
-        if len(endpoints) > 1:
+        if len(endpoints) > 1 and not auth.tls:
             # aetcd dials f"{host}:{port}"; gRPC's ipv4: target takes a list of addresses and
-            # fails over between them (round robin skips members that are down).
+            # fails over between them (round robin skips members that are down). (With TLS: one
+            # member at a time, see _TlsClient.)
             host, _, port = ("ipv4:" + ",".join(endpoints)).rpartition(":")
         else:
             host, _, port = endpoint.rpartition(":")
@@ -206,8 +247,8 @@ class Store:
         # leases must be renewed within a TTL, so reconnect within a second.
         user = dict(username=auth.user or None, password=auth.password or None) if auth.user else {}
         if auth.tls:
-            self.client: aetcd.Client = _TlsClient(auth.credentials(), host=host, port=int(port), timeout=rpc_timeout_s,
-                                                   options=CHANNEL_OPTIONS, **user)
+            self.client: aetcd.Client = _TlsClient(auth.credentials(), endpoints, host=host, port=int(port),
+                                                   timeout=rpc_timeout_s, options=CHANNEL_OPTIONS, **user)
         else:
             self.client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout_s, options=CHANNEL_OPTIONS,
                                        **user)
@@ -231,6 +272,10 @@ class Store:
             if "invalid auth token" in str(e):  # etcd restarted: its tokens are gone; authenticate again
                 await self.client.close()
                 raise TemporaryError(str(e)) from e
+            if _unreachable(e) and isinstance(self.client, _TlsClient) and len(self.client.endpoints) > 1 \
+                    and self.client._connected.is_set():
+                self.client.member_failed()  # (another member may answer: the next call connects to it)
+                await self.client.close()
             raise _classify(e) from e
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:

@@ -11,7 +11,6 @@ import glob
 import os
 import pwd
 import re
-import shlex
 import shutil
 import socket
 import subprocess
@@ -21,6 +20,7 @@ import psutil
 import pytest
 
 from mselastic.core.states import GenerationState, JobState
+from tests import doc_blocks
 from tests.harness import (DATA_DIR, REPO, TEST_MARK, VENV_BIN, Etcd, Processes, elasticctl, lenet_spec, start_node,
                            wait_for)
 
@@ -58,7 +58,6 @@ def test_the_readme_snippet_is_complete_and_resumes(procs: Processes, etcd: Etcd
 # -- the README's command blocks, run as written ----------------------------------------------
 
 DEFAULT_SOCKET = "/run/mselastic/elasticd.sock"
-RUN = re.compile(r"<!-- readme-run: (.+?) -->\s*```\n(.*?)```", re.S)
 #: The pages with blocks, in the order a reader follows them, and their blocks in order.
 PAGES = {"README.md": ("one machine",), "docs/getting-started.md": ("then", "a failed job", "starting over")}
 #: What the blocks need of a clone: the example, its data (made by `make`), and a venv.
@@ -69,32 +68,10 @@ WORKSPACE = ("examples/lenet/train.py", "examples/lenet/job.toml", "examples/len
 def readme_blocks() -> dict[str, str]:
     found: dict[str, str] = {}
     for page, names in PAGES.items():
-        with open(os.path.join(REPO, page)) as f:
-            blocks = dict(RUN.findall(f.read()))
+        blocks = doc_blocks.blocks(page)
         assert tuple(blocks) == names, f"{page}'s runnable blocks are {tuple(blocks)}, this test knows {names}"
         found.update(blocks)
     return found
-
-
-def as_script(blocks: list[str]) -> str:
-    """One bash script of the blocks' lines: each echoed, then run; a line whose comment says
-    "refused" must exit 1, any other 0 (else the script stops with the line); `... &` starts in
-    the background, as typed."""
-    out = ['cd "$WS"']
-    for block in blocks:
-        for raw in block.splitlines():
-            cmd, comment = (re.split(r"\s+#\s", raw, maxsplit=1) + [""])[:2]
-            cmd = cmd.strip()
-            if not cmd:
-                continue
-            q = shlex.quote(cmd)
-            if cmd.endswith("&"):
-                out.append(f"echo + {q}; {cmd}")
-            elif comment.startswith("refused"):
-                out.append(f"echo + {q}; {cmd}; rc=$?; [ $rc = 1 ] || {{ echo README: exit $rc, not 1: {q}; exit 90; }}")
-            else:
-                out.append(f"echo + {q}; {cmd} || {{ rc=$?; echo README: exit $rc: {q}; exit 91; }}")
-    return "\n".join(out) + "\n"
 
 
 def ports_free() -> bool:
@@ -125,7 +102,7 @@ def run_blocks(procs: Processes, home: str, ws: str, user: str, names: tuple[str
     returns what they printed."""
     script = os.path.join(home, "readme.sh")
     with open(script, "w") as f:
-        f.write(as_script([readme_blocks()[n] for n in names]))
+        f.write(doc_blocks.as_script([readme_blocks()[n] for n in names]))
     env = ["env", "-i", f"HOME={home}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", f"WS={ws}",
            f"{TEST_MARK}={procs.mark}"]
     who = [] if user == "root" else ["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}",

@@ -10,9 +10,12 @@ a healthy training run outlives many watchdog periods."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,8 +27,8 @@ import pytest
 
 from mselastic.agent.generation import shim
 from mselastic.core import fencing
-from mselastic.store.embedded import EmbeddedEtcd
-from tests.harness import DATA_DIR, REPO, VENV_BIN, thread_policies, wait_for
+from tests import doc_blocks
+from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, thread_policies, wait_for
 from tests.systemd_container import VENV, Container, cannot_boot, image, wheel
 
 WHY_NOT = cannot_boot()
@@ -120,7 +123,7 @@ def step(c: Container, name: str) -> int:
 
 def started(c: Container) -> float:
     """systemctl start returns once elasticd said READY=1 (registered in etcd; that READY=1
-    waits for the registration is shown by the two-node test, with etcd out of reach)."""
+    waits for the registration is shown by the three-node test, with etcd out of reach)."""
     t0 = time.monotonic()
     c.run("systemctl", "start", UNIT)
     took = time.monotonic() - t0
@@ -326,17 +329,6 @@ def _host_pid(c: Container, pid: int) -> int:
     raise AssertionError(f"no host PID for the container's {pid}")
 
 
-BRIDGE_NET = "10.213.0"
-
-
-def etcd_nodes(pki: str, endpoint: str) -> list[str]:
-    """The node ids registered in etcd (read from the host with the etcd certificate)."""
-    r = subprocess.run([os.path.join(VENV_BIN, "etcdctl"), f"--endpoints=https://{endpoint}", f"--cacert={pki}/ca.pem",
-                        f"--cert={pki}/etcd.pem", f"--key={pki}/etcd-key.pem", "get", "/mselastic/nodes/", "--prefix",
-                        "--keys-only"], capture_output=True, text=True, timeout=30, check=True)
-    return sorted(k.rsplit("/", 1)[-1] for k in r.stdout.split())
-
-
 def _release(version: str, out_dir: str) -> str:
     """This checkout's wheel, built as release ``version`` (a copy of the package with that version
     in pyproject.toml and ``mselastic.__version__``): what an upgrade installs."""
@@ -384,82 +376,168 @@ def test_an_upgrade_as_the_operations_guide_says_leaves_the_job_training(node: C
     assert _steps(c, "upgraded", 1) == list(range(1, 81))
 
 
-def test_two_nodes_each_with_its_own_systemd_train_one_job_over_tls(tmp_path: os.PathLike[str]) -> None:
-    """Two containers on a bridge, each node with its own systemd and elasticd; etcd on the host's
-    end of the bridge; every connection (elasticd<->elasticd, elasticd->etcd, elasticctl) over
-    TLS with certificates from ``elasticctl certs``, as the README's three-node setup does: etcd
-    with a CA of its own (elasticd refuses one that trusts the cluster's CA)."""
+#: The operations guide's three nodes: their addresses, and the operator's (this host's end of the bridge).
+THREE = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+OPERATOR_IP = "10.0.0.254"
+
+
+def _swap(text: str, *pairs: tuple[str, str]) -> str:
+    """``text`` with each ``old`` replaced, every ``old`` required (the guide changed: so must this test)."""
+    for old, new in pairs:
+        assert re.search(old, text, re.M), f"the guide's block has no {old!r}:\n{text}"
+        text = re.sub(old, new, text, flags=re.M)
+    return text
+
+
+def _as_node(block: str, name: str) -> str:
+    """The guide's elasticd.toml for ``a`` as ``name``'s (its own node_id, listen and files), on a
+    CPU container: a slot instead of detected devices."""
+    ip = THREE[name]
+    return _swap(block, (r'^node_id = "a"', f'node_id = "{name}"'), (r"10\.0\.0\.1:7070", f"{ip}:7070"),
+                 (r"/a\.pem", f"/{name}.pem"), (r"/a-key\.pem", f"/{name}-key.pem"),
+                 (r'^devices = "auto".*$', "slots = 1"))
+
+
+def _journals(nodes: dict[str, Container], folder: str) -> None:
+    """Each container's elasticd and etcd journal, kept beside the test's logs."""
+    for name, c in nodes.items():
+        with contextlib.suppress(Exception), open(os.path.join(folder, f"journal-{name}.log"), "w") as f:
+            f.write(c.run("journalctl", "-u", UNIT, "-u", "etcd", "--no-pager", "-o", "short-monotonic",
+                          check=False).stdout)
+
+
+def test_three_nodes_as_the_operations_guide_says(procs: Processes, tmp_path: os.PathLike[str]) -> None:
+    """The operations guide's "Three nodes", its blocks run as written: three containers a, b, c
+    (10.0.0.1-3) on a bridge, each with its own systemd; the certificates made on this host (the
+    operator's machine); an etcd cluster of three members over TLS, one on each node; each
+    elasticd configured from the guide's file and drop-in, /shared mounted on all three; the
+    operator's elasticctl with alice's certificate submits the guide's job, which trains on all
+    three, and grafana's may look but not delete. What a CPU container changes is only that:
+    ``slots = 1`` for ``devices = "auto"``, a rank per node for 8. ``systemctl enable --now``
+    returns only once the node is registered: c starts with etcd out of its reach (a blackhole
+    route to a and b, its own member not yet started) and its start waits until etcd is back. The
+    job runs with a's etcd member stopped: every elasticd talks to a member that answers."""
     assert not WHY_NOT, f"CI must boot a systemd container: {WHY_NOT}"
-    tmp = str(tmp_path)
-    pki, etcd_pki = os.path.join(tmp, "pki"), os.path.join(tmp, "etcd-pki")
-    ctl_host = os.path.join(VENV_BIN, "elasticctl")
-    for ca in (pki, etcd_pki):
-        subprocess.run([ctl_host, "certs", "ca", ca], check=True, capture_output=True, timeout=60)
-    for where, name, ip in ((pki, "n0", f"{BRIDGE_NET}.10"), (pki, "n1", f"{BRIDGE_NET}.11"),
-                            (etcd_pki, "etcd", f"{BRIDGE_NET}.1"), (etcd_pki, "n0", f"{BRIDGE_NET}.10"),
-                            (etcd_pki, "n1", f"{BRIDGE_NET}.11")):
-        subprocess.run([ctl_host, "certs", "issue", where, name, "--role", "node", "--host", ip], check=True,
-                       capture_output=True, timeout=60)
-    subprocess.run([ctl_host, "certs", "issue", pki, "ops", "--role", "admin"], check=True, capture_output=True,
-                   timeout=60)
+    taken = subprocess.run(["ip", "-4", "route", "get", "10.0.0.1"], capture_output=True, text=True, timeout=10)
+    assert "dev eth" not in taken.stdout or "via" in taken.stdout, f"10.0.0.0/24 is this host's: {taken.stdout}"
+    guide = doc_blocks.blocks("docs/operations.md")
+    assert [n for n in guide if n.startswith("three nodes")] == [
+        "three nodes: certificates", "three nodes: etcd", "three nodes: elasticd.toml", "three nodes: drop-in",
+        "three nodes: start", "three nodes: job.toml", "three nodes: operator"], list(guide)
+    ops = str(tmp_path)  # the operator's machine: the CA's keys, job.toml
+    shared = os.path.join(ops, "shared")
+    shutil.copytree(os.path.join(REPO, "examples", "lenet"), os.path.join(shared, "lenet"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(DATA_DIR, os.path.join(shared, "digits"))
+
+    def operator(name: str, *blocks: str) -> str:
+        script = os.path.join(ops, f"{name}.sh")
+        with open(script, "w") as f:
+            f.write(doc_blocks.as_script(list(blocks)))
+        p = procs.start(name, ["env", "-i", f"HOME={ops}", f"WS={ops}", f"PATH={VENV_BIN}:/usr/bin:/bin",
+                               "LANG=C.UTF-8", "bash", script])
+        rc = p.wait(timeout=300)
+        with open(os.path.join(procs.log_dir, f"{name}.log"), errors="replace") as f:
+            printed = f.read()
+        print(printed[-4000:])
+        assert rc == 0, printed[-3000:]
+        return printed
+
+    operator("certificates", guide["three nodes: certificates"])
+    with open(os.path.join(ops, "job.toml"), "w") as f:
+        f.write(_swap(guide["three nodes: job.toml"], (r"^workers_per_node = 8", "workers_per_node = 1")))
+    dist = DIST[0] if DIST else os.path.join(ops, "dist")
+    if not DIST:
+        os.makedirs(dist)
+        wheel(dist)
+    (whl,) = (n for n in os.listdir(dist) if n.endswith(".whl") and "0.1.1" not in n)
     bridge = f"msbr{os.getpid() % 100000}"
-    dist = os.path.join(tmp, "dist")
-    os.makedirs(dist)
-    whl = os.path.basename(wheel(dist))
     subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True, timeout=10)
-    etcd = None
+    nodes: dict[str, Container] = {}
     try:
-        subprocess.run(["ip", "addr", "add", f"{BRIDGE_NET}.1/24", "dev", bridge], check=True, timeout=10)
+        subprocess.run(["ip", "addr", "add", f"{OPERATOR_IP}/24", "dev", bridge], check=True, timeout=10)
         subprocess.run(["ip", "link", "set", bridge, "up"], check=True, timeout=10)
-        etcd = EmbeddedEtcd(os.path.join(tmp, "etcd"), host=f"{BRIDGE_NET}.1",
-                            tls=(f"{etcd_pki}/etcd.pem", f"{etcd_pki}/etcd-key.pem", f"{etcd_pki}/ca.pem")).start()
         binds = {dist: "/mnt/dist", os.path.join(REPO, "build", "systemd", "wheelhouse"): "/mnt/wheelhouse",
-                 os.path.join(REPO, "examples"): "/srv/examples", DATA_DIR: "/srv/data", pki: "/etc/mselastic/pki",
-                 etcd_pki: "/etc/mselastic/etcd-pki"}
-        with Container("n0", image(), tmp, binds, bridge=bridge) as n0, \
-                Container("n1", image(), tmp, binds, bridge=bridge) as n1:
-            for c, name in ((n0, "n0"), (n1, "n1")):
-                ip = f"{BRIDGE_NET}.{10 + int(name[1])}"
+                 shutil.which("etcd") or "/usr/bin/etcd": "/usr/local/bin/etcd"}
+        with contextlib.ExitStack() as stack:
+            for name in THREE:
+                nodes[name] = stack.enter_context(Container(name, image(), ops, binds, bridge=bridge,
+                                                            binds_rw={shared: "/shared"}))
+
+            def install(name: str) -> None:
+                c, ip = nodes[name], THREE[name]
                 c.run("ip", "addr", "add", f"{ip}/24", "dev", "host0")
                 c.run("ip", "link", "set", "host0", "up")
                 c.run(f"{VENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/mnt/wheelhouse",
                       f"/mnt/dist/{whl}[trainer]")
                 c.run("elasticctl", "install-unit")
-                c.write("/etc/mselastic/elasticd.toml", (
-                    f'node_id = "{name}"\netcd_endpoint = "{etcd.endpoint}"\nlisten = "{ip}:7070"\nslots = 1\n'
-                    f'lease_ttl_s = 3\ntls_cert = "/etc/mselastic/pki/{name}.pem"\n'
-                    f'tls_key = "/etc/mselastic/pki/{name}-key.pem"\ntls_cacert = "/etc/mselastic/pki/ca.pem"\n'
-                    f'etcd_cacert = "/etc/mselastic/etcd-pki/ca.pem"\netcd_cert = "/etc/mselastic/etcd-pki/{name}.pem"\n'
-                    f'etcd_key = "/etc/mselastic/etcd-pki/{name}-key.pem"\n'))
-                c.run("install", "-d", "-o", "mselastic", "-g", "mselastic", "-m", "0750", JOBS)
-            n0.run("systemctl", "start", UNIT)  # returns once registered in the host's etcd
-            # READY=1 only once registered: n1 starts while a blackhole route hides etcd from it.
-            n1.run("ip", "route", "add", "blackhole", f"{BRIDGE_NET}.1/32")
-            n1.run("systemctl", "start", "--no-block", UNIT)
-            wait_for("n1's elasticd retrying etcd", lambda: "unreachable" in n1.run(
-                "journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout, 60, 0.5)
-            assert n1.show(UNIT, "ActiveState")["ActiveState"] == "activating"
-            assert etcd_nodes(etcd_pki, etcd.endpoint) == ["n0"]
-            n1.run("ip", "route", "del", "blackhole", f"{BRIDGE_NET}.1/32")
-            wait_for("n1 active", lambda: n1.show(UNIT, "ActiveState")["ActiveState"] == "active", 60, 0.2)
-            assert etcd_nodes(etcd_pki, etcd.endpoint) == ["n0", "n1"]  # registered before systemd said active
-            submit(n0, "pair", total_steps=10, workers_per_node=1, min_nodes=2, max_nodes=2)
-            done = ended(n0, "pair")
-            assert done["state"] == "SUCCEEDED" and done["generation"] == 1 and done["world_size"] == 2, done
-            result = json.loads(n0.run("cat", f"{JOBS}/pair/out/result_g1.json").stdout) if n0.run(
-                "test", "-e", f"{JOBS}/pair/out/result_g1.json", check=False).returncode == 0 else \
-                json.loads(n1.run("cat", f"{JOBS}/pair/out/result_g1.json").stdout)
-            assert result["final_step"] == 10 and result["world_size"] == 2, result
-            # From the host over the bridge: the admin certificate may look; no certificate is refused.
-            admin = [ctl_host, "--endpoint", f"{BRIDGE_NET}.10:7070", "--cacert", f"{pki}/ca.pem"]
-            r = subprocess.run([*admin, "--cert", f"{pki}/ops.pem", "--key", f"{pki}/ops-key.pem", "nodes", "-o",
-                                "json"], capture_output=True, text=True, timeout=60)
-            assert r.returncode == 0 and {n["node_id"] for n in json.loads(r.stdout)["nodes"]} == {"n0", "n1"}, r
-            r = subprocess.run([*admin, "nodes"], capture_output=True, text=True, timeout=60)
-            assert r.returncode == 3, (r.returncode, r.stderr)
-            for c in (n0, n1):
-                assert c.show(UNIT, "NRestarts")["NRestarts"] == "0"
+                # "Then copy, for a (and likewise for b and c), keys with mode 0600: ..."
+                for src, dst in (("pki/ca.pem", "/etc/mselastic/"), ("pki/crl.pem", "/etc/mselastic/"),
+                                 (f"pki/{name}.pem", "/etc/mselastic/"), (f"pki/{name}-key.pem", "/etc/mselastic/"),
+                                 ("etcd-pki/ca.pem", "/etc/mselastic/etcd/"),
+                                 (f"etcd-pki/{name}.pem", "/etc/mselastic/etcd/"),
+                                 (f"etcd-pki/{name}-key.pem", "/etc/mselastic/etcd/"),
+                                 ("etcd-pki/ca.pem", "/etc/etcd/pki/"), (f"etcd-pki/etcd-{name}.pem", "/etc/etcd/pki/"),
+                                 (f"etcd-pki/etcd-{name}-key.pem", "/etc/etcd/pki/")):
+                    c.copy(os.path.join(ops, src), dst + os.path.basename(src),
+                           0o600 if src.endswith("-key.pem") else 0o644)
+                c.write("/etc/mselastic/elasticd.toml", _as_node(guide["three nodes: elasticd.toml"], name))
+                c.write("/etc/systemd/system/elasticd.service.d/override.conf", guide["three nodes: drop-in"])
+                c.write("/root/start.sh", doc_blocks.as_script([guide["three nodes: start"]]))
+
+            try:
+                with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                    list(pool.map(install, THREE))
+
+                def etcd(name: str) -> None:
+                    member = _swap(guide["three nodes: etcd"], (r"^NAME=a IP=10\.0\.0\.1$",
+                                                                f"NAME={name} IP={THREE[name]}"))
+                    nodes[name].write("/root/etcd.sh", member)
+                    nodes[name].run("systemd-run", "--unit=etcd", "--collect", "sh", "/root/etcd.sh")
+
+                etcd("a")
+                etcd("b")
+                for name in ("a", "b"):  # as written (a quorum of the three members is two)
+                    nodes[name].run("bash", "/root/start.sh", env={"WS": "/root"})
+                # c: etcd out of its reach, its start waits (READY=1 once registered) and returns once it is back.
+                c = nodes["c"]
+                for other in ("a", "b"):
+                    c.run("ip", "route", "add", "blackhole", f"{THREE[other]}/32")
+                start_c = subprocess.Popen(["nsenter", "-t", str(c.init_pid), "-a", "env", "-i",
+                                            f"PATH={VENV}/bin:/usr/sbin:/usr/bin:/sbin:/bin", "WS=/root", "bash",
+                                            "/root/start.sh"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, start_new_session=True)
+                try:
+                    wait_for("c's elasticd retrying etcd", lambda: "unreachable" in c.run(
+                        "journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout, 60, 0.5)
+                    assert c.show(UNIT, "ActiveState")["ActiveState"] == "activating" and start_c.poll() is None
+                    for other in ("a", "b"):
+                        c.run("ip", "route", "del", "blackhole", f"{THREE[other]}/32")
+                    etcd("c")
+                    out, _ = start_c.communicate(timeout=120)
+                    assert start_c.returncode == 0, out
+                finally:
+                    if start_c.poll() is None:
+                        os.killpg(start_c.pid, signal.SIGKILL)
+                        start_c.wait(timeout=10)
+                # One member down (a quorum is two): a's elasticd, the leader, whose TLS channel is to
+                # a's member, moves to another (one member at a time, each with its own TLS name).
+                nodes["a"].run("systemctl", "stop", "etcd")
+                printed = operator("operator", guide["three nodes: operator"])
+                listed = printed.split("+ elasticctl nodes\n")[1].split("+ ")[0]
+                assert all(re.search(rf"^{n}\s.*Ready", listed, re.M) for n in THREE), listed
+                assert re.search(r"lenet3 SUCCEEDED gen=1 world=3 step=60/60", printed), printed[-3000:]
+                viewer = printed.split("pki/grafana-key.pem nodes\n")[1].split("+ ")[0]
+                assert all(re.search(rf"^{n}\s", viewer, re.M) for n in THREE), viewer
+                assert "DeleteJob needs the admin role; certificate grafana has viewer" in printed, printed[-2000:]
+                with open(os.path.join(shared, "jobs", "lenet3", "out", "result_g1.json")) as f:
+                    result = json.load(f)
+                assert result["final_step"] == 60 and result["world_size"] == 3, result
+                for c in nodes.values():
+                    assert c.show(UNIT, "NRestarts")["NRestarts"] == "0"
+                    unit_log = c.run("journalctl", "-u", UNIT, "--no-pager", "-o", "cat").stdout
+                    assert "Unknown key" not in unit_log and "ignoring" not in unit_log, unit_log[:3000]  # the drop-in
+            finally:
+                _journals(nodes, ops)
     finally:
-        if etcd is not None:
-            etcd.stop()
         subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=10)
