@@ -12,8 +12,7 @@ import grpc
 
 from mselastic.core import fencing
 from mselastic.core.model import MalformedRecord, NodeRecord
-from mselastic.core.waits import first
-from mselastic.core.waits import within
+from mselastic.core.waits import first, within
 from mselastic.store.etcd import PermanentError, Store, TemporaryError
 from mselastic.store.lease import probe_s
 from mselastic.tls import TlsFiles
