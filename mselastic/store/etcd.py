@@ -108,6 +108,16 @@ def _unreachable(e: BaseException) -> bool:
     return isinstance(e, (aerr.ConnectionFailedError, aerr.ConnectionTimeoutError, TimeoutError))
 
 
+def _channel_closed() -> TemporaryError | None:
+    """For a ``CancelledError`` out of a call: a temporary error when gRPC raised it because the
+    call's channel was closed under it (the client moving to another member, or logging in again),
+    None when this task itself is being cancelled (then it must propagate)."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        return None
+    return TemporaryError("the call's channel was closed (the client moved to another etcd member); retrying")
+
+
 def _classify(e: Exception) -> Exception:
     cause = e.__cause__
     if _unreachable(e) or (isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.CANCELLED):
@@ -268,6 +278,10 @@ class Store:
         """One attempt, with aetcd's errors mapped to Temporary/Permanent."""
         try:
             return await fn()
+        except asyncio.CancelledError:
+            if (closed := _channel_closed()) is None:
+                raise
+            raise closed from None
         except (aerr.ClientError, TimeoutError) as e:
             if "invalid auth token" in str(e):  # etcd restarted: its tokens are gone; authenticate again
                 await self.client.close()
@@ -384,6 +398,10 @@ class Store:
         try:
             async for event in watch:
                 yield event
+        except asyncio.CancelledError:
+            if (closed := _channel_closed()) is None:
+                raise
+            raise closed from None
         except (aerr.ClientError, TimeoutError) as e:
             raise _classify(e) from e
         finally:
