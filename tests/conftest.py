@@ -63,7 +63,7 @@ ONE_WORKER = {
 #: `--durations`); modules not named come after these, the unit tests last.
 QUEUE_FIRST = ("test_elastic", "test_trainer_api", "test_faults", "test_operator", "test_systemd", "test_cluster",
                "test_split_brain", "test_e2e", "test_readme", "test_containment", "test_control_plane", "test_ctl",
-               "test_backup", "test_devices", "test_snapshots", "test_warm", "test_service")
+               "test_devices", "test_snapshots", "test_warm", "test_service")
 
 
 def _queue_rank(item: pytest.Item) -> tuple[int, int]:

@@ -20,12 +20,12 @@ def blocks(page: str) -> dict[str, str]:
 
 
 def as_script(blocks: list[str]) -> str:
-    """One bash script of the blocks' lines: each echoed, then run; a line whose comment says
-    "refused" must exit 1, any other 0 (else the script stops with the line); `... &` starts in
-    the background, as typed."""
+    """One bash script of the blocks' lines (a line continued with a backslash is one): each
+    echoed, then run; a line whose comment says "refused" must exit 1, any other 0 (else the
+    script stops with the line); `... &` starts in the background, as typed."""
     out = ['cd "$WS"']
     for block in blocks:
-        for raw in block.splitlines():
+        for raw in re.sub(r"\\\n\s*", "", block).splitlines():  # (a line continued with \ is one)
             cmd, comment = (re.split(r"\s+#\s", raw, maxsplit=1) + [""])[:2]
             cmd = cmd.strip()
             if not cmd or cmd.startswith("#"):

@@ -28,7 +28,7 @@ from mselastic.core.contract import ENV_RUN_ID
 from mselastic.core.model import GenerationReport, JobStatus, Plan
 from mselastic.store import versions
 from mselastic.store.embedded import etcd_version, free_port
-from mselastic.store.etcd import EtcdAuth, Store
+from mselastic.store.etcd import Store
 from mselastic.store.keys import Keys
 
 T = TypeVar("T")
@@ -129,14 +129,13 @@ def _killpg(pid: int, sig: int) -> None:
 class Etcd:
     """Synchronous reads of the cluster state for assertions (one short client per call)."""
 
-    def __init__(self, endpoint: str, namespace: str, auth: EtcdAuth = EtcdAuth()) -> None:
+    def __init__(self, endpoint: str, namespace: str) -> None:
         self.endpoint = endpoint
         self.keys = Keys(namespace)
-        self.auth = auth
 
     def _run(self, fn: Callable[[Store], Any]) -> Any:
         async def go() -> Any:
-            store = Store(self.endpoint, self.keys, auth=self.auth)
+            store = Store(self.endpoint, self.keys)
             try:
                 return await fn(store)
             finally:
