@@ -11,6 +11,7 @@ retry policy for etcd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
@@ -169,16 +170,37 @@ class _TlsClient(aetcd.Client):
     and each member's certificate names its own address, so one channel over all of them (the
     plaintext path's round robin) would be refused by all but one. The member is the first, from
     the one used last, whose channel gets ready within ``MEMBER_READY_S``; a call that finds it
-    unreachable or silent (``Store.once``) closes the client, which then connects to the next
-    (etcd's own Go client moves between endpoints so, each with its own TLS name)."""
+    unreachable or silent (``Store.once``) leaves its channel, and the next call connects to the
+    next member (etcd's own Go client moves between endpoints so, each with its own TLS name)."""
 
     def __init__(self, credentials: grpc.ChannelCredentials, endpoints: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._credentials, self.endpoints, self._at = credentials, endpoints, 0
+        #: Channels left behind by move_on, closing in the background (kept from the collector).
+        self._closing: set[asyncio.Task[None]] = set()
 
-    def member_failed(self) -> None:
-        """The member in use failed a call: the next ``connect`` starts with the next one."""
+    def move_on(self, channel: Any) -> None:
+        """A call on ``channel`` found its member unreachable or silent: unless the client already
+        left that channel (another call's failure, a reconnect), the next call connects to the next
+        member, and ``channel`` is closed in the background (its calls still in flight fail and are
+        retried; the caller's task does not wait for it, so a cancellation of its own is never
+        caught in aetcd's shutdown of the channel's watcher)."""
+        if channel is None or channel is not self.channel:
+            return
+        watcher = self._watcher
+        self._init_channel_attrs()
+        self._connected.clear()
         self._at = (self._at + 1) % len(self.endpoints)
+
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                if watcher is not None:
+                    await watcher.shutdown()
+                await channel.close()
+
+        task = asyncio.create_task(close(), name="etcd-channel-close")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _channel(self) -> grpc.aio.Channel:
         options = list(self._options.items())
@@ -186,17 +208,19 @@ class _TlsClient(aetcd.Client):
         for i in range(n if n > 1 else 0):
             at = (self._at + i) % n
             channel = grpc.aio.secure_channel(self.endpoints[at], self._credentials, options=options)
+            ready = False
             try:
                 await within(channel.channel_ready(), MEMBER_READY_S)
+                ready = True
             except TimeoutError:
-                await channel.close()
                 continue
+            finally:
+                if not ready:  # (also when the connecting call is cancelled: no channel is left open)
+                    await asyncio.shield(channel.close())
             self._at = at
             return channel
-        # One member, or none ready now: this one (its calls fail, and move to the next, until one answers).
-        channel = grpc.aio.secure_channel(self.endpoints[self._at], self._credentials, options=options)
-        self.member_failed()
-        return channel
+        # One member, or none ready now: the one in turn (its calls fail and move on, until one answers).
+        return grpc.aio.secure_channel(self.endpoints[self._at], self._credentials, options=options)
 
     @aetcd.client._handle_errors
     async def connect(self) -> None:
@@ -276,6 +300,7 @@ class Store:
 
     async def once(self, fn: Callable[[], Awaitable[T]]) -> T:
         """One attempt, with aetcd's errors mapped to Temporary/Permanent."""
+        channel = self.client.channel  # (the member this call goes to, if connected: see _TlsClient.move_on)
         try:
             return await fn()
         except asyncio.CancelledError:
@@ -286,10 +311,8 @@ class Store:
             if "invalid auth token" in str(e):  # etcd restarted: its tokens are gone; authenticate again
                 await self.client.close()
                 raise TemporaryError(str(e)) from e
-            if _unreachable(e) and isinstance(self.client, _TlsClient) and len(self.client.endpoints) > 1 \
-                    and self.client._connected.is_set():
-                self.client.member_failed()  # (another member may answer: the next call connects to it)
-                await self.client.close()
+            if _unreachable(e) and isinstance(self.client, _TlsClient) and len(self.client.endpoints) > 1:
+                self.client.move_on(channel or self.client.channel)  # (the next call: to another member)
             raise _classify(e) from e
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -405,4 +428,5 @@ class Store:
         except (aerr.ClientError, TimeoutError) as e:
             raise _classify(e) from e
         finally:
-            await watch.cancel()
+            with contextlib.suppress(Exception):  # (a channel closed meanwhile has no watcher to ask)
+                await watch.cancel()
