@@ -397,18 +397,16 @@ def worker_pids(procs: Processes, generation: int) -> dict[int, int]:
     return ranks
 
 
-def lines_in(path: str) -> int:
-    """How many lines ``path`` holds now (0: not there yet): a rank's per-step record, sampled."""
-    with contextlib.suppress(OSError):
-        with open(path, "rb") as f:
-            return f.read().count(b"\n")
-    return 0
-
-
-def longest_step_gap(samples: list[tuple[float, int]]) -> float:
-    """The longest time between two samples at which the sampled step had moved (a Sampler's)."""
-    moved = [t for (t, step), (_, before) in zip(samples[1:], samples) if step > before]
-    return max(b - a for a, b in zip(moved, moved[1:]))
+def longest_step_gap(samples: str, since: float, until: float) -> float:
+    """The longest time between two consecutive steps a rank recorded (its ``--record-samples``
+    file, the wall time each step was written) that ended after ``since`` or began before ``until``:
+    the rank's own clock, not a poller's (a test process starved by a loaded machine would see a
+    gap the rank never had)."""
+    with open(samples) as f:
+        times = [json.loads(line)["at"] for line in f if line.strip()]
+    gaps = [b - a for a, b in zip(times, times[1:]) if b >= since and a <= until]
+    assert gaps, f"no step recorded in {samples} between {since} and {until}"
+    return max(gaps)
 
 
 class Sampler:

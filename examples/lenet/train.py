@@ -161,7 +161,8 @@ def main() -> None:
             opt(reducer(grads))
             step, pos, loss = step + 1, data.advance(pos), sum(losses) / len(losses)
             if record is not None:
-                record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.world_size, "ids": ids}) + "\n")
+                record.write(json.dumps({"step": step, "rank": ctx.rank, "world": ctx.world_size, "ids": ids,
+                                         "at": round(time.time(), 3)}) + "\n")
                 record.flush()
             if step == 1 and args.first_step_s:
                 time.sleep(args.first_step_s)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pwd
@@ -17,8 +16,8 @@ import pytest
 from mselastic.core.kinds import RelaunchReason
 from mselastic.core.states import FailureCause, GenerationState, JobState
 from mselastic.store.embedded import free_port
-from tests.harness import DATA_DIR, Etcd, Pace, Processes, Sampler, elasticctl, elasticd_cmd, generation_processes, \
-    holds_for, lenet_spec, lines_in, local_socket, longest_step_gap, standby_processes, start_node, still_running, \
+from tests.harness import DATA_DIR, Etcd, Pace, Processes, elasticctl, elasticd_cmd, generation_processes, \
+    holds_for, lenet_spec, local_socket, longest_step_gap, standby_processes, start_node, still_running, \
     wait_for, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -209,30 +208,30 @@ def _restart_under(procs: Processes, etcd: Etcd, cmd: list[str], generation: int
     trains on without it (the same worker pids, ``also()``, its report RUNNING), the successor
     reports progress, and the plan stays ``generation``; with ``keeps_lease``, the lease is not
     revoked by the one leaving. Returns rank 0's longest gap between two steps meanwhile (its
-    ``samples`` file, read every 0.1 s)."""
+    ``samples`` file, the times the rank recorded)."""
     pids = worker_pids(procs, generation)
     lease = etcd.lease_of(etcd.keys.node("n0"))
-    with Sampler(functools.partial(lines_in, samples), every_s=0.1) as sampler:
-        for i, sig in enumerate(signals):
-            still_running(etcd, JOB, f"{sig.name} {i + 1}")
-            daemon = procs.started[-1]
-            os.kill(daemon.pid, sig)
-            assert daemon.wait(timeout=30) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
-            if keeps_lease:
-                assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (not revoked: its TTL has not run out yet)
-            holds_for("the generation training without elasticd",
-                      lambda: worker_pids(procs, generation) == pids and also(), 1.0)
-            left = etcd.report(JOB, generation, "n0")
-            assert left is not None and left.state is GenerationState.RUNNING, left
-            procs.start("elasticd-n0", cmd)
-            wait_for("progress reported by the successor",
-                     lambda: (r := etcd.report(JOB, generation, "n0")) and r.step > left.step + 3, 60, 0.2)
-            assert worker_pids(procs, generation) == pids and also()
-            # Kept by id; or, when the successor's start took longer than the TTL (a loaded machine
-            # starts Python slowly), registered anew: the generation is adopted all the same.
-            lease = etcd.lease_of(etcd.keys.node("n0"))
-            assert (p := etcd.plan(JOB)) is not None and p.generation == generation
-    return longest_step_gap(sampler.samples)
+    since = time.time()
+    for i, sig in enumerate(signals):
+        still_running(etcd, JOB, f"{sig.name} {i + 1}")
+        daemon = procs.started[-1]
+        os.kill(daemon.pid, sig)
+        assert daemon.wait(timeout=30) == (0 if sig == signal.SIGTERM else -sig), (sig, daemon.returncode)
+        if keeps_lease:
+            assert etcd.lease_of(etcd.keys.node("n0")) == lease  # (not revoked: its TTL has not run out yet)
+        holds_for("the generation training without elasticd",
+                  lambda: worker_pids(procs, generation) == pids and also(), 1.0)
+        left = etcd.report(JOB, generation, "n0")
+        assert left is not None and left.state is GenerationState.RUNNING, left
+        procs.start("elasticd-n0", cmd)
+        wait_for("progress reported by the successor",
+                 lambda: (r := etcd.report(JOB, generation, "n0")) and r.step > left.step + 3, 60, 0.2)
+        assert worker_pids(procs, generation) == pids and also()
+        # Kept by id; or, when the successor's start took longer than the TTL (a loaded machine
+        # starts Python slowly), registered anew: the generation is adopted all the same.
+        lease = etcd.lease_of(etcd.keys.node("n0"))
+        assert (p := etcd.plan(JOB)) is not None and p.generation == generation
+    return longest_step_gap(samples, since, time.time())
 
 
 def test_a_warm_generation_outlives_restarts_of_elasticd_and_a_rank_lost_after_is_a_failure(
